@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC code of ``protos/flowgrpo/v1`` (``python -m flowgrpo.protogen``)."""
