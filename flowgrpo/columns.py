@@ -39,7 +39,7 @@ class ColumnSpec:
     def check(self, dtype: str, shape: Sequence[int], where: str = "") -> None:
         """Raise :class:`SchemaViolation` unless ``dtype`` and ``shape`` match this column."""
         at = f" ({where})" if where else ""
-        if self.dtype != "*" and dtype != self.dtype:
+        if self.dtype not in ("*", dtype):
             raise SchemaViolation(
                 f"column {self.name!r}{at}: dtype {dtype} does not match the schema's {self.dtype}"
             )
@@ -66,9 +66,8 @@ def _shape_mismatch(pattern: ShapePattern, shape: tuple[int, ...]) -> str:
     for axis, (want, got) in enumerate(zip(pattern, shape, strict=True)):
         if isinstance(want, int) and want != got:
             return f"dimension {axis} must be {want}, got {got}"
-        if isinstance(want, str) and want != "*":
-            if bound.setdefault(want, got) != got:
-                return f"dimension {axis} ({want}) is {got} but {want} = {bound[want]} earlier"
+        if isinstance(want, str) and want != "*" and bound.setdefault(want, got) != got:
+            return f"dimension {axis} ({want}) is {got} but {want} = {bound[want]} earlier"
     return ""
 
 
@@ -130,9 +129,8 @@ def check_pipeline(
     for stage in stages:
         for name in stage.consumes:
             if name not in registry:
-                raise PipelineError(
-                    f"stage {stage.stage!r} consumes unknown column {name!r}{_suggest(name, registry.columns)}"
-                )
+                hint = _suggest(name, registry.columns)
+                raise PipelineError(f"stage {stage.stage!r} consumes unknown column {name!r}{hint}")
             if name not in available:
                 produced = ", ".join(f"{c} (by {s})" for c, s in available.items()) or "nothing"
                 raise PipelineError(
@@ -158,7 +156,9 @@ def stage_from_proto(msg: object) -> StageSpec:
 COLUMNS = ColumnRegistry()
 for _spec in (
     ColumnSpec("prompt_ids", "int64", ("L",), "prompt tokens, <|im_start|> ... <|im_end|>, tokenised once"),
-    ColumnSpec("latents", "float32", ("W1", "N", 64), "x_t at the window steps: W + 1 latents in token layout"),
+    ColumnSpec(
+        "latents", "float32", ("W1", "N", 64), "x_t at the window steps: W + 1 latents in token layout"
+    ),
     ColumnSpec("log_probs", "float32", ("W",), "behaviour log-prob of each window step (mean over elements)"),
     ColumnSpec("sigmas", "float32", ("W1",), "shifted t of the stored latents"),
     ColumnSpec("timesteps", "int64", ("W",), "schedule indices of the window steps"),

@@ -1,0 +1,258 @@
+"""Typed configs: dataclasses built from recipe files and dotted command-line overrides.
+
+Every component owns a plain ``@dataclass`` whose defaults are the recipe's. This module turns
+nested mappings (a YAML recipe) and ``section.key=value`` overrides (``trainer.optim.lr=1e-4``,
+as verl users expect) into those dataclasses, strictly:
+
+- an unknown key fails with the dotted path, the closest valid names and the full list;
+- a value of the wrong type fails with the path, the expected type and the value given;
+- after building, every dataclass that defines ``validate(self) -> None`` is asked to check its
+  cross-field rules (a batch not divisible by the group size, ...), deepest first.
+
+Override values are parsed as YAML scalars or flow collections (``x=3``, ``x=[1, 2]``,
+``x=null``), then checked against the field type. Supported field types: bool, int, float,
+str, Enum, Literal, X | None, list[X], tuple[X, ...], dict[str, X] and nested dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from flowgrpo.fileio import atomic_write
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A recipe or override names an unknown key, has a wrong type or breaks a cross-field rule."""
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
+    """Build dataclass ``cls`` from ``data``; missing keys keep their defaults."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path or 'config'}: expected a mapping of keys, got {type(data).__name__}")
+    fields = _fields(cls)
+    for key in data:
+        if key not in fields:
+            raise ConfigError(_unknown_key(cls, str(key), path))
+    hints = typing.get_type_hints(cls)
+    kwargs = {key: _coerce(hints[key], value, _join(path, key)) for key, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # a field without default that the recipe did not set
+        raise ConfigError(f"{path or cls.__name__}: {exc}") from None
+
+
+def to_dict(obj: Any) -> Any:
+    """The plain-data form of a config (what a recipe file holds)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, list | tuple):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def apply_overrides(cfg: T, overrides: Sequence[str]) -> T:
+    """Return a copy of ``cfg`` with ``a.b.c=value`` overrides applied, then validated."""
+    data = to_dict(cfg)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        _set_path(type(cfg), data, key.strip().split("."), _parse_value(raw), item)
+    return validate(from_dict(type(cfg), data))
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
+    """Build ``cls`` from an optional YAML recipe plus overrides, validated."""
+    data: Mapping[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    try:
+        cfg = validate(from_dict(cls, data))
+    except ConfigError as exc:
+        if path is None:
+            raise
+        raise ConfigError(f"{path}: {exc}") from None
+    return apply_overrides(cfg, overrides) if overrides else cfg
+
+
+def validate(cfg: T) -> T:
+    """Run every ``validate()`` method of ``cfg`` and its nested dataclasses, deepest first."""
+    for f in dataclasses.fields(cfg):  # type: ignore[arg-type]
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            validate(value)
+    check = getattr(cfg, "validate", None)
+    if callable(check):
+        try:
+            check()
+        except ConfigError:
+            raise
+        except ValueError as exc:
+            raise ConfigError(f"{type(cfg).__name__}: {exc}") from None
+    return cfg
+
+
+def dump_yaml(cfg: Any, path: str | Path) -> None:
+    """Write the resolved config atomically (a reader never sees half a file)."""
+    atomic_write(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+# --- internals -------------------------------------------------------------------------------
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field[Any]]:
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a dataclass")
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _unknown_key(cls: type, key: str, path: str) -> str:
+    names = list(_fields(cls))
+    close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
+    hint = f"; did you mean {' or '.join(_join(path, c) for c in close)}?" if close else ""
+    where = f"under {path!r}" if path else "at the top level"
+    return f"unknown key {_join(path, key)!r}{hint} (valid keys {where}: {', '.join(names)})"
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        return raw
+
+
+def _set_path(cls: type, data: dict[str, Any], keys: list[str], value: Any, item: str) -> None:
+    path = ""
+    for depth, key in enumerate(keys):
+        fields = _fields(cls)
+        if key not in fields:
+            raise ConfigError(f"override {item!r}: {_unknown_key(cls, key, path)}")
+        path = _join(path, key)
+        if depth == len(keys) - 1:
+            data[key] = value
+            return
+        sub = typing.get_type_hints(cls)[key]
+        sub = _strip_optional(sub)
+        if not (isinstance(sub, type) and dataclasses.is_dataclass(sub)):
+            raise ConfigError(f"override {item!r}: {path!r} is a {_type_name(sub)}, not a section")
+        if data.get(key) is None:
+            data[key] = to_dict(sub())
+        cls, data = sub, data[key]
+
+
+def _strip_optional(tp: Any) -> Any:
+    args = typing.get_args(tp)
+    if _is_union(tp) and type(None) in args and len(args) == 2:
+        return next(a for a in args if a is not type(None))
+    return tp
+
+
+def _is_union(tp: Any) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    """Check ``value`` against type ``tp`` and convert containers and enums; raise ConfigError."""
+    if tp is Any:
+        return value
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if _is_union(tp):
+        return _coerce_union(tp, args, value, path)
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{path}: {value!r} is not one of {', '.join(map(repr, args))}")
+        return value
+    if origin in (list, tuple, Sequence):
+        return _coerce_sequence(origin, args, value, path)
+    if origin in (dict, Mapping):
+        if not isinstance(value, Mapping):
+            raise _wrong(path, tp, value)
+        return {str(k): _coerce(args[1], v, f"{path}.{k}") for k, v in value.items()}
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return from_dict(tp, value if value is not None else {}, path)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            raise ConfigError(f"{path}: {value!r} is not one of {[m.value for m in tp]}") from None
+    return _coerce_scalar(tp, value, path)
+
+
+def _coerce_union(tp: Any, args: tuple[Any, ...], value: Any, path: str) -> Any:
+    if value is None:
+        if type(None) in args:
+            return None
+        raise _wrong(path, tp, value)
+    errors = []
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _coerce(arg, value, path)
+        except ConfigError as exc:
+            errors.append(str(exc))
+    raise ConfigError(f"{path}: {value!r} does not match {_type_name(tp)} ({'; '.join(errors)})")
+
+
+def _coerce_sequence(origin: Any, args: tuple[Any, ...], value: Any, path: str) -> Any:
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"{path}: expected a list, got {value!r}")
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        if len(value) != len(args):
+            raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}: {value!r}")
+        return tuple(_coerce(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True)))
+    item = args[0] if args else Any
+    items = [_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    return tuple(items) if origin is tuple else items
+
+
+def _coerce_scalar(tp: Any, value: Any, path: str) -> Any:
+    if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "1e-4" (no dot) as a string; accept it for float fields
+            return float(value)
+        except ValueError:
+            raise _wrong(path, tp, value) from None
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if tp is bool and isinstance(value, bool):
+        return value
+    if tp is str and isinstance(value, str):
+        return value
+    if tp is str and isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)  # `name=123` on the command line means the string "123"
+    if tp in (int, float, bool, str):
+        raise _wrong(path, tp, value)
+    raise ConfigError(f"{path}: unsupported field type {_type_name(tp)}")
+
+
+def _wrong(path: str, tp: Any, value: Any) -> ConfigError:
+    return ConfigError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")

@@ -1,0 +1,39 @@
+"""The shared library, protos, configs, bus and runtime import where torch is not installed
+(the coordinator's image has no torch)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+BLOCK_TORCH = "import sys; sys.modules['torch'] = None\n"
+TORCH_FREE = [
+    "flowgrpo.cli",
+    "flowgrpo.config",
+    "flowgrpo.columns",
+    "flowgrpo.v1.common_pb2_grpc",
+    "flowgrpo.v1.rollout_pb2_grpc",
+    "flowgrpo.v1.reward_pb2_grpc",
+    "flowgrpo.v1.trainer_pb2_grpc",
+    "flowgrpo.v1.coordinator_pb2_grpc",
+    "flowgrpo.bus",
+    "flowgrpo.runtime",
+    "flowgrpo.telemetry",
+    "flowgrpo.logs",
+]
+
+
+def test_torch_free_modules_import_without_torch() -> None:
+    code = (
+        BLOCK_TORCH + "".join(f"import {m}\n" for m in TORCH_FREE) + "assert sys.modules['torch'] is None\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+def test_cli_help_explains_itself() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "flowgrpo.cli", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0
+    assert "rollout" in out.stdout and "bench" in out.stdout and "examples:" in out.stdout
