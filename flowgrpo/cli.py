@@ -19,6 +19,7 @@ examples:
   flowgrpo bench bus              data-bus throughput (ipc, tcp, shared memory) vs memcpy
   flowgrpo bench bus --json b.json --sizes-mib 1 64
   flowgrpo columns                the column schema every service checks its data against
+  flowgrpo make-tiny-bagel /tmp/tiny   a tiny random BAGEL checkpoint in the published layout
 """
 
 
@@ -33,6 +34,14 @@ def _cmd_columns(_: argparse.Namespace) -> int:
     width = max(len(name) for name in COLUMNS.columns)
     for spec in COLUMNS.columns.values():
         print(f"{spec.name:<{width}}  {spec.dtype:<8} {spec.pattern_str():<16} {spec.doc}")
+    return 0
+
+
+def _cmd_make_tiny_bagel(args: argparse.Namespace) -> int:
+    from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
+
+    path = make_tiny_bagel(args.dir, seed=args.seed)
+    print(f"wrote a tiny random BAGEL checkpoint (published layout) to {path}")
     return 0
 
 
@@ -60,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add("version", "print the version and the wire protocol version", _cmd_version)
     add("columns", "print the column schema (name, dtype, shape pattern, meaning)", _cmd_columns)
+    tiny = add(
+        "make-tiny-bagel",
+        "write a tiny random BAGEL checkpoint in the published layout (ema.safetensors, ae.safetensors, "
+        "llm_config.json, tokenizer) for tests and the CPU demo",
+        _cmd_make_tiny_bagel,
+    )
+    tiny.add_argument("dir", help="output folder (created; existing files are replaced)")
+    tiny.add_argument("--seed", type=int, default=0, help="the same seed writes byte-identical files")
     bench = add(
         "bench",
         "run a benchmark and print ratios against a baseline measured in the same run",

@@ -1,0 +1,2 @@
+"""Model architectures in plain PyTorch. Package ``__init__`` files import nothing, so typed
+configs (``flowgrpo.models.bagel.config``) load where torch is not installed."""

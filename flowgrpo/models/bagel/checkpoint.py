@@ -1,0 +1,364 @@
+"""BAGEL checkpoint folders in the published layout: load by path, save, and the tiny factory.
+
+| file | content |
+|---|---|
+| ``ema.safetensors`` | MoT language model and generation heads (and the ViT, ignored here) |
+| ``ae.safetensors`` | FLUX autoencoder, keys ``encoder.*`` / ``decoder.*`` |
+| ``llm_config.json`` | Qwen2 config of the decoder |
+| ``vit_config.json``, ``config.json`` | ViT and top-level configs (only ``special_token_ids`` is read) |
+| ``tokenizer.json`` (+ ``tokenizer_config.json``, ``vocab.json``, ``merges.txt``) | tokenizer |
+
+Every component loads on its own: the model needs ``ema.safetensors`` + ``llm_config.json``
+only, the VAE ``ae.safetensors`` only. Keys load 1:1 (module names are the published names);
+a missing, mis-shaped or unknown key fails with the keys and the file named. Weights stream
+tensor by tensor into a meta-device model (``load_state_dict(assign=True)``), so a 28 GiB file
+never exists twice in memory. Only safetensors and JSON are read or written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from flowgrpo.fileio import atomic_output, atomic_write
+from flowgrpo.models.bagel.config import (
+    SPECIAL_TOKEN_NAMES,
+    BagelConfig,
+    SpecialTokens,
+    tiny,
+    tiny_vae,
+)
+from flowgrpo.models.bagel.model import BagelModel
+from flowgrpo.models.bagel.vae import AutoEncoder, vae_config_from_shapes
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+EMA_FILE = "ema.safetensors"
+VAE_FILE = "ae.safetensors"
+LLM_CONFIG_FILE = "llm_config.json"
+VIT_CONFIG_FILE = "vit_config.json"
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+# Image-understanding weights in ema.safetensors that text-to-image never uses, and RoPE's
+# derived frequency buffer should a file carry it (this model computes it from rope_theta).
+IGNORED_PREFIXES = ("vit_model.", "connector.", "vit_pos_embed.", "language_model.model.rotary_emb.")
+POS_EMBED_KEY = "latent_pos_embed.pos_embed"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that does not hold what the model needs."""
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------
+
+
+def _require(path: Path) -> Path:
+    if not path.is_file():
+        raise CheckpointError(f"{path} does not exist")
+    return path
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    data = json.loads(_require(path).read_text())
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object")
+    return data
+
+
+def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Names and shapes from a safetensors header, without reading any tensor."""
+    with safe_open(str(_require(path)), framework="pt") as f:
+        return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118
+
+
+def _listed(keys: Iterable[str], limit: int = 8) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(keys[:limit])
+    return f"{len(keys)} ({shown}{', ...' if len(keys) > limit else ''})"
+
+
+def check_keys(
+    expected: Mapping[str, tuple[int, ...]],
+    found: Mapping[str, tuple[int, ...]],
+    path: Path,
+    ignored_prefixes: tuple[str, ...] = (),
+) -> None:
+    """Raise CheckpointError listing every missing, mis-shaped and unexpected key at once."""
+    missing = [k for k in expected if k not in found]
+    misshaped = [
+        f"{k} {list(found[k])} (model expects {list(shape)})"
+        for k, shape in expected.items()
+        if k in found and found[k] != shape
+    ]
+    unexpected = [k for k in found if k not in expected and not k.startswith(ignored_prefixes)]
+    problems = []
+    if missing:
+        problems.append(f"missing keys: {_listed(missing)}")
+    if misshaped:
+        problems.append(f"mis-shaped keys: {_listed(misshaped)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {_listed(unexpected)}")
+    if problems:
+        raise CheckpointError(f"{path} does not fit the model: " + "; ".join(problems))
+
+
+def _load_into(
+    module: nn.Module,
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    ignored_prefixes: tuple[str, ...] = (),
+) -> None:
+    """Check every key and shape from the header, then read tensor by tensor straight onto
+    ``device`` and assign them (``module`` may live on the meta device)."""
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    check_keys(expected, tensor_shapes(path), path, ignored_prefixes)
+    state: dict[str, Tensor] = {}
+    with safe_open(str(path), framework="pt", device=str(torch.device(device))) as f:
+        for key in expected:
+            state[key] = f.get_tensor(key).to(dtype)
+    module.load_state_dict(state, strict=True, assign=True)
+
+
+def read_bagel_config(folder: str | Path) -> BagelConfig:
+    """The decoder config from ``llm_config.json``; ``max_latent_size`` from the shape of
+    ``latent_pos_embed.pos_embed`` in ``ema.safetensors`` (config.json may be stale)."""
+    folder = Path(folder)
+    shapes = tensor_shapes(folder / EMA_FILE)
+    if POS_EMBED_KEY not in shapes:
+        raise CheckpointError(f"{folder / EMA_FILE} has no {POS_EMBED_KEY}: cannot size the latent grid")
+    rows = shapes[POS_EMBED_KEY][0]
+    side = math.isqrt(rows)
+    if side * side != rows:
+        raise CheckpointError(f"{POS_EMBED_KEY} has {rows} rows, not a square grid")
+    return BagelConfig.from_llm_config(_read_json(folder / LLM_CONFIG_FILE), max_latent_size=side)
+
+
+def load_bagel_model(
+    folder: str | Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
+) -> BagelModel:
+    """The MoT model and generation heads from ``ema.safetensors`` + ``llm_config.json`` alone,
+    in eval mode, every weight (the position table too) in ``dtype`` on ``device``."""
+    folder = Path(folder)
+    cfg = read_bagel_config(folder)
+    with torch.device("meta"):
+        model = BagelModel(cfg)
+    _load_into(model, folder / EMA_FILE, dtype, device, IGNORED_PREFIXES)
+    return model.eval()
+
+
+def load_vae(
+    folder: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> AutoEncoder:
+    """The autoencoder from ``ae.safetensors``, its geometry read from the tensor shapes."""
+    path = Path(folder) / VAE_FILE
+    shapes = tensor_shapes(path)
+    try:
+        cfg = vae_config_from_shapes(shapes)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: {err}") from err
+    with torch.device("meta"):
+        vae = AutoEncoder(cfg)
+    _load_into(vae, path, dtype, device)
+    return vae.eval()
+
+
+def load_special_tokens(folder: str | Path, fallback: SpecialTokens | None = None) -> SpecialTokens:
+    """Marker ids from ``tokenizer.json`` when the folder has one, else from the
+    ``special_token_ids`` object of ``config.json``, else ``fallback``."""
+    folder = Path(folder)
+    if (folder / TOKENIZER_FILE).is_file():
+        return _special_tokens_from_tokenizer(folder / TOKENIZER_FILE)
+    if (folder / CONFIG_FILE).is_file():
+        ids = _read_json(folder / CONFIG_FILE).get("special_token_ids")
+        if isinstance(ids, dict):
+            return SpecialTokens(**{field: int(ids[field]) for field in SPECIAL_TOKEN_NAMES})
+    if fallback is not None:
+        return fallback
+    raise CheckpointError(
+        f"{folder} has neither {TOKENIZER_FILE} nor 'special_token_ids' in {CONFIG_FILE}: "
+        "pass the special-token ids explicitly"
+    )
+
+
+def _special_tokens_from_tokenizer(path: Path) -> SpecialTokens:
+    data = _read_json(path)
+    ids = {entry["content"]: int(entry["id"]) for entry in data.get("added_tokens", [])}
+    vocab = data.get("model", {}).get("vocab", {})
+    found: dict[str, int] = {}
+    for field, name in SPECIAL_TOKEN_NAMES.items():
+        token_id = ids.get(name, vocab.get(name) if isinstance(vocab, dict) else None)
+        if token_id is None:
+            raise CheckpointError(f"{path} has no token {name}")
+        found[field] = int(token_id)
+    return SpecialTokens(**found)
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
+
+
+def _save_tensors(tensors: Mapping[str, Tensor], path: Path) -> None:
+    """safetensors through a temporary name in the same folder, then an atomic rename."""
+    cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    with atomic_output(path) as tmp:
+        save_file(cpu, tmp, metadata={"format": "pt"})
+
+
+def _write_json(path: Path, data: Mapping[str, Any]) -> None:
+    atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def save_bagel_checkpoint(
+    model: BagelModel,
+    vae: AutoEncoder | None,
+    folder: str | Path,
+    *,
+    tokenizer: Tokenizer | None = None,
+    special_tokens: SpecialTokens | None = None,
+    vit_config: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write ``model`` (and ``vae``, ``tokenizer``) in the published layout; every file atomically.
+    Without a tokenizer, ``special_tokens`` go to ``config.json`` so the folder stays usable."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    _write_json(folder / LLM_CONFIG_FILE, cfg.to_llm_config())
+    if vit_config is not None:
+        _write_json(folder / VIT_CONFIG_FILE, vit_config)
+    top: dict[str, Any] = {
+        "visual_gen": True,
+        "visual_und": False,  # no ViT weights are written
+        "latent_patch_size": cfg.patch,
+        "max_latent_size": cfg.max_latent_size,
+        "timestep_shift": 1.0,
+    }
+    if vae is not None:
+        top["vae_config"] = {"z_channels": vae.config.z_channels, "downsample": vae.config.downsample}
+    if special_tokens is not None:
+        top["special_token_ids"] = {field: getattr(special_tokens, field) for field in SPECIAL_TOKEN_NAMES}
+    _write_json(folder / CONFIG_FILE, top)
+    if tokenizer is not None:
+        _save_tokenizer(tokenizer, folder)
+    if vae is not None:
+        _save_tensors(vae.state_dict(), folder / VAE_FILE)
+    _save_tensors(model.state_dict(), folder / EMA_FILE)
+    return folder
+
+
+def _save_tokenizer(tokenizer: Tokenizer, folder: Path) -> None:
+    atomic_write(folder / TOKENIZER_FILE, tokenizer.to_str(pretty=True))
+    specials = {
+        str(tid): {
+            "content": name,
+            "special": True,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "single_word": False,
+        }
+        for name, tid in sorted(tokenizer.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
+        if name.startswith("<|") and name.endswith("|>")
+    }
+    _write_json(
+        folder / TOKENIZER_CONFIG_FILE,
+        {
+            "tokenizer_class": "Qwen2Tokenizer",
+            "added_tokens_decoder": specials,
+            "bos_token": None,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "unk_token": None,
+            "add_prefix_space": False,
+            "clean_up_tokenization_spaces": False,
+            "errors": "replace",
+            "model_max_length": 32768,
+            "split_special_tokens": False,
+        },
+    )
+    # A byte-level BPE also ships as vocab.json + merges.txt, like the Qwen2.5 folder.
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        for written in tokenizer.model.save(tmp):
+            os.replace(written, folder / Path(written).name)
+
+
+# --------------------------------------------------------------------------------------------
+# The tiny checkpoint
+# --------------------------------------------------------------------------------------------
+
+TINY_CORPUS = [
+    "a photo of a cat sitting on a red chair",
+    "a painting of a mountain lake at sunrise",
+    "a dog running on the beach with a ball",
+    'a sign that says "hello world" in bold letters',
+    "an astronaut riding a horse on the moon",
+    "a bowl of fruit on a wooden table, studio lighting",
+    "two birds flying over a green field under a blue sky",
+    "a city street at night with neon lights and rain",
+]
+TINY_VIT_CONFIG = {
+    "model_type": "siglip_vision_model",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_channels": 3,
+    "image_size": 28,
+    "patch_size": 14,
+    "note": "the tiny checkpoint has no ViT weights; text-to-image does not use them",
+}
+
+
+def build_tiny_tokenizer(vocab_size: int = 384) -> Tokenizer:
+    """A byte-level BPE (any text encodes, no unknown tokens) trained on a few sentences, with
+    ``<|endoftext|>`` and the four markers added under their Qwen names."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(TINY_CORPUS, trainer)
+    tokenizer.add_special_tokens(list(SPECIAL_TOKEN_NAMES.values()))
+    return tokenizer
+
+
+def make_tiny_bagel(folder: str | Path, seed: int = 0) -> Path:
+    """Write a complete tiny checkpoint (weights, VAE, configs, tokenizer) to ``folder``; the same
+    seed gives the same bytes. Returns the folder."""
+    cfg = tiny()
+    tokenizer = build_tiny_tokenizer()
+    ids = {field: tokenizer.token_to_id(name) for field, name in SPECIAL_TOKEN_NAMES.items()}
+    specials = SpecialTokens(
+        **{field: int(token_id) for field, token_id in ids.items() if token_id is not None}
+    )
+    if tokenizer.get_vocab_size(with_added_tokens=True) > cfg.vocab:
+        raise RuntimeError(f"the tiny tokenizer outgrew the tiny vocabulary of {cfg.vocab}")
+    with torch.random.fork_rng(devices=[]):  # seed the default init without touching the caller's RNG
+        torch.manual_seed(seed)
+        model = BagelModel(cfg)
+        vae = AutoEncoder(tiny_vae())
+    return save_bagel_checkpoint(
+        model, vae, folder, tokenizer=tokenizer, special_tokens=specials, vit_config=TINY_VIT_CONFIG
+    )

@@ -1,0 +1,314 @@
+"""Text-to-image sampling with BAGEL, recording what FlowGRPO trains on.
+
+The loop of SPEC section 2: prefill every distinct prompt once, run the conditional and the
+text-unconditional (empty cache) branches of all samples in ONE forward per step, combine them
+with CFG, and step the latents — SDE inside each group's window, Euler ODE elsewhere. All the
+math (schedule, CFG, SDE step, log-prob, noise, window) comes from ``flowgrpo.sampler_math``, the
+module the trainer uses too; :func:`guided_velocity` is the one velocity both call.
+
+Randomness is a function of (seed, step, prompt uid, sample index) only, so a sample comes out
+the same whatever batch it was in. In ``deterministic`` mode every sample also runs in a batch
+of its own (fixed shapes), which makes results bitwise independent of the batch composition on
+CPU; otherwise they agree within float rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from flowgrpo.models.bagel.config import SpecialTokens
+from flowgrpo.models.bagel.model import BagelModel, KVCache, latent_position_ids, unpatchify
+from flowgrpo.models.bagel.vae import AutoEncoder, images_to_uint8
+from flowgrpo.sampler_math import (
+    CfgParams,
+    SdeType,
+    StepResult,
+    WindowParams,
+    batch_noise,
+    combine_cfg,
+    cps_step,
+    ode_step,
+    sde_step,
+    shifted_schedule,
+    window_begin,
+)
+
+PIXELS_PER_TOKEN = 16  # 8x VAE downsampling x 2x2 latent patches
+
+
+@dataclass(frozen=True)
+class SamplerParams:
+    """How to sample (defaults: the FlowGRPO BAGEL PickScore LoRA recipe of SPEC section 3)."""
+
+    num_points: int = 15  # schedule points: num_points - 1 denoising steps
+    shift: float = 3.0
+    cfg: CfgParams = field(default_factory=CfgParams)
+    sde_type: SdeType = "sde"
+    noise_level: float = 1.3
+    window: WindowParams = field(default_factory=WindowParams)
+    height: int = 512
+    width: int = 512
+    deterministic: bool = False
+    decode_images: bool = True
+
+    @property
+    def num_steps(self) -> int:
+        return self.num_points - 1
+
+    def token_grid(self) -> tuple[int, int]:
+        """Latent-token rows and columns: one token per 16x16 pixel block."""
+        for name, size in (("height", self.height), ("width", self.width)):
+            if size <= 0 or size % PIXELS_PER_TOKEN:
+                raise ValueError(f"sampler {name}={size} must be a positive multiple of {PIXELS_PER_TOKEN}")
+        return self.height // PIXELS_PER_TOKEN, self.width // PIXELS_PER_TOKEN
+
+    def validate(self) -> None:
+        self.token_grid()
+        self.window.check(self.num_steps)
+        if self.noise_level < 0:
+            raise ValueError(f"sampler noise_level={self.noise_level} must be >= 0")
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One sample to draw: prompt ``prompt_uid`` (ids tokenised once, at data preparation) and
+    its index within the prompt's group of G."""
+
+    prompt_uid: str
+    sample_index: int
+    prompt_ids: Tensor  # [L] int64
+
+
+@dataclass
+class Trajectories:
+    """What a batch of samples produced; row i belongs to request i.
+
+    The window holds ``size`` trained steps: latents x[begin .. begin + size] (size + 1 of them),
+    their sigmas, the behaviour log-prob of each step and the step indices.
+    """
+
+    latents: Tensor  # [B, W + 1, N, 64] fp32
+    log_probs: Tensor  # [B, W] fp32
+    sigmas: Tensor  # [B, W + 1] fp32
+    timesteps: Tensor  # [B, W] int64: schedule index of each window step
+    window_begin: Tensor  # [B] int64
+    final_latents: Tensor  # [B, N, 64] fp32: x at t = 0
+    images: Tensor | None  # [B, H, W, 3] uint8, when decoded
+
+
+# --- the velocity, shared with the trainer --------------------------------------------------
+
+
+def prefill_prompts(model: BagelModel, prompts: Sequence[Tensor]) -> KVCache:
+    """One cache row per prompt; prompts of different lengths are right-padded and masked."""
+    device = model.vae2llm.weight.device
+    longest = max(int(p.numel()) for p in prompts)
+    ids = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
+    mask = torch.zeros(len(prompts), longest, dtype=torch.bool, device=device)
+    for row, prompt in enumerate(prompts):
+        ids[row, : prompt.numel()] = prompt.to(device)
+        mask[row, : prompt.numel()] = True
+    return model.prefill(ids, mask)
+
+
+def guided_velocity(
+    model: BagelModel,
+    cond: KVCache,
+    x: Tensor,
+    t: Tensor,
+    pos_ids: Tensor,
+    *,
+    cfg: CfgParams,
+    special: SpecialTokens,
+) -> Tensor:
+    """CFG-combined velocity [B, N, 64] fp32 of latents x at times t [B] given the conditional
+    cache rows ``cond``: both branches (conditional, empty-context) in one forward.
+
+    The rollout calls it without gradients, the trainer with them (the prompt cache depends only
+    on the frozen und path, so it is built once, without gradients, by both).
+    """
+    b = x.shape[0]
+    if cfg.text_scale == 1.0 and cfg.img_scale <= 1.0:  # CFG is the identity: skip the empty branch
+        return model.predict_velocity(
+            cond, x, t, pos_ids, soi_id=special.vision_start, eoi_id=special.vision_end
+        )
+    empty = KVCache.empty(model.config, b, cond.keys[0].dtype, x.device)
+    both = KVCache.cat_rows([cond, empty])
+    v = model.predict_velocity(
+        both,
+        torch.cat([x, x]),
+        torch.cat([t, t]),
+        pos_ids,
+        soi_id=special.vision_start,
+        eoi_id=special.vision_end,
+    )
+    return combine_cfg(v[:b], v[b:], t, cfg)
+
+
+def window_step(
+    params: SamplerParams,
+    x: Tensor,
+    v: Tensor,
+    sigma: Tensor,
+    sigma_next: Tensor,
+    *,
+    sigma_after_first: float,
+    noise: Tensor | None = None,
+    x_next: Tensor | None = None,
+) -> StepResult:
+    """The stochastic step of the window ("sde" or "cps"), sampling (``noise``) or scoring
+    a stored step (``x_next``). The trainer scores with exactly this function."""
+    if params.sde_type == "cps":
+        return cps_step(x, v, sigma, sigma_next, noise_level=params.noise_level, noise=noise, x_next=x_next)
+    return sde_step(
+        x,
+        v,
+        sigma,
+        sigma_next,
+        sigma_after_first=sigma_after_first,
+        noise_level=params.noise_level,
+        noise=noise,
+        x_next=x_next,
+    )
+
+
+# --- the sampler -------------------------------------------------------------------------
+
+
+class BagelSampler:
+    """Draws FlowGRPO trajectories from a BAGEL model (and decodes them with the VAE)."""
+
+    def __init__(self, model: BagelModel, vae: AutoEncoder | None, special: SpecialTokens) -> None:
+        self.model = model
+        self.vae = vae
+        self.special = special
+
+    @torch.no_grad()
+    def generate(
+        self, requests: Sequence[SampleRequest], params: SamplerParams, *, seed: int, step: int
+    ) -> Trajectories:
+        """Sample every request; row i of the result belongs to request i."""
+        params.validate()
+        if not requests:
+            raise ValueError("generate() needs at least one request")
+        if params.deterministic:
+            with _deterministic_kernels():
+                parts = [self._generate_batch([r], params, seed, step) for r in requests]
+            return _cat_trajectories(parts)
+        return self._generate_batch(list(requests), params, seed, step)
+
+    def _generate_batch(
+        self, requests: list[SampleRequest], params: SamplerParams, seed: int, step: int
+    ) -> Trajectories:
+        device = self.model.vae2llm.weight.device
+        rows, cols = params.token_grid()
+        pos_ids = latent_position_ids(rows, cols, self.model.config.max_latent_size, device)
+        keys = [(r.prompt_uid, r.sample_index) for r in requests]
+        cond = self._prompt_cache(requests)
+        schedule = shifted_schedule(params.num_points, params.shift).to(device)
+        begins = torch.tensor(
+            [window_begin(params.window, params.num_steps, seed, step, r.prompt_uid) for r in requests],
+            device=device,
+        )
+        x = batch_noise((rows * cols, self.model.config.latent_token_dim), seed, step, keys, "init").to(
+            device
+        )
+        size = params.window.size
+        window_x, window_lp = (
+            [x.new_zeros(x.shape) for _ in range(size + 1)],
+            [x.new_zeros(len(requests)) for _ in range(size)],
+        )
+        for i in range(params.num_steps):
+            sigma, sigma_next = schedule[i].expand(len(requests)), schedule[i + 1].expand(len(requests))
+            v = guided_velocity(self.model, cond, x, sigma, pos_ids, cfg=params.cfg, special=self.special)
+            offset = i - begins  # position of step i inside each sample's window
+            in_window = (offset >= 0) & (offset < size)
+            _record(window_x, x, offset, size + 1)
+            if bool(in_window.any()):
+                noise = batch_noise(tuple(x.shape[1:]), seed, step, keys, f"sde/{i}").to(device)
+                stoch = window_step(
+                    params, x, v, sigma, sigma_next, sigma_after_first=float(schedule[1]), noise=noise
+                )
+                _record(window_lp, stoch.log_prob, offset, size)
+                x = torch.where(in_window.view(-1, 1, 1), stoch.x_next, ode_step(x, v, sigma, sigma_next))
+            else:
+                x = ode_step(x, v, sigma, sigma_next)
+        _record(window_x, x, params.num_steps - begins, size + 1)
+        return self._trajectories(
+            window_x, window_lp, begins=begins, schedule=schedule, final=x, params=params, grid=(rows, cols)
+        )
+
+    def _prompt_cache(self, requests: list[SampleRequest]) -> KVCache:
+        """Prefill each distinct prompt once; its G samples share the cache row."""
+        uids = list(dict.fromkeys(r.prompt_uid for r in requests))
+        first = {uid: next(r for r in requests if r.prompt_uid == uid) for uid in uids}
+        for r in requests:
+            if not torch.equal(r.prompt_ids.cpu(), first[r.prompt_uid].prompt_ids.cpu()):
+                raise ValueError(f"prompt {r.prompt_uid!r} arrives with two different token sequences")
+        cache = prefill_prompts(self.model, [first[uid].prompt_ids for uid in uids])
+        rows = torch.tensor([uids.index(r.prompt_uid) for r in requests], device=cache.key_mask.device)
+        return cache.select(rows)
+
+    def _trajectories(
+        self,
+        window_x: list[Tensor],
+        window_lp: list[Tensor],
+        *,
+        begins: Tensor,
+        schedule: Tensor,
+        final: Tensor,
+        params: SamplerParams,
+        grid: tuple[int, int],
+    ) -> Trajectories:
+        steps = begins[:, None] + torch.arange(params.window.size + 1, device=begins.device)
+        images = None
+        if params.decode_images and self.vae is not None:
+            latent = unpatchify(final, *grid, self.model.config.patch)
+            vae_dtype = next(self.vae.parameters()).dtype
+            images = images_to_uint8(self.vae.decode(latent.to(vae_dtype)))
+        return Trajectories(
+            latents=torch.stack(window_x, dim=1),
+            log_probs=torch.stack(window_lp, dim=1),
+            sigmas=schedule[steps],
+            timesteps=steps[:, :-1],
+            window_begin=begins,
+            final_latents=final,
+            images=images,
+        )
+
+
+def _record(slots: list[Tensor], value: Tensor, offset: Tensor, count: int) -> None:
+    """slots[k][b] = value[b] for each sample b whose offset[b] == k (0 <= k < count)."""
+    for k in range(count):
+        hit = offset == k
+        if bool(hit.any()):
+            shape = (-1,) + (1,) * (value.dim() - 1)
+            slots[k] = torch.where(hit.view(shape), value, slots[k])
+
+
+def _cat_trajectories(parts: list[Trajectories]) -> Trajectories:
+    images = [p.images for p in parts]
+    return Trajectories(
+        latents=torch.cat([p.latents for p in parts]),
+        log_probs=torch.cat([p.log_probs for p in parts]),
+        sigmas=torch.cat([p.sigmas for p in parts]),
+        timesteps=torch.cat([p.timesteps for p in parts]),
+        window_begin=torch.cat([p.window_begin for p in parts]),
+        final_latents=torch.cat([p.final_latents for p in parts]),
+        images=None if any(i is None for i in images) else torch.cat(images),  # type: ignore[arg-type]
+    )
+
+
+class _deterministic_kernels:
+    """Deterministic algorithms while sampling; restores the caller's setting afterwards."""
+
+    def __enter__(self) -> None:
+        self._previous = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.use_deterministic_algorithms(self._previous)

@@ -1,0 +1,69 @@
+"""The FLUX autoencoder: geometry from tensor shapes, key layout, decode shape, range and formula."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowgrpo.models.bagel.config import VAEConfig, flux_vae, tiny_vae
+from flowgrpo.models.bagel.vae import AutoEncoder, images_to_uint8, vae_config_from_shapes
+
+
+def shapes_of(vae: AutoEncoder) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in vae.state_dict().items()}
+
+
+def test_flux_geometry_round_trips_through_shapes() -> None:
+    """Exact: the published geometry (ch 128, mult 1,2,4,4, 2 blocks, z 16) is recovered from the
+    shapes alone; ~84M parameters under the original FLUX key names."""
+    with torch.device("meta"):
+        vae = AutoEncoder(flux_vae())
+    shapes = shapes_of(vae)
+    assert vae_config_from_shapes(shapes) == flux_vae()
+    assert sum(v.numel() for v in vae.state_dict().values()) == 83_819_683
+    for key in [
+        "encoder.down.0.downsample.conv.weight",
+        "encoder.mid.attn_1.proj_out.weight",
+        "decoder.up.3.upsample.conv.weight",
+        "decoder.up.1.block.0.nin_shortcut.weight",
+        "decoder.mid.block_2.norm2.bias",
+    ]:
+        assert key in shapes, key
+    assert "decoder.up.0.upsample.conv.weight" not in shapes  # level 0 is full resolution
+    assert shapes["encoder.conv_out.weight"] == (32, 512, 3, 3)  # mean and log-variance
+
+
+def test_small_and_decoder_only_geometries_are_inferred() -> None:
+    """Exact: other widths, depths and a file without encoder keys load by shape."""
+    cfg = VAEConfig(ch=32, ch_mult=(1, 2), num_res_blocks=1, z_channels=4)
+    with torch.device("meta"):
+        vae = AutoEncoder(cfg)
+    shapes = shapes_of(vae)
+    assert vae_config_from_shapes(shapes) == cfg
+    decoder_only = {k: v for k, v in shapes.items() if k.startswith("decoder.")}
+    inferred = vae_config_from_shapes(decoder_only)
+    assert not inferred.has_encoder and inferred.ch_mult == (1, 2) and inferred.z_channels == 4
+    with pytest.raises(ValueError, match=r"decoder\.conv_in\.weight"):
+        vae_config_from_shapes({k: v for k, v in decoder_only.items() if k != "decoder.conv_in.weight"})
+
+
+@torch.no_grad()
+def test_decode_shape_range_and_formula() -> None:
+    """Bitwise: decode(z) == decoder(z / 0.3611 + 0.1159) clamped to [-1, 1]; 8x upsampling;
+    uint8 conversion (x * 0.5 + 0.5) * 255."""
+    torch.manual_seed(0)
+    vae = AutoEncoder(tiny_vae()).eval()
+    assert vae.config.downsample == 8
+    z = torch.randn(2, 16, 4, 6)
+    images = vae.decode(z)
+    assert images.shape == (2, 3, 32, 48)
+    assert images.min() >= -1 and images.max() <= 1
+    assert torch.equal(images, vae.decoder(z / 0.3611 + 0.1159).clamp(-1, 1))
+    pixels = images_to_uint8(images)
+    assert pixels.shape == (2, 32, 48, 3) and pixels.dtype == torch.uint8
+    assert images_to_uint8(torch.tensor([-1.0, 0.0, 1.0]).view(1, 3, 1, 1)).flatten().tolist() == [
+        0,
+        128,
+        255,
+    ]
+    assert vae.encode(images).shape == (2, 16, 4, 6)
