@@ -1,0 +1,45 @@
+"""Typed configs of the gRPC runtime: plain dataclasses of simple types, so the run config's
+dotted overrides (``rollout.server.port=50051``) reach every field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TLSConfig:
+    """PEM file paths. Empty paths mean plaintext, which is only for loopback runs.
+
+    Server: TLS when ``cert`` is set; with ``require_client_cert`` it also demands a client
+    certificate signed by ``ca`` (mutual TLS). Client: TLS when ``ca`` is set (the server is
+    verified with it); ``cert`` and ``key`` add the client certificate that mutual TLS requires.
+    """
+
+    cert: str = ""  # this side's certificate chain
+    key: str = ""  # this side's private key
+    ca: str = ""  # the CA that signs the peer's certificate
+    require_client_cert: bool = False  # server only: mutual TLS
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"  # "0.0.0.0" in containers
+    port: int = 0  # 0: a free port, reported in the ready file and the logs
+    advertise_host: str = ""  # host peers dial; default: host, or the hostname when host is a wildcard
+    concurrency: int = 64  # RPCs served at once (health and handshakes included); more are refused
+    drain_grace_s: float = 30.0  # how long in-flight messages may finish after SIGTERM or Drain
+    max_message_bytes: int = 16 * 1024 * 1024  # control plane only: bulk data goes on the bus
+    min_ping_interval_s: float = 10.0  # client keepalive pings more frequent than this are refused
+    ready_file: str = ""  # JSON {grpc_address, pid, role, replica_id} written once the port is bound
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    token: str = ""  # shared token callers must send; empty: FLOWGRPO_TOKEN, or no check when unset
+
+
+@dataclass
+class ClientConfig:
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    token: str = ""  # shared token sent as "authorization: Bearer ..."; empty: FLOWGRPO_TOKEN
+    default_deadline_s: float = 60.0  # deadline of any call made without one
+    connect_timeout_s: float = 120.0  # how long wait_ready waits for a READY handshake by default
+    keepalive_s: float = 30.0  # ping an idle connection this often to notice a dead peer
+    max_message_bytes: int = 16 * 1024 * 1024

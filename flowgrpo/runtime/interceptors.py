@@ -1,0 +1,107 @@
+"""Interceptor plumbing for the runtime's policies (token, deadline, error mapping, metadata).
+
+Server side, a policy is a *guard*: an async context manager entered around each call, given
+the call's context. It may refuse the call (``await context.abort(...)``) before it runs, and
+turn what the handler raised into a status. Client side, a policy rewrites the call details
+(deadline, metadata) before the call is made.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+import grpc
+import grpc.aio
+
+Guard = Callable[[grpc.aio.ServicerContext], AbstractAsyncContextManager[None]]
+MethodGuard = Callable[[str, grpc.aio.ServicerContext], AbstractAsyncContextManager[None]]
+Behavior = Callable[[Any, grpc.aio.ServicerContext], Any]
+
+_HANDLER_KINDS = (
+    ("unary_unary", grpc.unary_unary_rpc_method_handler, False),
+    ("unary_stream", grpc.unary_stream_rpc_method_handler, True),
+    ("stream_unary", grpc.stream_unary_rpc_method_handler, False),
+    ("stream_stream", grpc.stream_stream_rpc_method_handler, True),
+)
+
+
+class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Run ``guard(method, context)`` around every call to a method for which ``applies(method)``."""
+
+    def __init__(self, guard: MethodGuard, applies: Callable[[str], bool]) -> None:
+        self._guard = guard
+        self._applies = applies
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Any], details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        if handler is None or not self._applies(details.method):
+            return handler
+        return guard_handler(handler, functools.partial(self._guard, details.method))
+
+
+def guard_handler(handler: grpc.RpcMethodHandler, guard: Guard) -> grpc.RpcMethodHandler:
+    """The same handler, its behavior run inside ``guard``. Handlers are coroutines; streamed
+    responses are async generators."""
+    for kind, factory, streams_responses in _HANDLER_KINDS:
+        behavior = getattr(handler, kind)
+        if behavior is not None:
+            wrap = _guard_stream if streams_responses else _guard_unary
+            return factory(
+                wrap(behavior, guard),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+    return handler
+
+
+def _guard_unary(behavior: Behavior, guard: Guard) -> Behavior:
+    async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async with guard(context):
+            return await behavior(request, context)
+
+    return guarded
+
+
+def _guard_stream(behavior: Behavior, guard: Guard) -> Behavior:
+    async def guarded(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async with guard(context):
+            async for response in behavior(request, context):
+                yield response
+
+    return guarded
+
+
+class CallDetailsInterceptor(
+    grpc.aio.UnaryUnaryClientInterceptor,  # type: ignore[misc]
+    grpc.aio.UnaryStreamClientInterceptor,  # type: ignore[misc]
+    grpc.aio.StreamUnaryClientInterceptor,  # type: ignore[misc]
+    grpc.aio.StreamStreamClientInterceptor,  # type: ignore[misc]
+):
+    """Rewrite the details (deadline, metadata) of every call on a channel, whatever its kind."""
+
+    def __init__(self, rewrite: Callable[[grpc.aio.ClientCallDetails], grpc.aio.ClientCallDetails]) -> None:
+        self._rewrite = rewrite
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._rewrite(details), request)
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._rewrite(details), request)
+
+    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(self._rewrite(details), requests)
+
+    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(self._rewrite(details), requests)
+
+
+def add_metadata(details: grpc.aio.ClientCallDetails, key: str, value: str) -> grpc.aio.ClientCallDetails:
+    """A copy of ``details`` with one more metadata entry (the caller's metadata is not mutated)."""
+    metadata = grpc.aio.Metadata(*tuple(details.metadata or ()))
+    metadata.add(key, value)
+    return details._replace(metadata=metadata)

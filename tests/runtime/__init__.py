@@ -1,0 +1,1 @@
+"""Tests of the gRPC runtime, structured logs and tracing."""
