@@ -185,6 +185,94 @@ class StageSpec(_message.Message):
 Global___StageSpec: _TypeAlias = StageSpec  # noqa: Y015
 
 @_typing.final
+class NamedTensor(_message.Message):
+    """The policy-update format: what the trainer publishes after an update and every rollout
+    replica loads. Only what changed travels: the LoRA A/B tensors, or the trainable gen-path
+    tensors (never the frozen und path). Names are the published BAGEL parameter names
+    ("language_model.model.layers.3.self_attn.q_proj_moe_gen.weight"); a LoRA pair is
+    "<module>.lora_A.weight" [r, in] and "<module>.lora_B.weight" [out, r], applied as
+    W = W_base + (alpha / rank) * B @ A. A receiver fails loudly on a name it cannot place.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    REF_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    @_builtins.property
+    def ref(self) -> Global___TensorRef:
+        """column "weights" """
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        ref: Global___TensorRef | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "ref", b"ref"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NamedTensor: _TypeAlias = NamedTensor  # noqa: Y015
+
+@_typing.final
+class LoraSpec(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    ALPHA_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    alpha: _builtins.float
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        alpha: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alpha", b"alpha", "rank", b"rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoraSpec: _TypeAlias = LoraSpec  # noqa: Y015
+
+@_typing.final
+class WeightUpdate(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    TENSORS_FIELD_NUMBER: _builtins.int
+    LORA_FIELD_NUMBER: _builtins.int
+    policy_version: _builtins.int
+    kind: _builtins.str
+    """"lora" or "gen_path" """
+    @_builtins.property
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___NamedTensor]: ...
+    @_builtins.property
+    def lora(self) -> Global___LoraSpec:
+        """kind "lora" only"""
+
+    def __init__(
+        self,
+        *,
+        policy_version: _builtins.int = ...,
+        kind: _builtins.str = ...,
+        tensors: _abc.Iterable[Global___NamedTensor] | None = ...,
+        lora: Global___LoraSpec | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lora", b"lora"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "lora", b"lora", "policy_version", b"policy_version", "tensors", b"tensors"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WeightUpdate: _TypeAlias = WeightUpdate  # noqa: Y015
+
+@_typing.final
 class Metrics(_message.Message):
     """Scalars reduced once per step by the coordinator. Names follow verl
     ("actor/loss", "critic/rewards/mean", "timing_s/gen"); anything else is "service/metric".

@@ -261,30 +261,23 @@ Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
 
 @_typing.final
 class LoadWeightsRequest(_message.Message):
-    """A new policy published by the trainer: the changed tensors only, as bus references."""
+    """A new policy published by the trainer. Applied between requests, atomically: a replica
+    never samples with half an update.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    POLICY_VERSION_FIELD_NUMBER: _builtins.int
-    KIND_FIELD_NUMBER: _builtins.int
-    TENSORS_FIELD_NUMBER: _builtins.int
-    policy_version: _builtins.int
-    kind: _builtins.str
-    """"lora" or "gen_path" """
+    UPDATE_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorRef]:
-        """column "weights"; key = parameter name"""
-
+    def update(self) -> _common_pb2.WeightUpdate: ...
     def __init__(
         self,
         *,
-        policy_version: _builtins.int = ...,
-        kind: _builtins.str = ...,
-        tensors: _abc.Iterable[_common_pb2.TensorRef] | None = ...,
+        update: _common_pb2.WeightUpdate | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["update", b"update"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "policy_version", b"policy_version", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["update", b"update"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

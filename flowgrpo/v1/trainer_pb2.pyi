@@ -106,35 +106,6 @@ class TrainStepRequest(_message.Message):
 Global___TrainStepRequest: _TypeAlias = TrainStepRequest  # noqa: Y015
 
 @_typing.final
-class WeightUpdate(_message.Message):
-    """Where the new weights are: the changed tensors only, in the policy-update format."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    POLICY_VERSION_FIELD_NUMBER: _builtins.int
-    KIND_FIELD_NUMBER: _builtins.int
-    TENSORS_FIELD_NUMBER: _builtins.int
-    policy_version: _builtins.int
-    kind: _builtins.str
-    """"lora" or "gen_path" """
-    @_builtins.property
-    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorRef]: ...
-    def __init__(
-        self,
-        *,
-        policy_version: _builtins.int = ...,
-        kind: _builtins.str = ...,
-        tensors: _abc.Iterable[_common_pb2.TensorRef] | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "policy_version", b"policy_version", "tensors", b"tensors"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___WeightUpdate: _TypeAlias = WeightUpdate  # noqa: Y015
-
-@_typing.final
 class TrainStepResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -145,13 +116,15 @@ class TrainStepResponse(_message.Message):
     @_builtins.property
     def metrics(self) -> _common_pb2.Metrics: ...
     @_builtins.property
-    def update(self) -> Global___WeightUpdate: ...
+    def update(self) -> _common_pb2.WeightUpdate:
+        """where the new weights are (the policy-update format)"""
+
     def __init__(
         self,
         *,
         step: _builtins.int = ...,
         metrics: _common_pb2.Metrics | None = ...,
-        update: Global___WeightUpdate | None = ...,
+        update: _common_pb2.WeightUpdate | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["metrics", b"metrics", "update", b"update"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
@@ -231,7 +204,7 @@ class TrainerStateResponse(_message.Message):
     """last completed training step"""
     policy_version: _builtins.int
     @_builtins.property
-    def current(self) -> Global___WeightUpdate:
+    def current(self) -> _common_pb2.WeightUpdate:
         """the full current update, for a replica that joins late"""
 
     def __init__(
@@ -239,7 +212,7 @@ class TrainerStateResponse(_message.Message):
         *,
         step: _builtins.int = ...,
         policy_version: _builtins.int = ...,
-        current: Global___WeightUpdate | None = ...,
+        current: _common_pb2.WeightUpdate | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["current", b"current"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...

@@ -1,0 +1,156 @@
+"""Policy updates: the changed tensors the trainer publishes, applied to a sampling model.
+
+The format (``flowgrpo.v1.WeightUpdate``) names tensors with the published BAGEL names:
+
+- ``kind="gen_path"``: full tensors of trainable gen-path parameters (names containing
+  ``moe_gen``), copied in place;
+- ``kind="lora"``: for each adapted module ``<module>.lora_A.weight`` [r, in] and
+  ``<module>.lora_B.weight`` [out, r], merged as W = W_base + (alpha / r) B A. The base weights of
+  adapted modules are kept, so every version is merged onto the base, never onto the previous
+  merge (no drift in bf16), and a later update may adapt fewer modules.
+
+Every update is checked whole before anything changes: a name the model cannot place, a
+mis-shaped tensor or half a LoRA pair fails with the names, and the model is left as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+UpdateKind = Literal["lora", "gen_path"]
+LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
+GEN_PATH_MARKER = "moe_gen"
+
+
+class PolicyUpdateError(ValueError):
+    """An update that does not fit the model; nothing was applied."""
+
+
+@dataclass
+class PolicyUpdate:
+    version: int
+    kind: UpdateKind
+    tensors: dict[str, Tensor]
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+
+    @property
+    def lora_scale(self) -> float:
+        return self.lora_alpha / self.lora_rank
+
+
+def is_gen_path(name: str) -> bool:
+    """A parameter of the generation expert (the path FlowGRPO trains; the und path is frozen)."""
+    return GEN_PATH_MARKER in name
+
+
+@dataclass
+class PolicyApplier:
+    """Applies updates to ``model`` in place and remembers which version it holds."""
+
+    model: nn.Module
+    version: int = 0
+    _base: dict[str, Tensor] = field(default_factory=dict)  # LoRA-adapted module -> base weight
+
+    def apply(self, update: PolicyUpdate) -> None:
+        if update.version <= self.version:
+            raise PolicyUpdateError(
+                f"policy version {update.version} is not newer than the loaded version {self.version}"
+            )
+        params = dict(self.model.named_parameters())
+        if update.kind == "gen_path":
+            self._check_gen_path(update, params)
+            self._apply_gen_path(update, params)
+        elif update.kind == "lora":
+            pairs = self._check_lora(update, params)
+            self._apply_lora(update, pairs, params)
+        else:
+            raise PolicyUpdateError(f"unknown update kind {update.kind!r}: expected 'lora' or 'gen_path'")
+        self.version = update.version
+
+    # --- full gen path ---------------------------------------------------------------------
+
+    def _check_gen_path(self, update: PolicyUpdate, params: Mapping[str, nn.Parameter]) -> None:
+        unknown = sorted(n for n in update.tensors if n not in params)
+        frozen = sorted(n for n in update.tensors if n in params and not is_gen_path(n))
+        shapes = sorted(
+            f"{n}: got {list(t.shape)}, the model has {list(params[n].shape)}"
+            for n, t in update.tensors.items()
+            if n in params and t.shape != params[n].shape
+        )
+        _fail_if(unknown, "names the model cannot place")
+        _fail_if(frozen, "tensors outside the gen path (the und path is frozen and never published)")
+        _fail_if(shapes, "mis-shaped tensors")
+        if self._base and any(n in update.tensors for n in self._base):
+            raise PolicyUpdateError(
+                "a gen_path update touches LoRA-merged weights; use one update kind per run"
+            )
+
+    @torch.no_grad()
+    def _apply_gen_path(self, update: PolicyUpdate, params: Mapping[str, nn.Parameter]) -> None:
+        for name, tensor in update.tensors.items():
+            params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+
+    # --- LoRA --------------------------------------------------------------------------------
+
+    def _check_lora(
+        self, update: PolicyUpdate, params: Mapping[str, nn.Parameter]
+    ) -> dict[str, tuple[Tensor, Tensor]]:
+        if update.lora_rank <= 0 or update.lora_alpha <= 0:
+            raise PolicyUpdateError(
+                "a LoRA update needs rank > 0 and alpha > 0, "
+                f"got rank {update.lora_rank} alpha {update.lora_alpha}"
+            )
+        modules = {n.removesuffix(LORA_A).removesuffix(LORA_B) for n in update.tensors}
+        bad_names = sorted(n for n in update.tensors if not n.endswith((LORA_A, LORA_B)))
+        _fail_if(bad_names, f"names that are neither '<module>{LORA_A}' nor '<module>{LORA_B}'")
+        half = sorted(m for m in modules if (m + LORA_A in update.tensors) != (m + LORA_B in update.tensors))
+        _fail_if(half, "modules with only one of lora_A / lora_B")
+        unknown = sorted(m for m in modules if m + ".weight" not in params)
+        _fail_if(unknown, "LoRA modules the model cannot place")
+        frozen = sorted(m for m in modules if not is_gen_path(m))
+        _fail_if(frozen, "LoRA modules outside the gen path")
+        pairs = {m: (update.tensors[m + LORA_A], update.tensors[m + LORA_B]) for m in modules}
+        errors = (
+            _lora_shape_error(m, a, b, params[m + ".weight"].shape, update.lora_rank)
+            for m, (a, b) in pairs.items()
+        )
+        shapes = sorted(e for e in errors if e)
+        _fail_if(shapes, "mis-shaped LoRA tensors")
+        return pairs
+
+    @torch.no_grad()
+    def _apply_lora(
+        self,
+        update: PolicyUpdate,
+        pairs: Mapping[str, tuple[Tensor, Tensor]],
+        params: Mapping[str, nn.Parameter],
+    ) -> None:
+        for module in sorted(set(self._base) - set(pairs)):  # adapted before, not any more
+            params[module + ".weight"].copy_(self._base[module])
+        for module, (a, b) in pairs.items():
+            weight = params[module + ".weight"]
+            base = self._base.setdefault(module, weight.detach().clone())
+            delta = b.to(weight.device, torch.float32) @ a.to(weight.device, torch.float32)
+            weight.copy_((base.float() + update.lora_scale * delta).to(weight.dtype))
+
+
+def _lora_shape_error(module: str, a: Tensor, b: Tensor, weight: torch.Size, rank: int) -> str:
+    out_features, in_features = weight
+    if tuple(a.shape) == (rank, in_features) and tuple(b.shape) == (out_features, rank):
+        return ""
+    return (
+        f"{module}: lora_A {list(a.shape)} / lora_B {list(b.shape)}, expected "
+        f"[{rank}, {in_features}] / [{out_features}, {rank}]"
+    )
+
+
+def _fail_if(items: list[str], what: str) -> None:
+    if items:
+        shown = "; ".join(items[:8]) + (f"; ... ({len(items)} in all)" if len(items) > 8 else "")
+        raise PolicyUpdateError(f"policy update refused, {what}: {shown}")
