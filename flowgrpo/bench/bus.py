@@ -1,0 +1,288 @@
+"""Data-bus throughput and latency against memcpy, measured in one run (``flowgrpo bench bus``).
+
+A producer store runs in a child process per transport and holds one float32 tensor per size;
+this process fetches each tensor several times and reports the median, as GB/s and as a ratio
+to numpy memcpy (``np.copyto`` into a preallocated array) of the same size, timed here, now.
+
+Rows:
+- ``ipc``, ``tcp``: socket frames received straight into a new array (shared memory off);
+- ``shm``: same host, the consumer copies the mapped segment into its own preallocated array;
+- ``shm-view``: same host, in place: the fetch maps the segment copy-on-write (a private,
+  writable array without a copy) and every page is touched once.
+
+Small messages: PING and a 1-key 64-byte FETCH round trip, p50/p99 in microseconds, beside
+the round trip of a bare pyzmq DEALER/ROUTER echo in the producer process: the floor that
+thread wake-ups put under any ZMQ message on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import zmq
+
+from flowgrpo.bus import BusClient, BusConfig, TensorRef, serve_store
+
+MiB = 1 << 20
+GOALS = {"shm": 0.5, "tcp": 0.2}  # ratio to memcpy at 64 MiB on the reference 2-core machine
+LATENCY_GOAL_US = 200.0
+_PAGE = 4096
+
+
+@dataclass
+class Row:
+    size_mib: int
+    path: str
+    gb_s: float
+    ratio: float
+
+
+@dataclass
+class Latency:
+    transport: str
+    message: str
+    p50_us: float
+    p99_us: float
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.producer:
+        return _produce(args.producer, args.sizes_mib)
+    with _Producer("ipc", args.sizes_mib) as ipc, _Producer("tcp", args.sizes_mib) as tcp:
+        rows = _throughput(ipc, tcp, args.sizes_mib, args.repeats)
+        latencies = _latencies({"ipc": ipc, "tcp": tcp}, args.latency_n)
+    _print(rows, latencies)
+    if args.json:
+        Path(args.json).write_text(json.dumps(_report(rows, latencies), indent=2) + "\n")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flowgrpo bench bus", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64, 256], help="tensor sizes")
+    p.add_argument("--repeats", type=int, default=5, help="fetches per size and path (median taken)")
+    p.add_argument("--latency-n", type=int, default=2000, help="round trips per latency figure")
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    p.add_argument("--producer", choices=["ipc", "tcp"], help=argparse.SUPPRESS)  # the child process
+    return p
+
+
+# --- the producer process ---------------------------------------------------------------------
+
+
+def _produce(transport: str, sizes_mib: Sequence[int]) -> int:
+    """Serve one tensor per size plus a 64-byte one and a bare pyzmq echo socket (the latency
+    floor of this machine); print their addresses; serve until stdin closes."""
+    rng = np.random.default_rng(0)
+    with serve_store(BusConfig(transport="ipc" if transport == "ipc" else "tcp")) as server:
+        refs = {
+            str(mib): server.store.put(f"t{mib}", "weights", rng.random(mib * MiB // 4, np.float32))
+            for mib in sizes_mib
+        }
+        refs["small"] = server.store.put("small", "weights", rng.random(16, np.float32))
+        echo = _start_echo(server.endpoint.replace(".sock", ".echo.sock") if transport == "ipc" else None)
+        print(json.dumps({"refs": {k: r.to_dict() for k, r in refs.items()}, "echo": echo}), flush=True)
+        sys.stdin.read()
+    if echo.startswith("ipc://"):  # the echo socket is never closed (its thread blocks in recv)
+        Path(echo.removeprefix("ipc://")).unlink(missing_ok=True)
+    return 0
+
+
+def _start_echo(ipc_endpoint: str | None) -> str:
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.bind(ipc_endpoint or "tcp://127.0.0.1:*")
+
+    def echo() -> None:
+        while True:
+            sock.send_multipart(sock.recv_multipart())
+
+    threading.Thread(target=echo, daemon=True).start()
+    return ipc_endpoint or sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+class _Producer:
+    """A producer child process and the refs it printed; ended by closing its stdin."""
+
+    def __init__(self, transport: str, sizes_mib: Sequence[int]) -> None:
+        cmd = [sys.executable, "-m", "flowgrpo.bench.bus", "--producer", transport, "--sizes-mib"]
+        self.proc = subprocess.Popen(
+            [*cmd, *map(str, sizes_mib)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {transport} producer exited with {self.proc.wait()} before serving")
+        served = json.loads(line)
+        self.refs = {name: TensorRef.from_dict(data) for name, data in served["refs"].items()}
+        self.echo: str = served["echo"]
+
+    def __enter__(self) -> _Producer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# --- measuring --------------------------------------------------------------------------------
+
+
+def _median_s(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up: connection, probe, first-touch of buffers
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _memcpy_s(nbytes: int, repeats: int) -> float:
+    src = np.random.default_rng(1).random(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    return _median_s(lambda: np.copyto(dst, src), repeats)
+
+
+def _throughput(ipc: _Producer, tcp: _Producer, sizes_mib: Sequence[int], repeats: int) -> list[Row]:
+    socket_only = BusClient(BusConfig(shm=False))
+    same_host = BusClient(BusConfig(shm=True))
+    rows = []
+    for mib in sizes_mib:
+        nbytes = mib * MiB
+        reps = repeats if mib < 256 else max(3, repeats // 2)
+        base = _memcpy_s(nbytes, reps)
+        rows.append(Row(mib, "memcpy", nbytes / base / 1e9, 1.0))
+        for path, fn in _paths(str(mib), ipc, tcp, socket_only, same_host).items():
+            seconds = _median_s(fn, reps)
+            rows.append(Row(mib, path, nbytes / seconds / 1e9, base / seconds))
+    socket_only.close()
+    same_host.close()
+    return rows
+
+
+def _paths(
+    key: str, ipc: _Producer, tcp: _Producer, socket_only: BusClient, same_host: BusClient
+) -> dict[str, Callable[[], object]]:
+    """What each row times: one fetch of tensor ``key``, made usable the way the row says."""
+    dst = np.empty(ipc.refs[key].nbytes // 4, np.float32)
+    return {
+        "ipc": lambda: socket_only.fetch([ipc.refs[key]]),
+        "tcp": lambda: socket_only.fetch([tcp.refs[key]]),
+        "shm": lambda: np.copyto(dst, _fetch_shm(same_host, ipc.refs[key])),
+        "shm-view": lambda: _touch(_fetch_shm(same_host, ipc.refs[key])),
+    }
+
+
+def _fetch_shm(client: BusClient, ref: TensorRef) -> npt.NDArray[Any]:
+    [got] = client.fetch([ref])
+    if got.via != "shm":
+        raise RuntimeError(
+            f"expected the shared-memory path, got {got.via}: is /dev/shm shared and large enough?"
+        )
+    return got.array
+
+
+def _touch(array: npt.NDArray[Any]) -> int:
+    return int(array.reshape(-1).view(np.uint8)[::_PAGE].sum())
+
+
+def _latencies(producers: dict[str, _Producer], n: int) -> list[Latency]:
+    client = BusClient(BusConfig(shm=False))
+    out = []
+    for transport, producer in producers.items():
+        ref = producer.refs["small"]
+        bare: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        bare.connect(producer.echo)
+        echo = _round_trips(functools.partial(_echo_round_trip, bare), n)
+        bare.close(linger=0)
+        ping = _round_trips(functools.partial(client.ping, ref.endpoint), n)
+        fetch = _round_trips(functools.partial(client.fetch, [ref]), n)
+        out += [
+            Latency(transport, "pyzmq echo (floor)", *echo),
+            Latency(transport, "PING", *ping),
+            Latency(transport, "FETCH 1 key 64 B", *fetch),
+        ]
+    client.close()
+    return out
+
+
+def _echo_round_trip(sock: zmq.Socket[bytes]) -> None:
+    sock.send_multipart([b"P", b"{}", b""])
+    sock.recv_multipart()
+
+
+def _round_trips(fn: Callable[[], object], n: int) -> tuple[float, float]:
+    for _ in range(min(100, n)):
+        fn()
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    p50, p99 = np.percentile(times, [50, 99])
+    return float(p50), float(p99)
+
+
+# --- reporting --------------------------------------------------------------------------------
+
+
+def _print(rows: list[Row], latencies: list[Latency]) -> None:
+    print(f"bus throughput, float32 tensors, median of repeats ({os.cpu_count()} CPUs)")
+    print(f"{'size':>8}  {'path':<9} {'GB/s':>7}  {'x memcpy':>8}")
+    for row in rows:
+        print(f"{row.size_mib:>5} MiB  {row.path:<9} {row.gb_s:>7.2f}  {row.ratio:>8.2f}")
+    print("\nsmall-message round trip (us)")
+    print(f"{'transport':<10} {'message':<20} {'p50':>8} {'p99':>8}")
+    for lat in latencies:
+        print(f"{lat.transport:<10} {lat.message:<20} {lat.p50_us:>8.1f} {lat.p99_us:>8.1f}")
+    for line in _goal_lines(rows, latencies):
+        print(line)
+
+
+def _goal_lines(rows: list[Row], latencies: list[Latency]) -> list[str]:
+    lines = ["\ngoals (64 MiB ratio to memcpy; PING p50):"]
+    for path, goal in GOALS.items():
+        found = [r for r in rows if r.size_mib == 64 and r.path == path]
+        if found:
+            verdict = "met" if found[0].ratio >= goal else "MISSED"
+            lines.append(f"  {path:<4} >= {goal:.1f}x: {found[0].ratio:.2f}x {verdict}")
+    for lat in latencies:
+        if lat.message == "PING":
+            verdict = "met" if lat.p50_us < LATENCY_GOAL_US else "MISSED"
+            lines.append(
+                f"  {lat.transport} PING p50 < {LATENCY_GOAL_US:.0f} us: {lat.p50_us:.0f} us {verdict}"
+            )
+    return lines
+
+
+def _report(rows: list[Row], latencies: list[Latency]) -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "throughput": [asdict(r) for r in rows],
+        "latency": [asdict(lat) for lat in latencies],
+        "goals": {"ratio_at_64_mib": GOALS, "ping_p50_us": LATENCY_GOAL_US},
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

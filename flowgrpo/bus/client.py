@@ -1,0 +1,227 @@
+"""BusClient: fetch tensors by reference, straight from the stores that produced them.
+
+One DEALER socket per producer endpoint, cached. ``fetch`` groups refs by endpoint, keeps
+several requests in flight to each and polls all of them at once, under one deadline. Refs to
+a store of this very process are read from it directly, without sockets (the in-process twin
+the "inprocess" launcher relies on).
+
+Calls are serialised by a lock: ZMQ sockets belong to one thread at a time. Threads that
+fetch in parallel should each use their own client.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Literal, TypeVar, overload
+
+from flowgrpo.bus import wire
+from flowgrpo.bus.config import BusConfig
+from flowgrpo.bus.errors import BusError, DataLost, Internal, Unauthenticated, error_for
+from flowgrpo.bus.peer import Peer, wait_readable
+from flowgrpo.bus.refs import Fetched, TensorRef
+from flowgrpo.bus.store import TensorStore, local_store
+from flowgrpo.bus.transfer import Slot, Transfer
+
+Errors = Literal["raise", "return"]
+R = TypeVar("R", bound=wire.Reply)
+
+
+class BusClient:
+    """Fetches, releases and inspects data held by producers' stores.
+
+    ``local_stores=False`` sends even refs of this process's stores through sockets (tests).
+    """
+
+    def __init__(self, config: BusConfig | None = None, *, local_stores: bool = True) -> None:
+        self.config = config or BusConfig()
+        self._local_stores = local_stores
+        self._peers: dict[str, Peer] = {}
+        self._rids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    # --- fetch --------------------------------------------------------------------------------
+
+    @overload
+    def fetch(
+        self, refs: Sequence[TensorRef], *, timeout_s: float | None = None, errors: Literal["raise"] = "raise"
+    ) -> list[Fetched]: ...
+
+    @overload
+    def fetch(
+        self, refs: Sequence[TensorRef], *, timeout_s: float | None = None, errors: Literal["return"]
+    ) -> list[Fetched | BusError]: ...
+
+    def fetch(
+        self, refs: Sequence[TensorRef], *, timeout_s: float | None = None, errors: Errors = "raise"
+    ) -> list[Fetched] | list[Fetched | BusError]:
+        """The tensors of ``refs``, in order, within ``timeout_s`` (default fetch_timeout_s).
+
+        A key that failed raises its :class:`BusError` (NotFound, Released, Evicted, DataLost
+        when its producer did not answer ...); with ``errors="return"`` the error takes the
+        key's place in the list instead, and the other keys are still delivered.
+        """
+        timeout = self.config.fetch_timeout_s if timeout_s is None else timeout_s
+        with self._lock:
+            results = self._fetch(list(refs), timeout)
+        if errors == "return":
+            return results
+        for item in results:
+            if isinstance(item, BusError):
+                raise item
+        return [item for item in results if isinstance(item, Fetched)]
+
+    def _fetch(self, refs: list[TensorRef], timeout_s: float) -> list[Fetched | BusError]:
+        results: list[Fetched | BusError | None] = [None] * len(refs)
+        by_endpoint: dict[str, list[Slot]] = {}
+        for index, ref in enumerate(refs):
+            store = local_store(ref.store_id) if self._local_stores else None
+            if store is not None:
+                results[index] = _read_local(store, ref)
+            else:
+                by_endpoint.setdefault(ref.endpoint, []).append(Slot(index, ref, ref.nbytes))
+        transfers = [Transfer(self._peer(ep), slots, self._rids) for ep, slots in by_endpoint.items()]
+        self._drive(transfers, time.monotonic() + timeout_s, timeout_s)
+        for transfer in transfers:
+            for slot in transfer.slots:
+                results[slot.index] = slot.result()
+        return [item for item in results if item is not None]
+
+    def _drive(self, transfers: list[Transfer], deadline: float, timeout_s: float) -> None:
+        """Send and receive for every transfer until all are done or the deadline passed."""
+        spin_s = self.config.spin_us / 1e6
+        pending = [t for t in transfers if not t.done]
+        while pending and time.monotonic() < deadline:
+            for transfer in pending:
+                transfer.send()
+            ready = wait_readable([t.peer for t in pending], deadline, spin_s)
+            for transfer in pending:
+                if transfer.peer in ready:
+                    transfer.receive()
+            pending = [t for t in pending if not t.done]
+        for transfer in pending:
+            transfer.time_out(timeout_s)
+            self._forget(transfer.peer)  # its late replies must not reach a later call
+
+    # --- release, stat, ping ------------------------------------------------------------------
+
+    def release(
+        self,
+        endpoint: str,
+        keys: Iterable[str] = (),
+        *,
+        tag: str | None = None,
+        prefix: str | None = None,
+        timeout_s: float | None = None,
+    ) -> int:
+        """Release keys (and/or every key with ``tag`` or ``prefix``) at ``endpoint``; returns
+        how many the store dropped."""
+        request = wire.ReleaseRequest(next(self._rids), list(keys), tag, prefix)
+        return self._call(endpoint, request, wire.ReleaseReply, timeout_s).released
+
+    def stat(self, endpoint: str, *, timeout_s: float | None = None) -> wire.StoreInfo:
+        """The store's id, bytes used and capacity, tensor count and shared-memory probe."""
+        return self._call(endpoint, wire.StatRequest(next(self._rids)), wire.StatReply, timeout_s).info
+
+    def ping(self, endpoint: str, *, timeout_s: float | None = None) -> float:
+        """One PING round trip to ``endpoint``, in seconds."""
+        start = time.perf_counter()
+        self._call(endpoint, wire.PingRequest(next(self._rids)), wire.PingReply, timeout_s)
+        return time.perf_counter() - start
+
+    def _call(self, endpoint: str, request: wire.Request, expect: type[R], timeout_s: float | None) -> R:
+        """Send one request and wait for its reply (replies to other ids are discarded)."""
+        timeout = self.config.fetch_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            peer = self._peer(endpoint)
+            if not peer.send(request):
+                raise DataLost(
+                    f"cannot queue a request to {endpoint}: its send queue is full", endpoint=endpoint
+                )
+            while wait_readable([peer], deadline, self.config.spin_us / 1e6):
+                reply = self._read(peer)
+                if reply is not None and reply.rid in (request.rid, -1):  # -1: refused unread
+                    return _checked(reply, expect, endpoint)
+            self._forget(peer)
+        name = wire.TOKEN_NAMES[wire.token_of(request)]
+        raise DataLost(
+            f"producer {endpoint} did not answer {name} within {timeout:.1f} s: it may be dead",
+            endpoint=endpoint,
+        )
+
+    @staticmethod
+    def _read(peer: Peer) -> wire.Reply | None:
+        try:
+            reply = peer.read_reply()
+        except wire.AuthError as exc:
+            raise Unauthenticated(
+                f"reply from {peer.endpoint} refused: {exc}", endpoint=peer.endpoint
+            ) from None
+        except wire.WireError as exc:
+            raise Internal(
+                f"producer {peer.endpoint} sent a malformed reply: {exc}", endpoint=peer.endpoint
+            ) from None
+        peer.drain()
+        return reply
+
+    # --- sockets ------------------------------------------------------------------------------
+
+    def _peer(self, endpoint: str) -> Peer:
+        peer = self._peers.get(endpoint)
+        if peer is None:
+            if not endpoint:
+                raise ValueError(
+                    "a ref with no endpoint names a store that is not served; it is readable only "
+                    "in the process that holds the store"
+                )
+            peer = self._peers[endpoint] = Peer(endpoint, self.config)
+        return peer
+
+    def _forget(self, peer: Peer) -> None:
+        peer.close()
+        self._peers.pop(peer.endpoint, None)
+
+    def close(self) -> None:
+        with self._lock:
+            for peer in list(self._peers.values()):
+                self._forget(peer)
+
+    def __enter__(self) -> BusClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _checked(reply: wire.Reply, expect: type[R], endpoint: str) -> R:
+    if isinstance(reply, wire.ErrorReply):
+        raise error_for(reply.code, reply.message, endpoint=endpoint)
+    if not isinstance(reply, expect):
+        raise Internal(f"{endpoint} answered with a {type(reply).__name__}, not a {expect.__name__}")
+    return reply
+
+
+def _read_local(store: TensorStore, ref: TensorRef) -> Fetched | BusError:
+    """The in-process twin of a fetch: same checks and errors, a private copy of the bytes."""
+    found = store.lookup(ref.key)
+    if isinstance(found, wire.ItemError):
+        return error_for(found.code, found.message, key=ref.key, endpoint=ref.endpoint)
+    if (found.dtype, found.shape) != (ref.dtype, ref.shape):
+        return DataLost(
+            f"store {store.store_id} holds {found.dtype}{list(found.shape)} under {ref.key!r} but "
+            f"the ref says {ref.dtype}{list(ref.shape)}: the key was reused",
+            key=ref.key,
+        )
+    return Fetched(
+        ref.key,
+        found.column,
+        found.dtype,
+        found.shape,
+        found.view().copy(),
+        found.policy_version,
+        dict(found.trace),
+        "inprocess",
+    )
