@@ -41,3 +41,10 @@ def test_every_service_is_generated() -> None:
     }
     assert {"flowgrpo.v1.Lifecycle", "flowgrpo.v1.Rollout", "flowgrpo.v1.Trainer"} <= services
     assert Path(protogen.PROTO_ROOT / "flowgrpo/v1/reward.proto").exists()
+
+
+def test_bus_error_codes_mirror_the_proto_enum() -> None:
+    from flowgrpo.bus.errors import ErrorCode
+
+    proto = {n.removeprefix("ERROR_CODE_"): v for n, v in common_pb2.ErrorCode.items()}
+    assert {c.name: c.value for c in ErrorCode} == proto
