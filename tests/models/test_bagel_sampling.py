@@ -18,6 +18,7 @@ from flowgrpo.models.bagel.sampling import (
     guided_velocity,
     prefill_prompts,
     window_step,
+    with_cfg_branches,
 )
 from flowgrpo.sampler_math import WindowParams, ode_step, sample_noise, shifted_schedule
 
@@ -89,7 +90,7 @@ def test_stored_steps_rescore_to_the_behaviour_log_prob(sampler: BagelSampler) -
     pos = latent_position_ids(4, 4, model.config.max_latent_size)
     schedule = shifted_schedule(params.num_points)
     for row, req in enumerate(reqs):
-        cache = prefill_prompts(model, [req.prompt_ids])
+        cache = with_cfg_branches(model, prefill_prompts(model, [req.prompt_ids]), params.cfg)
         for k in range(params.window.size):
             x, x_next = out.latents[row : row + 1, k], out.latents[row : row + 1, k + 1]
             sig, sig_next = out.sigmas[row : row + 1, k], out.sigmas[row : row + 1, k + 1]
@@ -121,7 +122,7 @@ def test_noise_level_zero_is_the_euler_ode(sampler: BagelSampler) -> None:
         x = sample_noise(
             (16, 64), seed=SEED, step=STEP, prompt_uid=req.prompt_uid, sample_index=0, stream="init"
         )[None]
-        cache = prefill_prompts(model, [req.prompt_ids])
+        cache = with_cfg_branches(model, prefill_prompts(model, [req.prompt_ids]), params.cfg)
         with torch.no_grad():
             for i in range(params.num_steps):
                 v = guided_velocity(

@@ -115,9 +115,18 @@ def prefill_prompts(model: BagelModel, prompts: Sequence[Tensor]) -> KVCache:
     return model.prefill(ids, mask)
 
 
+def with_cfg_branches(model: BagelModel, cond: KVCache, cfg: CfgParams) -> KVCache:
+    """The context rows of one CFG forward: the conditional rows, then (when CFG is not the
+    identity) as many empty rows for the text-unconditional branch. Build it once per batch."""
+    if not _needs_uncond(cfg):
+        return cond
+    empty = KVCache.empty(model.config, cond.key_mask.shape[0], cond.keys[0].dtype, cond.key_mask.device)
+    return KVCache.cat_rows([cond, empty])
+
+
 def guided_velocity(
     model: BagelModel,
-    cond: KVCache,
+    context: KVCache,
     x: Tensor,
     t: Tensor,
     pos_ids: Tensor,
@@ -125,28 +134,22 @@ def guided_velocity(
     cfg: CfgParams,
     special: SpecialTokens,
 ) -> Tensor:
-    """CFG-combined velocity [B, N, 64] fp32 of latents x at times t [B] given the conditional
-    cache rows ``cond``: both branches (conditional, empty-context) in one forward.
+    """CFG-combined velocity [B, N, 64] fp32 of latents x at times t [B], given the context rows
+    of :func:`with_cfg_branches`: both branches (conditional, empty-context) in one forward.
 
     The rollout calls it without gradients, the trainer with them (the prompt cache depends only
     on the frozen und path, so it is built once, without gradients, by both).
     """
+    markers = {"soi_id": special.vision_start, "eoi_id": special.vision_end}
+    if not _needs_uncond(cfg):
+        return model.predict_velocity(context, x, t, pos_ids, **markers)
     b = x.shape[0]
-    if cfg.text_scale == 1.0 and cfg.img_scale <= 1.0:  # CFG is the identity: skip the empty branch
-        return model.predict_velocity(
-            cond, x, t, pos_ids, soi_id=special.vision_start, eoi_id=special.vision_end
-        )
-    empty = KVCache.empty(model.config, b, cond.keys[0].dtype, x.device)
-    both = KVCache.cat_rows([cond, empty])
-    v = model.predict_velocity(
-        both,
-        torch.cat([x, x]),
-        torch.cat([t, t]),
-        pos_ids,
-        soi_id=special.vision_start,
-        eoi_id=special.vision_end,
-    )
+    v = model.predict_velocity(context, torch.cat([x, x]), torch.cat([t, t]), pos_ids, **markers)
     return combine_cfg(v[:b], v[b:], t, cfg)
+
+
+def _needs_uncond(cfg: CfgParams) -> bool:
+    return not (cfg.text_scale == 1.0 and cfg.img_scale <= 1.0)  # else CFG is the identity
 
 
 def window_step(
@@ -208,7 +211,7 @@ class BagelSampler:
         rows, cols = params.token_grid()
         pos_ids = latent_position_ids(rows, cols, self.model.config.max_latent_size, device)
         keys = [(r.prompt_uid, r.sample_index) for r in requests]
-        cond = self._prompt_cache(requests)
+        context = with_cfg_branches(self.model, self._prompt_cache(requests), params.cfg)
         schedule = shifted_schedule(params.num_points, params.shift).to(device)
         begins = torch.tensor(
             [window_begin(params.window, params.num_steps, seed, step, r.prompt_uid) for r in requests],
@@ -224,7 +227,7 @@ class BagelSampler:
         )
         for i in range(params.num_steps):
             sigma, sigma_next = schedule[i].expand(len(requests)), schedule[i + 1].expand(len(requests))
-            v = guided_velocity(self.model, cond, x, sigma, pos_ids, cfg=params.cfg, special=self.special)
+            v = guided_velocity(self.model, context, x, sigma, pos_ids, cfg=params.cfg, special=self.special)
             offset = i - begins  # position of step i inside each sample's window
             in_window = (offset >= 0) & (offset < size)
             _record(window_x, x, offset, size + 1)
