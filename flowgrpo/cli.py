@@ -20,6 +20,7 @@ examples:
   flowgrpo bench bus --json b.json --sizes-mib 1 64
   flowgrpo columns                the column schema every service checks its data against
   flowgrpo make-tiny-bagel /tmp/tiny   a tiny random BAGEL checkpoint in the published layout
+  flowgrpo serve rollout rollout.checkpoint=/tmp/tiny server.port=50051
 """
 
 
@@ -34,6 +35,31 @@ def _cmd_columns(_: argparse.Namespace) -> int:
     width = max(len(name) for name in COLUMNS.columns)
     for spec in COLUMNS.columns.values():
         print(f"{spec.name:<{width}}  {spec.dtype:<8} {spec.pattern_str():<16} {spec.doc}")
+    return 0
+
+
+SERVICE_MAINS = {"rollout": "flowgrpo.services.rollout.main"}
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import importlib
+
+    from flowgrpo.config import ConfigError, load_config
+
+    main_module = importlib.import_module(SERVICE_MAINS[args.role])
+    try:
+        config = load_config(main_module.CONFIG, args.config, args.overrides)
+    except ConfigError as error:
+        print(f"flowgrpo serve {args.role}: {error}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        import yaml
+
+        from flowgrpo.config import to_dict
+
+        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+        return 0
+    main_module.run(config)
     return 0
 
 
@@ -69,6 +95,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add("version", "print the version and the wire protocol version", _cmd_version)
     add("columns", "print the column schema (name, dtype, shape pattern, meaning)", _cmd_columns)
+    serve = add(
+        "serve",
+        "run one service until SIGTERM (graceful drain); what compose, Kubernetes and the local "
+        "launcher start",
+        _cmd_serve,
+    )
+    serve.add_argument("role", choices=sorted(SERVICE_MAINS), help="the service to run")
+    serve.add_argument("--config", help="YAML file with the service's config (overrides apply on top)")
+    serve.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    serve.epilog = (
+        "Every config key can be overridden as KEY=VALUE, e.g. rollout.checkpoint=/ckpt server.port=50051"
+    )
+    serve.set_defaults(takes_overrides=True)
     tiny = add(
         "make-tiny-bagel",
         "write a tiny random BAGEL checkpoint in the published layout (ema.safetensors, ae.safetensors, "
@@ -88,7 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # dotted overrides (section.key=value) may come anywhere after the subcommand
+    args.overrides = [a for a in extra if "=" in a and not a.startswith("-")]
+    unknown = [a for a in extra if a not in args.overrides]
+    if unknown or (args.overrides and not getattr(args, "takes_overrides", False)):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or args.overrides)}")
     result: int = args.fn(args)
     return result
 

@@ -67,7 +67,7 @@ def to_dict(obj: Any) -> Any:
 
 def apply_overrides(cfg: T, overrides: Sequence[str]) -> T:
     """Return a copy of ``cfg`` with ``a.b.c=value`` overrides applied, then validated."""
-    data = to_dict(cfg)
+    data = to_dict(cfg)  # a copy: the caller's config is never mutated
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
@@ -86,12 +86,12 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequenc
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     try:
-        cfg = validate(from_dict(cls, data))
+        cfg = from_dict(cls, data)
     except ConfigError as exc:
         if path is None:
             raise
         raise ConfigError(f"{path}: {exc}") from None
-    return apply_overrides(cfg, overrides) if overrides else cfg
+    return apply_overrides(cfg, overrides)  # validates the result, with or without overrides
 
 
 def validate(cfg: T) -> T:

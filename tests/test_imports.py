@@ -20,6 +20,8 @@ TORCH_FREE = [
     "flowgrpo.runtime",
     "flowgrpo.telemetry",
     "flowgrpo.logs",
+    "flowgrpo.services.rollout.config",
+    "flowgrpo.services.rollout.main",
 ]
 
 

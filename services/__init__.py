@@ -1,0 +1,1 @@
+"""The four services, installed as ``flowgrpo.services.<role>`` (see docs/ARCHITECTURE.md)."""

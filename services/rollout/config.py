@@ -1,0 +1,33 @@
+"""The rollout service's config: ``flowgrpo serve rollout rollout.checkpoint=DIR server.port=0``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from flowgrpo.bus.config import BusConfig
+from flowgrpo.runtime.config import ServerConfig
+
+
+@dataclass
+class EngineConfig:
+    checkpoint: str = ""  # BAGEL folder in the published layout (ema.safetensors, ae.safetensors, ...)
+    device: str = "cpu"  # "cuda", "cuda:1", "cpu"
+    dtype: Literal["bfloat16", "float32"] = "float32"  # weights; sampler math always runs in fp32
+    max_batch_samples: int = 32  # samples per forward batch; a request is split into such batches
+
+    def validate(self) -> None:
+        if not self.checkpoint:
+            raise ValueError("rollout.checkpoint is empty: set it to a BAGEL checkpoint folder")
+        if self.max_batch_samples < 1:
+            raise ValueError(f"rollout.max_batch_samples={self.max_batch_samples} must be >= 1")
+
+
+@dataclass
+class RolloutServiceConfig:
+    rollout: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    bus: BusConfig = field(default_factory=BusConfig)
+    replica_id: str = ""  # default: rollout-<random>
+    run_dir: str = ""  # traces go to <run_dir>/traces when no OTLP endpoint is set
+    log_format: Literal["json", "text"] = "json"

@@ -1,0 +1,89 @@
+"""The rollout engine interface and its native BAGEL implementation.
+
+:class:`RolloutEngine` is what the rollout service needs from a sampler: trajectories with
+behaviour log-probs for a batch of samples, atomic policy updates, and the version it holds.
+:class:`NativeBagelEngine` implements it with our PyTorch BAGEL. A vLLM-Omni engine would
+implement the same three members: its BAGEL pipeline with a custom scheduler whose step is
+``flowgrpo.sampler_math.sde_step`` inside the window (recording x_t and the log-prob per step,
+seeded per sample from ``sample_noise``), prompt token ids passed in directly (no re-tokenising),
+and policy updates turned into LoRA requests (``kind="lora"``: the adapter tensors under a new
+adapter id per version) or an in-place weight reload (``kind="gen_path"``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens, load_vae
+from flowgrpo.models.bagel.policy import PolicyApplier, PolicyUpdate
+from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, SamplerParams, Trajectories
+
+log = logging.getLogger(__name__)
+
+
+class RolloutEngine(Protocol):
+    @property
+    def policy_version(self) -> int: ...
+
+    def generate(
+        self, requests: Sequence[SampleRequest], params: SamplerParams, *, seed: int, step: int
+    ) -> Trajectories:
+        """Row i of the result belongs to request i; results never depend on the batch split."""
+        ...
+
+    def apply_update(self, update: PolicyUpdate) -> None:
+        """Apply a whole update or nothing (a refused update leaves the engine as it was)."""
+        ...
+
+
+class NativeBagelEngine:
+    """Our PyTorch BAGEL sampler; samples in batches of at most ``max_batch_samples``."""
+
+    def __init__(self, sampler: BagelSampler, max_batch_samples: int) -> None:
+        self.sampler = sampler
+        self.max_batch_samples = max_batch_samples
+        self._policy = PolicyApplier(sampler.model)
+
+    @classmethod
+    def from_checkpoint(
+        cls, folder: str | Path, *, device: str, dtype: torch.dtype, max_batch_samples: int
+    ) -> NativeBagelEngine:
+        model = load_bagel_model(folder, dtype=dtype, device=device).eval()
+        vae = load_vae(folder, dtype=dtype, device=device).eval()
+        log.info("loaded BAGEL from %s on %s (%s)", folder, device, dtype)
+        return cls(BagelSampler(model, vae, load_special_tokens(folder)), max_batch_samples)
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy.version
+
+    def generate(
+        self, requests: Sequence[SampleRequest], params: SamplerParams, *, seed: int, step: int
+    ) -> Trajectories:
+        size = self.max_batch_samples
+        parts = [
+            self.sampler.generate(requests[i : i + size], params, seed=seed, step=step)
+            for i in range(0, len(requests), size)
+        ]
+        return parts[0] if len(parts) == 1 else concat_trajectories(parts)
+
+    def apply_update(self, update: PolicyUpdate) -> None:
+        self._policy.apply(update)
+
+
+def concat_trajectories(parts: Sequence[Trajectories]) -> Trajectories:
+    images = [p.images for p in parts]
+    return Trajectories(
+        latents=torch.cat([p.latents for p in parts]),
+        log_probs=torch.cat([p.log_probs for p in parts]),
+        sigmas=torch.cat([p.sigmas for p in parts]),
+        timesteps=torch.cat([p.timesteps for p in parts]),
+        window_begin=torch.cat([p.window_begin for p in parts]),
+        final_latents=torch.cat([p.final_latents for p in parts]),
+        images=None if any(i is None for i in images) else torch.cat([i for i in images if i is not None]),
+    )
