@@ -56,9 +56,12 @@ def cfg_active(t: Tensor, interval: tuple[float, float]) -> Tensor:
 
 def _norm(v: Tensor, per_token: bool) -> Tensor:
     """L2 norm of each sample [B, 1, 1] or of each token [B, N, 1] of a [B, N, C] tensor."""
+    norm: Tensor
     if per_token:
-        return torch.linalg.vector_norm(v, dim=-1, keepdim=True)
-    return torch.linalg.vector_norm(v.flatten(1), dim=1).view(-1, 1, 1)
+        norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True)
+    else:
+        norm = torch.linalg.vector_norm(v.flatten(1), dim=1).view(-1, 1, 1)
+    return norm
 
 
 def _renorm(v: Tensor, v_cond: Tensor, per_token: bool, renorm_min: float) -> Tensor:
