@@ -185,6 +185,87 @@ class StageSpec(_message.Message):
 Global___StageSpec: _TypeAlias = StageSpec  # noqa: Y015
 
 @_typing.final
+class SamplerParams(_message.Message):
+    """Sampler settings, sent by the coordinator to rollouts (to sample) and the trainer (to
+    recompute log-probs with exactly the same math). Every random draw is a pure function of
+    (seed, step, prompt_uid, sample_index), so replicas and batch splits never change results.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_POINTS_FIELD_NUMBER: _builtins.int
+    TIMESTEP_SHIFT_FIELD_NUMBER: _builtins.int
+    CFG_TEXT_SCALE_FIELD_NUMBER: _builtins.int
+    CFG_IMG_SCALE_FIELD_NUMBER: _builtins.int
+    CFG_INTERVAL_LO_FIELD_NUMBER: _builtins.int
+    CFG_INTERVAL_HI_FIELD_NUMBER: _builtins.int
+    CFG_RENORM_TYPE_FIELD_NUMBER: _builtins.int
+    CFG_RENORM_MIN_FIELD_NUMBER: _builtins.int
+    SDE_TYPE_FIELD_NUMBER: _builtins.int
+    NOISE_LEVEL_FIELD_NUMBER: _builtins.int
+    SDE_WINDOW_SIZE_FIELD_NUMBER: _builtins.int
+    SDE_WINDOW_LO_FIELD_NUMBER: _builtins.int
+    SDE_WINDOW_HI_FIELD_NUMBER: _builtins.int
+    WINDOW_STRATEGY_FIELD_NUMBER: _builtins.int
+    HEIGHT_FIELD_NUMBER: _builtins.int
+    WIDTH_FIELD_NUMBER: _builtins.int
+    DETERMINISTIC_FIELD_NUMBER: _builtins.int
+    DECODE_IMAGES_FIELD_NUMBER: _builtins.int
+    num_points: _builtins.int
+    """schedule points; num_points - 1 denoising steps"""
+    timestep_shift: _builtins.float
+    """t <- s t / (1 + (s - 1) t)"""
+    cfg_text_scale: _builtins.float
+    cfg_img_scale: _builtins.float
+    cfg_interval_lo: _builtins.float
+    cfg_interval_hi: _builtins.float
+    cfg_renorm_type: _builtins.str
+    """"global", "channel", "text_channel" """
+    cfg_renorm_min: _builtins.float
+    sde_type: _builtins.str
+    """"sde" or "cps" """
+    noise_level: _builtins.float
+    """0 = the plain Euler ODE"""
+    sde_window_size: _builtins.int
+    sde_window_lo: _builtins.int
+    sde_window_hi: _builtins.int
+    window_strategy: _builtins.str
+    """"random", "fixed", "progressive" """
+    height: _builtins.int
+    width: _builtins.int
+    deterministic: _builtins.bool
+    decode_images: _builtins.bool
+    def __init__(
+        self,
+        *,
+        num_points: _builtins.int = ...,
+        timestep_shift: _builtins.float = ...,
+        cfg_text_scale: _builtins.float = ...,
+        cfg_img_scale: _builtins.float = ...,
+        cfg_interval_lo: _builtins.float = ...,
+        cfg_interval_hi: _builtins.float = ...,
+        cfg_renorm_type: _builtins.str = ...,
+        cfg_renorm_min: _builtins.float = ...,
+        sde_type: _builtins.str = ...,
+        noise_level: _builtins.float = ...,
+        sde_window_size: _builtins.int = ...,
+        sde_window_lo: _builtins.int = ...,
+        sde_window_hi: _builtins.int = ...,
+        window_strategy: _builtins.str = ...,
+        height: _builtins.int = ...,
+        width: _builtins.int = ...,
+        deterministic: _builtins.bool = ...,
+        decode_images: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cfg_img_scale", b"cfg_img_scale", "cfg_interval_hi", b"cfg_interval_hi", "cfg_interval_lo", b"cfg_interval_lo", "cfg_renorm_min", b"cfg_renorm_min", "cfg_renorm_type", b"cfg_renorm_type", "cfg_text_scale", b"cfg_text_scale", "decode_images", b"decode_images", "deterministic", b"deterministic", "height", b"height", "noise_level", b"noise_level", "num_points", b"num_points", "sde_type", b"sde_type", "sde_window_hi", b"sde_window_hi", "sde_window_lo", b"sde_window_lo", "sde_window_size", b"sde_window_size", "timestep_shift", b"timestep_shift", "width", b"width", "window_strategy", b"window_strategy"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SamplerParams: _TypeAlias = SamplerParams  # noqa: Y015
+
+@_typing.final
 class NamedTensor(_message.Message):
     """The policy-update format: what the trainer publishes after an update and every rollout
     replica loads. Only what changed travels: the LoRA A/B tensors, or the trainable gen-path

@@ -22,86 +22,6 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
-class SamplerParams(_message.Message):
-    """Sampler settings of one request. Every random draw is a pure function of
-    (seed, step, prompt_uid, sample_index), so replicas and batch splits never change results.
-    """
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    NUM_POINTS_FIELD_NUMBER: _builtins.int
-    TIMESTEP_SHIFT_FIELD_NUMBER: _builtins.int
-    CFG_TEXT_SCALE_FIELD_NUMBER: _builtins.int
-    CFG_IMG_SCALE_FIELD_NUMBER: _builtins.int
-    CFG_INTERVAL_LO_FIELD_NUMBER: _builtins.int
-    CFG_INTERVAL_HI_FIELD_NUMBER: _builtins.int
-    CFG_RENORM_TYPE_FIELD_NUMBER: _builtins.int
-    CFG_RENORM_MIN_FIELD_NUMBER: _builtins.int
-    SDE_TYPE_FIELD_NUMBER: _builtins.int
-    NOISE_LEVEL_FIELD_NUMBER: _builtins.int
-    SDE_WINDOW_SIZE_FIELD_NUMBER: _builtins.int
-    SDE_WINDOW_LO_FIELD_NUMBER: _builtins.int
-    SDE_WINDOW_HI_FIELD_NUMBER: _builtins.int
-    WINDOW_STRATEGY_FIELD_NUMBER: _builtins.int
-    HEIGHT_FIELD_NUMBER: _builtins.int
-    WIDTH_FIELD_NUMBER: _builtins.int
-    DETERMINISTIC_FIELD_NUMBER: _builtins.int
-    DECODE_IMAGES_FIELD_NUMBER: _builtins.int
-    num_points: _builtins.int
-    """schedule points; num_points - 1 denoising steps"""
-    timestep_shift: _builtins.float
-    """t <- s t / (1 + (s - 1) t)"""
-    cfg_text_scale: _builtins.float
-    cfg_img_scale: _builtins.float
-    cfg_interval_lo: _builtins.float
-    cfg_interval_hi: _builtins.float
-    cfg_renorm_type: _builtins.str
-    """"global", "channel", "text_channel" """
-    cfg_renorm_min: _builtins.float
-    sde_type: _builtins.str
-    """"sde" or "cps" """
-    noise_level: _builtins.float
-    """0 = the plain Euler ODE"""
-    sde_window_size: _builtins.int
-    sde_window_lo: _builtins.int
-    sde_window_hi: _builtins.int
-    window_strategy: _builtins.str
-    """"random", "fixed", "progressive" """
-    height: _builtins.int
-    width: _builtins.int
-    deterministic: _builtins.bool
-    decode_images: _builtins.bool
-    def __init__(
-        self,
-        *,
-        num_points: _builtins.int = ...,
-        timestep_shift: _builtins.float = ...,
-        cfg_text_scale: _builtins.float = ...,
-        cfg_img_scale: _builtins.float = ...,
-        cfg_interval_lo: _builtins.float = ...,
-        cfg_interval_hi: _builtins.float = ...,
-        cfg_renorm_type: _builtins.str = ...,
-        cfg_renorm_min: _builtins.float = ...,
-        sde_type: _builtins.str = ...,
-        noise_level: _builtins.float = ...,
-        sde_window_size: _builtins.int = ...,
-        sde_window_lo: _builtins.int = ...,
-        sde_window_hi: _builtins.int = ...,
-        window_strategy: _builtins.str = ...,
-        height: _builtins.int = ...,
-        width: _builtins.int = ...,
-        deterministic: _builtins.bool = ...,
-        decode_images: _builtins.bool = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cfg_img_scale", b"cfg_img_scale", "cfg_interval_hi", b"cfg_interval_hi", "cfg_interval_lo", b"cfg_interval_lo", "cfg_renorm_min", b"cfg_renorm_min", "cfg_renorm_type", b"cfg_renorm_type", "cfg_text_scale", b"cfg_text_scale", "decode_images", b"decode_images", "deterministic", b"deterministic", "height", b"height", "noise_level", b"noise_level", "num_points", b"num_points", "sde_type", b"sde_type", "sde_window_hi", b"sde_window_hi", "sde_window_lo", b"sde_window_lo", "sde_window_size", b"sde_window_size", "timestep_shift", b"timestep_shift", "width", b"width", "window_strategy", b"window_strategy"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___SamplerParams: _TypeAlias = SamplerParams  # noqa: Y015
-
-@_typing.final
 class PromptGroup(_message.Message):
     """G samples of one prompt share the SDE window; a group may be split across replicas by
     giving each a subset of sample indices.
@@ -153,14 +73,14 @@ class GenerateRequest(_message.Message):
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___PromptGroup]: ...
     @_builtins.property
-    def params(self) -> Global___SamplerParams: ...
+    def params(self) -> _common_pb2.SamplerParams: ...
     def __init__(
         self,
         *,
         step: _builtins.int = ...,
         seed: _builtins.int = ...,
         groups: _abc.Iterable[Global___PromptGroup] | None = ...,
-        params: Global___SamplerParams | None = ...,
+        params: _common_pb2.SamplerParams | None = ...,
         min_policy_version: _builtins.int = ...,
         release_tag: _builtins.str = ...,
     ) -> None: ...

@@ -88,18 +88,27 @@ class TrainStepRequest(_message.Message):
 
     STEP_FIELD_NUMBER: _builtins.int
     SAMPLES_FIELD_NUMBER: _builtins.int
+    PARAMS_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
     step: _builtins.int
+    seed: _builtins.int
     @_builtins.property
     def samples(self) -> _containers.RepeatedCompositeFieldContainer[Global___TrainSample]: ...
+    @_builtins.property
+    def params(self) -> _common_pb2.SamplerParams:
+        """the sampler settings the samples were drawn with"""
+
     def __init__(
         self,
         *,
         step: _builtins.int = ...,
         samples: _abc.Iterable[Global___TrainSample] | None = ...,
+        params: _common_pb2.SamplerParams | None = ...,
+        seed: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["params", b"params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["samples", b"samples", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["params", b"params", "samples", b"samples", "seed", b"seed", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -31,8 +31,8 @@ from flowgrpo.bus import (
 from flowgrpo.bus.torch_tensors import put_tensor, to_torch
 from flowgrpo.models.bagel.policy import PolicyUpdate, PolicyUpdateError
 from flowgrpo.models.bagel.sampling import SampleRequest, SamplerParams, Trajectories
+from flowgrpo.models.bagel.wire import sampler_params_from_proto
 from flowgrpo.runtime import Actor, InvalidArgument, ServiceError, message
-from flowgrpo.sampler_math import CfgParams, WindowParams
 from flowgrpo.telemetry import links_from
 from flowgrpo.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
@@ -85,7 +85,10 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
                 f"this replica holds policy version {self.policy_version}, the request needs >= "
                 f"{request.min_policy_version}: send LoadWeights first"
             )
-        params = sampler_params(request.params)
+        try:
+            params = sampler_params_from_proto(request.params)
+        except ValueError as error:
+            raise InvalidArgument(str(error)) from None
         return await self.compute(self._generate, request, params)
 
     @message
@@ -210,43 +213,3 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
     def _store(self) -> TensorStore:
         assert self.bus is not None, "the store is created in start(), before any message"
         return self.bus.store
-
-
-def sampler_params(msg: rollout_pb2.SamplerParams) -> SamplerParams:
-    """The sampler settings of a request, checked (a bad value names the field)."""
-    params = SamplerParams(
-        num_points=msg.num_points,
-        shift=msg.timestep_shift,
-        cfg=CfgParams(
-            text_scale=msg.cfg_text_scale,
-            img_scale=msg.cfg_img_scale,
-            interval=(msg.cfg_interval_lo, msg.cfg_interval_hi),
-            renorm_type=msg.cfg_renorm_type,  # type: ignore[arg-type]
-            renorm_min=msg.cfg_renorm_min,
-        ),
-        sde_type=msg.sde_type,  # type: ignore[arg-type]
-        noise_level=msg.noise_level,
-        window=WindowParams(
-            size=msg.sde_window_size,
-            lo=msg.sde_window_lo,
-            hi=msg.sde_window_hi,
-            strategy=msg.window_strategy,  # type: ignore[arg-type]
-        ),
-        height=msg.height,
-        width=msg.width,
-        deterministic=msg.deterministic,
-        decode_images=msg.decode_images,
-    )
-    _check_choice("cfg_renorm_type", msg.cfg_renorm_type, ("global", "channel", "text_channel"))
-    _check_choice("sde_type", msg.sde_type, ("sde", "cps"))
-    _check_choice("window_strategy", msg.window_strategy, ("random", "fixed", "progressive"))
-    try:
-        params.validate()
-    except ValueError as error:
-        raise InvalidArgument(f"SamplerParams: {error}") from None
-    return params
-
-
-def _check_choice(field: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise InvalidArgument(f"SamplerParams.{field}={value!r} is not one of {', '.join(choices)}")

@@ -30,7 +30,7 @@ from flowgrpo.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 PARAMS = SamplerParams(num_points=7, height=32, width=48, window=WindowParams(size=2, lo=0, hi=4),
                        deterministic=True)  # fmt: skip
-WIRE_PARAMS = rollout_pb2.SamplerParams(
+WIRE_PARAMS = common_pb2.SamplerParams(
     num_points=7, timestep_shift=3.0, cfg_text_scale=4.0, cfg_img_scale=1.0, cfg_interval_lo=0.0,
     cfg_interval_hi=1.0, cfg_renorm_type="global", cfg_renorm_min=0.0, sde_type="sde", noise_level=1.3,
     sde_window_size=2, sde_window_lo=0, sde_window_hi=4, window_strategy="random", height=32, width=48,
