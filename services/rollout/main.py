@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from flowgrpo.services.rollout.config import RolloutServiceConfig
-
 from flowgrpo.logs import setup_logging
 from flowgrpo.runtime import Service, serve
+from flowgrpo.services.rollout.config import RolloutServiceConfig
 from flowgrpo.telemetry import setup_tracing, shutdown_tracing
 from flowgrpo.v1 import rollout_pb2_grpc
 

@@ -14,8 +14,6 @@ from collections.abc import Sequence
 import grpc
 import grpc.aio
 import torch
-from flowgrpo.services.rollout.config import RolloutServiceConfig
-from flowgrpo.services.rollout.engine import NativeBagelEngine, RolloutEngine
 from opentelemetry import trace
 
 from flowgrpo.bus import (
@@ -33,6 +31,8 @@ from flowgrpo.models.bagel.policy import PolicyUpdate, PolicyUpdateError
 from flowgrpo.models.bagel.sampling import SampleRequest, SamplerParams, Trajectories
 from flowgrpo.models.bagel.wire import sampler_params_from_proto
 from flowgrpo.runtime import Actor, InvalidArgument, ServiceError, message
+from flowgrpo.services.rollout.config import RolloutServiceConfig
+from flowgrpo.services.rollout.engine import NativeBagelEngine, RolloutEngine
 from flowgrpo.telemetry import links_from
 from flowgrpo.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 

@@ -153,13 +153,18 @@ def load_bagel_model(
     folder: str | Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
 ) -> BagelModel:
     """The MoT model and generation heads from ``ema.safetensors`` + ``llm_config.json`` alone,
-    in eval mode, every weight (the position table too) in ``dtype`` on ``device``."""
+    in eval mode, every weight (the position table too) in ``dtype`` on ``device``, frozen.
+
+    Frozen (``requires_grad=False``) because training code unfreezes exactly what it trains, and
+    because PyTorch picks a different linear kernel for parameters that require gradients even
+    under ``no_grad``: a rollout and a trainer must hold the same flags to compute bitwise-equal
+    log-probs."""
     folder = Path(folder)
     cfg = read_bagel_config(folder)
     with torch.device("meta"):
         model = BagelModel(cfg)
     _load_into(model, folder / EMA_FILE, dtype, device, IGNORED_PREFIXES)
-    return model.eval()
+    return model.eval().requires_grad_(False)
 
 
 def load_vae(

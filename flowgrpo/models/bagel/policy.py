@@ -5,9 +5,12 @@ The format (``flowgrpo.v1.WeightUpdate``) names tensors with the published BAGEL
 - ``kind="gen_path"``: full tensors of trainable gen-path parameters (names containing
   ``moe_gen``), copied in place;
 - ``kind="lora"``: for each adapted module ``<module>.lora_A.weight`` [r, in] and
-  ``<module>.lora_B.weight`` [out, r], merged as W = W_base + (alpha / r) B A. The base weights of
-  adapted modules are kept, so every version is merged onto the base, never onto the previous
-  merge (no drift in bf16), and a later update may adapt fewer modules.
+  ``<module>.lora_B.weight`` [out, r]. ``lora_mode="merge"`` (fast sampling) merges them as
+  W = W_base + (alpha / r) B A; the base weights of adapted modules are kept, so every version is
+  merged onto the base, never onto the previous merge (no drift in bf16), and a later update may
+  adapt fewer modules. ``lora_mode="peft"`` runs them unmerged through peft's own LoRA layers,
+  the computation the trainer differentiates: behaviour and recomputed log-probs are then
+  bitwise equal (CPU, deterministic mode) at every policy version, not only within rounding.
 
 Every update is checked whole before anything changes: a name the model cannot place, a
 mis-shaped tensor or half a LoRA pair fails with the names, and the model is left as it was.
@@ -23,6 +26,8 @@ import torch
 from torch import Tensor, nn
 
 UpdateKind = Literal["lora", "gen_path"]
+LoraMode = Literal["merge", "peft"]
+PEFT_ADAPTER = "default"
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 GEN_PATH_MARKER = "moe_gen"
 
@@ -55,7 +60,9 @@ class PolicyApplier:
 
     model: nn.Module
     version: int = 0
-    _base: dict[str, Tensor] = field(default_factory=dict)  # LoRA-adapted module -> base weight
+    lora_mode: LoraMode = "merge"
+    _base: dict[str, Tensor] = field(default_factory=dict)  # merge mode: adapted module -> base weight
+    _peft_modules: tuple[tuple[str, ...], int] | None = None  # peft mode: (modules, rank) injected
 
     def apply(self, update: PolicyUpdate) -> None:
         if update.version <= self.version:
@@ -68,7 +75,10 @@ class PolicyApplier:
             self._apply_gen_path(update, params)
         elif update.kind == "lora":
             pairs = self._check_lora(update, params)
-            self._apply_lora(update, pairs, params)
+            if self.lora_mode == "peft":
+                self._apply_lora_peft(update, pairs)
+            else:
+                self._apply_lora(update, pairs, params)
         else:
             raise PolicyUpdateError(f"unknown update kind {update.kind!r}: expected 'lora' or 'gen_path'")
         self.version = update.version
@@ -111,7 +121,7 @@ class PolicyApplier:
         _fail_if(bad_names, f"names that are neither '<module>{LORA_A}' nor '<module>{LORA_B}'")
         half = sorted(m for m in modules if (m + LORA_A in update.tensors) != (m + LORA_B in update.tensors))
         _fail_if(half, "modules with only one of lora_A / lora_B")
-        unknown = sorted(m for m in modules if m + ".weight" not in params)
+        unknown = sorted(m for m in modules if _base_weight(m, params) is None)
         _fail_if(unknown, "LoRA modules the model cannot place")
         frozen = sorted(m for m in modules if not is_gen_path(m))
         _fail_if(frozen, "LoRA modules outside the gen path")
@@ -138,6 +148,48 @@ class PolicyApplier:
             base = self._base.setdefault(module, weight.detach().clone())
             delta = b.to(weight.device, torch.float32) @ a.to(weight.device, torch.float32)
             weight.copy_((base.float() + update.lora_scale * delta).to(weight.dtype))
+
+    @torch.no_grad()
+    def _apply_lora_peft(self, update: PolicyUpdate, pairs: Mapping[str, tuple[Tensor, Tensor]]) -> None:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        layout = (tuple(sorted(pairs)), update.lora_rank)
+        if self._peft_modules is None:
+            config = LoraConfig(
+                r=update.lora_rank,
+                lora_alpha=update.lora_alpha,
+                target_modules=list(layout[0]),
+                lora_dropout=0.0,
+            )
+            inject_adapter_in_model(config, self.model, adapter_name=PEFT_ADAPTER)
+            self._peft_modules = layout
+        elif self._peft_modules != layout:
+            raise PolicyUpdateError(
+                "lora_mode 'peft' needs the same modules and rank in every update; "
+                f"loaded {len(self._peft_modules[0])} modules of rank {self._peft_modules[1]}, "
+                f"got {len(layout[0])} of rank {layout[1]}"
+            )
+        modules = dict(self.model.named_modules())
+        for name, (a, b) in pairs.items():
+            layer = modules[name]
+            layer.lora_A[PEFT_ADAPTER].weight.data = a.to(
+                layer.base_layer.weight.device, torch.float32
+            ).clone()  # type: ignore[index,union-attr]
+            layer.lora_B[PEFT_ADAPTER].weight.data = b.to(
+                layer.base_layer.weight.device, torch.float32
+            ).clone()  # type: ignore[index,union-attr]
+            layer.scaling[PEFT_ADAPTER] = update.lora_scale  # type: ignore[index]
+
+
+def _base_weight(module: str, params: Mapping[str, nn.Parameter]) -> nn.Parameter | None:
+    """The weight LoRA adapts: ``<module>.weight``, or ``<module>.base_layer.weight`` once peft wrapped it."""
+    return params.get(module + ".weight", params.get(module + ".base_layer.weight"))
+
+
+def _shape(module: str, params: Mapping[str, nn.Parameter]) -> torch.Size:
+    weight = _base_weight(module, params)
+    assert weight is not None  # checked before
+    return weight.shape
 
 
 def _lora_shape_error(module: str, a: Tensor, b: Tensor, weight: torch.Size, rank: int) -> str:

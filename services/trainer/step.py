@@ -1,0 +1,281 @@
+"""One FlowGRPO training step over a batch of trajectories (SPEC section 3).
+
+1. logp_old: the proximal policy's log-prob of every stored window step, recomputed without
+   gradients with the weights at the start of the step (or, with ``bypass``, the behaviour
+   log-probs the rollout stored, while the measured gap stays below eps / 10);
+2. the batch is cut into ``mini_batches`` mini-batches, one optimizer step each; a mini-batch
+   runs in micro-batches of ``micro_batch_size`` samples whose gradients accumulate;
+3. every trained step recomputes the CFG-combined velocity with gradients through
+   ``guided_velocity`` and scores the stored x_{t+1} with ``window_step``: the functions the
+   sampler used, so behaviour and training log-probs are the same function.
+
+The prompt cache depends only on the frozen und path: it is prefilled without gradients.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from flowgrpo.models.bagel.config import SpecialTokens
+from flowgrpo.models.bagel.model import latent_position_ids
+from flowgrpo.models.bagel.sampling import (
+    SamplerParams,
+    guided_velocity,
+    prefill_prompts,
+    window_step,
+    with_cfg_branches,
+)
+from flowgrpo.sampler_math import StepResult, shifted_schedule
+from flowgrpo.services.trainer.loss import (
+    effective_sample_size,
+    flow_grpo_terms,
+    importance_weights,
+    kl_to_reference,
+)
+from flowgrpo.services.trainer.policy import TrainablePolicy
+
+
+@dataclass
+class Trajectory:
+    """One sample to train on, as the rollout stored it."""
+
+    prompt_uid: str
+    sample_index: int
+    policy_version: int
+    advantage: float
+    prompt_ids: Tensor  # [L] int64
+    latents: Tensor  # [W + 1, N, 64] fp32
+    log_probs: Tensor  # [W] fp32: behaviour log-probs
+    sigmas: Tensor  # [W + 1] fp32
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    weight_decay: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8  # tiny LoRA gradients are comparable to AdamW's eps: make it small if needed
+    grad_clip: float = 1.0
+
+
+@dataclass
+class LossConfig:
+    clip_eps: float = 1e-5  # BAGEL recipes; 1e-4 in flow_grpo. Choose it per sde_type
+    kl_beta: float = 0.0
+    is_cap: float = 2.0  # truncation of the off-policy importance weight
+    logp_old: Literal["recompute", "bypass"] = "recompute"
+    bypass_check_every: int = 10  # bypass: recompute (and measure the gap) every this many steps
+    mini_batches: int = 2  # optimizer steps per training step
+    micro_batch_size: int = 4  # samples per forward; 1 in deterministic mode
+
+    def validate(self) -> None:
+        if self.mini_batches < 1 or self.micro_batch_size < 1:
+            raise ValueError("trainer.loss.mini_batches and micro_batch_size must be >= 1")
+        if not 0 < self.clip_eps < 1:
+            raise ValueError(f"trainer.loss.clip_eps={self.clip_eps} must be in (0, 1)")
+
+
+class FlowGRPOStep:
+    """Owns the optimizer and the policy version; ``run`` trains on one batch."""
+
+    def __init__(
+        self, policy: TrainablePolicy, special: SpecialTokens, optim: OptimConfig, loss: LossConfig
+    ) -> None:
+        self.policy = policy
+        self.special = special
+        self.loss = loss
+        self.optim_config = optim
+        self.optimizer = torch.optim.AdamW(
+            list(policy.trainable().values()),
+            lr=optim.lr,
+            betas=optim.betas,
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+        )
+        self.version = 0  # weight publications so far
+        self.steps_done = 0
+        self._last_gap = math.inf  # bypass: the gap measured last time
+
+    # --- the step -----------------------------------------------------------------------------
+
+    def run(self, batch: Sequence[Trajectory], params: SamplerParams) -> dict[str, float]:
+        if not batch:
+            raise ValueError("a training step needs at least one trajectory")
+        metrics: dict[str, float] = {}
+        started = time.perf_counter()
+        behaviour = torch.stack([t.log_probs for t in batch])
+        logp_old = self._logp_old(batch, params, behaviour, metrics)
+        metrics["timing_s/old_log_prob"] = time.perf_counter() - started
+        lag = torch.tensor([self.version - t.policy_version for t in batch], dtype=torch.float32)
+        weights = importance_weights(logp_old, behaviour, lag[:, None].expand_as(behaviour), self.loss.is_cap)
+        started = time.perf_counter()
+        self._update(batch, params, logp_old, weights, metrics)
+        metrics["timing_s/update_actor"] = time.perf_counter() - started
+        self.version += 1
+        self.steps_done += 1
+        metrics.update(_batch_metrics(batch, lag, weights))
+        return metrics
+
+    def _logp_old(
+        self, batch: Sequence[Trajectory], params: SamplerParams, behaviour: Tensor, metrics: dict[str, float]
+    ) -> Tensor:
+        bypass = (
+            self.loss.logp_old == "bypass"
+            and self.steps_done % self.loss.bypass_check_every != 0
+            and self._last_gap < self.loss.clip_eps / 10
+        )
+        if bypass:
+            metrics["actor/logp_old_bypassed"] = 1.0
+            return behaviour
+        with torch.no_grad():
+            recomputed = torch.cat(
+                [self._window_log_probs(part, params).log_prob for part in self._micro_batches(batch)]
+            )
+        gap = (recomputed - behaviour).abs()
+        self._last_gap = float(gap.max())
+        metrics["actor/rollout_logp_gap/mean"] = float(gap.mean())
+        metrics["actor/rollout_logp_gap/max"] = float(gap.max())
+        metrics["actor/logp_old_bypassed"] = 0.0
+        return recomputed
+
+    def _update(
+        self,
+        batch: Sequence[Trajectory],
+        params: SamplerParams,
+        logp_old: Tensor,
+        weights: Tensor,
+        metrics: dict[str, float],
+    ) -> None:
+        rows = list(range(len(batch)))
+        size = math.ceil(len(rows) / self.loss.mini_batches)
+        totals: dict[str, float] = {}
+        for start in range(0, len(rows), size):
+            mini = rows[start : start + size]
+            for key, value in self._optimizer_step(batch, mini, params, logp_old, weights).items():
+                totals[key] = totals.get(key, 0.0) + value
+        n = math.ceil(len(rows) / size)
+        for key in ("actor/loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/ratio_mean", "actor/ppo_kl"):
+            metrics[key] = totals[key] / n
+        metrics["actor/skipped_steps"] = totals["actor/skipped_steps"]
+        metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+        if self.loss.kl_beta > 0:
+            metrics["actor/kl_loss"] = totals["actor/kl_loss"] / n
+
+    def _optimizer_step(
+        self,
+        batch: Sequence[Trajectory],
+        mini: list[int],
+        params: SamplerParams,
+        logp_old: Tensor,
+        weights: Tensor,
+    ) -> dict[str, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        window = logp_old.shape[1]
+        total = float(len(mini) * window)  # every (sample, window step) of the mini-batch counts once
+        sums = {"loss": 0.0, "clipped": 0.0, "ratio": 0.0, "ppo_kl": 0.0, "kl": 0.0}
+        for rows in self._chunks(mini):
+            part = [batch[i] for i in rows]
+            result = self._window_log_probs(part, params)
+            index = torch.tensor(rows)
+            kl = self._kl(part, params, result) if self.loss.kl_beta > 0 else None
+            terms = flow_grpo_terms(
+                result.log_prob.flatten(),
+                logp_old[index].flatten(),
+                torch.tensor([batch[i].advantage for i in rows]).repeat_interleave(window),
+                torch.ones(len(rows) * window, dtype=torch.bool),
+                clip_eps=self.loss.clip_eps,
+                weights=weights[index].flatten(),
+                kl=kl,
+                kl_beta=self.loss.kl_beta,
+            )
+            (terms.loss_sum / total).backward()
+            sums["loss"] += float(terms.loss_sum.detach()) / total
+            sums["clipped"] += float(terms.clipped) / total
+            sums["ratio"] += float(terms.ratio_sum) / total
+            sums["ppo_kl"] += float(terms.approx_kl_sum) / total
+            sums["kl"] += float(kl.detach().sum()) / total if kl is not None else 0.0
+        grad_norm, skipped = self._apply_gradients()
+        return {
+            "actor/loss": sums["loss"],
+            "actor/grad_norm": grad_norm,
+            "actor/pg_clipfrac": sums["clipped"],
+            "actor/ratio_mean": sums["ratio"],
+            "actor/ppo_kl": sums["ppo_kl"],
+            "actor/kl_loss": sums["kl"],
+            "actor/skipped_steps": float(skipped),
+        }
+
+    def _apply_gradients(self) -> tuple[float, bool]:
+        """Clip the gradient norm and step; a non-finite norm skips the update (and counts it)."""
+        trainable = list(self.policy.trainable().values())
+        norm = torch.nn.utils.clip_grad_norm_(trainable, self.optim_config.grad_clip)
+        if not torch.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return float(norm), True
+        self.optimizer.step()
+        return float(norm), False
+
+    # --- forwards ------------------------------------------------------------------------------
+
+    def _window_log_probs(self, part: Sequence[Trajectory], params: SamplerParams) -> StepResult:
+        """Log-probs [B, W] of the stored window steps under the current weights (the velocity
+        has gradients when grad mode is on). One forward per window step, like the sampler."""
+        model = self.policy.model
+        with torch.no_grad():
+            context = with_cfg_branches(
+                model, prefill_prompts(model, [t.prompt_ids for t in part]), params.cfg
+            )
+        device = context.key_mask.device
+        rows, cols = params.token_grid()
+        pos_ids = latent_position_ids(rows, cols, model.config.max_latent_size, device)
+        after_first = float(shifted_schedule(params.num_points, params.shift)[1])
+        latents = torch.stack([t.latents for t in part]).to(device)
+        sigmas = torch.stack([t.sigmas for t in part]).to(device)
+        steps = []
+        for k in range(latents.shape[1] - 1):
+            x, x_next, sigma, sigma_next = latents[:, k], latents[:, k + 1], sigmas[:, k], sigmas[:, k + 1]
+            v = guided_velocity(model, context, x, sigma, pos_ids, cfg=params.cfg, special=self.special)
+            steps.append(
+                window_step(params, x, v, sigma, sigma_next, sigma_after_first=after_first, x_next=x_next)
+            )
+        return StepResult(
+            x_next=torch.stack([s.x_next for s in steps], dim=1),
+            mean=torch.stack([s.mean for s in steps], dim=1),
+            std=torch.stack([s.std for s in steps], dim=1),
+            log_prob=torch.stack([s.log_prob for s in steps], dim=1),
+        )
+
+    def _kl(self, part: Sequence[Trajectory], params: SamplerParams, result: StepResult) -> Tensor:
+        with torch.no_grad(), self.policy.reference():
+            ref = self._window_log_probs(part, params)
+        return kl_to_reference(result.mean.flatten(0, 1), ref.mean.flatten(0, 1), result.std.flatten())
+
+    def _micro_batches(self, batch: Sequence[Trajectory]) -> list[list[Trajectory]]:
+        return [[batch[i] for i in rows] for rows in self._chunks(list(range(len(batch))))]
+
+    def _chunks(self, rows: list[int]) -> list[list[int]]:
+        size = self.loss.micro_batch_size
+        return [rows[i : i + size] for i in range(0, len(rows), size)]
+
+
+def _batch_metrics(batch: Sequence[Trajectory], lag: Tensor, weights: Tensor) -> dict[str, float]:
+    advantages = torch.tensor([t.advantage for t in batch])
+    metrics = {
+        "critic/advantages/mean": float(advantages.mean()),
+        "critic/advantages/max": float(advantages.max()),
+        "critic/advantages/min": float(advantages.min()),
+        "trainer/lag/mean": float(lag.mean()),
+        "trainer/lag/max": float(lag.max()),
+        "trainer/samples": float(len(batch)),
+    }
+    off_policy = lag > 0
+    if bool(off_policy.any()):
+        metrics["actor/is_ess"] = float(effective_sample_size(weights[off_policy].flatten()))
+    return metrics

@@ -1,0 +1,136 @@
+"""One FlowGRPO training step on a tiny BAGEL (CPU, fp32, deterministic shapes)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens, make_tiny_bagel
+from flowgrpo.models.bagel.policy import PolicyApplier, PolicyUpdate
+from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, SamplerParams
+from flowgrpo.sampler_math import CfgParams, WindowParams
+from flowgrpo.services.trainer.policy import PolicyConfig, TrainablePolicy
+from flowgrpo.services.trainer.step import FlowGRPOStep, LossConfig, OptimConfig, Trajectory
+
+PARAMS = SamplerParams(num_points=6, height=32, width=32, window=WindowParams(size=2, lo=0, hi=4),
+                       deterministic=True, decode_images=False, cfg=CfgParams(text_scale=2.0))  # fmt: skip
+PROMPTS = {"p0": [384, 5, 6, 7, 385], "p1": [384, 9, 10, 385]}
+LORA = PolicyConfig(kind="lora", lora_rank=4, lora_alpha=8.0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_bagel(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+def rollout(
+    sampler: BagelSampler, advantages: list[float], version: int = 0, step: int = 0
+) -> list[Trajectory]:
+    requests = [SampleRequest(uid, i, torch.tensor(ids)) for uid, ids in PROMPTS.items() for i in range(2)]
+    out = sampler.generate(requests, PARAMS, seed=3, step=step)
+    return [
+        Trajectory(
+            r.prompt_uid,
+            r.sample_index,
+            version,
+            a,
+            r.prompt_ids,
+            out.latents[i],
+            out.log_probs[i],
+            out.sigmas[i],
+        )
+        for i, (r, a) in enumerate(zip(requests, advantages, strict=True))
+    ]
+
+
+def trainer(tiny: Path, policy: PolicyConfig = LORA, **loss: object) -> FlowGRPOStep:
+    model = load_bagel_model(tiny, dtype=torch.float32)
+    cfg = LossConfig(mini_batches=1, micro_batch_size=1, **loss)  # type: ignore[arg-type]
+    return FlowGRPOStep(TrainablePolicy(model, policy), load_special_tokens(tiny), OptimConfig(lr=1e-3), cfg)
+
+
+def sampler_for(tiny: Path) -> BagelSampler:
+    return BagelSampler(load_bagel_model(tiny, dtype=torch.float32), None, load_special_tokens(tiny))
+
+
+def test_sync_recompute_equals_behaviour_and_ratio_is_one(tiny: Path) -> None:
+    """Deterministic mode, policy version 0: the trainer's logp_old is the rollout's, bitwise."""
+    step = trainer(tiny)
+    batch = rollout(sampler_for(tiny), [1.5, -0.5, 0.25, 2.0])  # hand-set, not centred
+    metrics = step.run(batch, PARAMS)
+    assert metrics["actor/rollout_logp_gap/max"] == 0.0
+    assert metrics["actor/ratio_mean"] == 1.0 and metrics["actor/pg_clipfrac"] == 0.0
+    # ratio 1 everywhere: the loss is -mean(A) over (sample, window step) entries
+    assert metrics["actor/loss"] == pytest.approx(-sum([1.5, -0.5, 0.25, 2.0]) / 4, abs=1e-7)
+    assert step.version == 1 and metrics["trainer/lag/max"] == 0.0
+    assert metrics["actor/grad_norm"] > 0 and metrics["actor/skipped_steps"] == 0
+
+
+@pytest.mark.parametrize("policy", [LORA, PolicyConfig(kind="full")], ids=["lora", "full"])
+def test_advantage_sign_moves_the_log_prob(tiny: Path, policy: PolicyConfig) -> None:
+    sampler = sampler_for(tiny)
+    for advantage in (1.0, -1.0):
+        step = trainer(tiny, policy, clip_eps=0.5)
+        batch = rollout(sampler, [advantage, 0.0, 0.0, 0.0])[:1]
+        before = batch[0].log_probs.sum()
+        step.run(batch, PARAMS)
+        with torch.no_grad():
+            after = step._window_log_probs(batch, PARAMS).log_prob.sum()
+        assert (after - before) * advantage > 0, f"A={advantage}: log-prob {before} -> {after}"
+
+
+def test_published_lora_makes_the_rollout_sample_what_the_trainer_model_samples(tiny: Path) -> None:
+    step = trainer(tiny)
+    sampler = sampler_for(tiny)
+    step.run(rollout(sampler, [1.0, -1.0, 0.5, -0.5]), PARAMS)
+    published = PolicyUpdate(step.version, "lora", dict(step.policy.published()), lora_rank=4, lora_alpha=8.0)
+    assert all(name.endswith((".lora_A.weight", ".lora_B.weight")) for name in published.tensors)
+    PolicyApplier(sampler.model, lora_mode="peft").apply(published)
+    trainer_sampler = BagelSampler(step.policy.model, None, sampler.special)
+    requests = [SampleRequest("p0", 0, torch.tensor(PROMPTS["p0"]))]
+    with torch.no_grad():
+        ours = trainer_sampler.generate(requests, PARAMS, seed=5, step=1)
+        theirs = sampler.generate(requests, PARAMS, seed=5, step=1)
+    assert torch.equal(ours.latents, theirs.latents) and torch.equal(ours.log_probs, theirs.log_probs)
+
+    # and the next training step sees no gap against that rollout (peft mode: bitwise, at v1)
+    batch = rollout(sampler, [1.0, -1.0, 0.5, -0.5], version=1, step=1)
+    metrics = step.run(batch, PARAMS)
+    assert metrics["actor/rollout_logp_gap/max"] == 0.0 and metrics["actor/ratio_mean"] == 1.0
+
+
+def test_merged_lora_rollout_differs_only_by_rounding(tiny: Path) -> None:
+    step = trainer(tiny)
+    sampler = sampler_for(tiny)
+    step.run(rollout(sampler, [1.0, -1.0, 0.5, -0.5]), PARAMS)
+    update = PolicyUpdate(1, "lora", dict(step.policy.published()), lora_rank=4, lora_alpha=8.0)
+    PolicyApplier(sampler.model, lora_mode="merge").apply(update)
+    metrics = step.run(rollout(sampler, [1.0, -1.0, 0.5, -0.5], version=1, step=1), PARAMS)
+    assert 0 <= metrics["actor/rollout_logp_gap/max"] < 1e-4
+
+
+def test_off_policy_samples_get_importance_weights(tiny: Path) -> None:
+    step = trainer(tiny)
+    sampler = sampler_for(tiny)
+    step.run(rollout(sampler, [1.0, -1.0, 0.5, -0.5]), PARAMS)  # now at version 1
+    stale = rollout(sampler, [1.0, -1.0, 0.5, -0.5], version=0, step=1)  # drawn with v0 weights
+    metrics = step.run(stale, PARAMS)
+    assert metrics["trainer/lag/max"] == 1.0 and 0 < metrics["actor/is_ess"] <= 1.0
+    assert metrics["actor/rollout_logp_gap/max"] > 0  # v0 behaviour vs v1 proximal policy
+
+
+def test_mini_batches_and_micro_batches_accumulate_to_the_same_first_gradient(tiny: Path) -> None:
+    batch = rollout(sampler_for(tiny), [1.0, -1.0, 0.5, 2.0])
+    grads = []
+    for micro in (1, 3):
+        step = trainer(tiny)
+        step.loss = replace(step.loss, micro_batch_size=micro)
+        step.optimizer.step = lambda *a, **k: None  # type: ignore[method-assign]  # keep the gradient
+        step.run(batch, PARAMS)
+        grads.append(
+            torch.cat([p.grad.flatten() for p in step.policy.trainable().values() if p.grad is not None])
+        )
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-8)  # masks, not duplicates
