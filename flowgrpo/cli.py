@@ -39,7 +39,10 @@ def _cmd_columns(_: argparse.Namespace) -> int:
     return 0
 
 
-SERVICE_MAINS = {"rollout": "flowgrpo.services.rollout.main"}
+SERVICE_MAINS = {
+    "rollout": "flowgrpo.services.rollout.main",
+    "trainer": "flowgrpo.services.trainer.main",
+}
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

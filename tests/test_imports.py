@@ -22,6 +22,8 @@ TORCH_FREE = [
     "flowgrpo.logs",
     "flowgrpo.services.rollout.config",
     "flowgrpo.services.rollout.main",
+    "flowgrpo.services.trainer.config",
+    "flowgrpo.services.trainer.main",
 ]
 
 

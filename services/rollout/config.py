@@ -15,6 +15,9 @@ class EngineConfig:
     device: str = "cpu"  # "cuda", "cuda:1", "cpu"
     dtype: Literal["bfloat16", "float32"] = "float32"  # weights; sampler math always runs in fp32
     max_batch_samples: int = 32  # samples per forward batch; a request is split into such batches
+    # LoRA updates: "merge" into the weights (fast sampling) or run them unmerged through peft,
+    # the trainer's own computation (behaviour == recomputed log-probs bitwise on CPU; slower)
+    lora_mode: Literal["merge", "peft"] = "merge"
 
     def validate(self) -> None:
         if not self.checkpoint:

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens, load_vae
-from flowgrpo.models.bagel.policy import PolicyApplier, PolicyUpdate
+from flowgrpo.models.bagel.policy import LoraMode, PolicyApplier, PolicyUpdate
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, SamplerParams, Trajectories
 
 log = logging.getLogger(__name__)
@@ -44,19 +44,25 @@ class RolloutEngine(Protocol):
 class NativeBagelEngine:
     """Our PyTorch BAGEL sampler; samples in batches of at most ``max_batch_samples``."""
 
-    def __init__(self, sampler: BagelSampler, max_batch_samples: int) -> None:
+    def __init__(self, sampler: BagelSampler, max_batch_samples: int, lora_mode: LoraMode = "merge") -> None:
         self.sampler = sampler
         self.max_batch_samples = max_batch_samples
-        self._policy = PolicyApplier(sampler.model)
+        self._policy = PolicyApplier(sampler.model, lora_mode=lora_mode)
 
     @classmethod
     def from_checkpoint(
-        cls, folder: str | Path, *, device: str, dtype: torch.dtype, max_batch_samples: int
+        cls,
+        folder: str | Path,
+        *,
+        device: str,
+        dtype: torch.dtype,
+        max_batch_samples: int,
+        lora_mode: LoraMode = "merge",
     ) -> NativeBagelEngine:
         model = load_bagel_model(folder, dtype=dtype, device=device).eval()
         vae = load_vae(folder, dtype=dtype, device=device).eval()
         log.info("loaded BAGEL from %s on %s (%s)", folder, device, dtype)
-        return cls(BagelSampler(model, vae, load_special_tokens(folder)), max_batch_samples)
+        return cls(BagelSampler(model, vae, load_special_tokens(folder)), max_batch_samples, lora_mode)
 
     @property
     def policy_version(self) -> int:

@@ -11,47 +11,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import Tensor, nn
 
-from flowgrpo.models.bagel.policy import LORA_A, LORA_B, is_gen_path
+from flowgrpo.models.bagel.config import is_gen_path
+from flowgrpo.models.bagel.policy import LORA_A, LORA_B
+from flowgrpo.services.trainer.config import PolicyConfig
 
 ADAPTER = "default"
-DEFAULT_LORA_TARGETS = [
-    "self_attn.q_proj_moe_gen",
-    "self_attn.k_proj_moe_gen",
-    "self_attn.v_proj_moe_gen",
-    "self_attn.o_proj_moe_gen",
-    "mlp_moe_gen.gate_proj",
-    "mlp_moe_gen.up_proj",
-    "mlp_moe_gen.down_proj",
-]
-
-
-@dataclass
-class PolicyConfig:
-    kind: Literal["lora", "full"] = "lora"
-    lora_rank: int = 64
-    lora_alpha: float = 128.0
-    lora_targets: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
-    lora_init: Literal["gaussian", "zero_b"] = "gaussian"  # both start with B = 0: the base policy
-    init_seed: int = 0  # the LoRA A initialisation is a function of this seed alone
-
-    def validate(self) -> None:
-        if self.kind == "lora" and (self.lora_rank < 1 or self.lora_alpha <= 0):
-            raise ValueError(
-                f"trainer.policy.lora_rank={self.lora_rank} / lora_alpha={self.lora_alpha} must be > 0"
-            )
-        non_gen = [t for t in self.lora_targets if not is_gen_path(t)]
-        if non_gen:
-            raise ValueError(
-                f"trainer.policy.lora_targets {non_gen} are outside the gen path (names need 'moe_gen')"
-            )
 
 
 class TrainablePolicy:

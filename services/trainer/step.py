@@ -18,7 +18,6 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
@@ -33,6 +32,7 @@ from flowgrpo.models.bagel.sampling import (
     with_cfg_branches,
 )
 from flowgrpo.sampler_math import StepResult, shifted_schedule
+from flowgrpo.services.trainer.config import LossConfig, OptimConfig
 from flowgrpo.services.trainer.loss import (
     effective_sample_size,
     flow_grpo_terms,
@@ -56,32 +56,6 @@ class Trajectory:
     sigmas: Tensor  # [W + 1] fp32
 
 
-@dataclass
-class OptimConfig:
-    lr: float = 1e-4
-    weight_decay: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8  # tiny LoRA gradients are comparable to AdamW's eps: make it small if needed
-    grad_clip: float = 1.0
-
-
-@dataclass
-class LossConfig:
-    clip_eps: float = 1e-5  # BAGEL recipes; 1e-4 in flow_grpo. Choose it per sde_type
-    kl_beta: float = 0.0
-    is_cap: float = 2.0  # truncation of the off-policy importance weight
-    logp_old: Literal["recompute", "bypass"] = "recompute"
-    bypass_check_every: int = 10  # bypass: recompute (and measure the gap) every this many steps
-    mini_batches: int = 2  # optimizer steps per training step
-    micro_batch_size: int = 4  # samples per forward; 1 in deterministic mode
-
-    def validate(self) -> None:
-        if self.mini_batches < 1 or self.micro_batch_size < 1:
-            raise ValueError("trainer.loss.mini_batches and micro_batch_size must be >= 1")
-        if not 0 < self.clip_eps < 1:
-            raise ValueError(f"trainer.loss.clip_eps={self.clip_eps} must be in (0, 1)")
-
-
 class FlowGRPOStep:
     """Owns the optimizer and the policy version; ``run`` trains on one batch."""
 
@@ -101,7 +75,7 @@ class FlowGRPOStep:
         )
         self.version = 0  # weight publications so far
         self.steps_done = 0
-        self._last_gap = math.inf  # bypass: the gap measured last time
+        self.last_gap = math.inf  # bypass: the rollout/trainer gap measured last time
 
     # --- the step -----------------------------------------------------------------------------
 
@@ -129,7 +103,7 @@ class FlowGRPOStep:
         bypass = (
             self.loss.logp_old == "bypass"
             and self.steps_done % self.loss.bypass_check_every != 0
-            and self._last_gap < self.loss.clip_eps / 10
+            and self.last_gap < self.loss.clip_eps / 10
         )
         if bypass:
             metrics["actor/logp_old_bypassed"] = 1.0
@@ -139,7 +113,7 @@ class FlowGRPOStep:
                 [self._window_log_probs(part, params).log_prob for part in self._micro_batches(batch)]
             )
         gap = (recomputed - behaviour).abs()
-        self._last_gap = float(gap.max())
+        self.last_gap = float(gap.max())
         metrics["actor/rollout_logp_gap/mean"] = float(gap.mean())
         metrics["actor/rollout_logp_gap/max"] = float(gap.max())
         metrics["actor/logp_old_bypassed"] = 0.0

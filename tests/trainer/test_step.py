@@ -12,8 +12,9 @@ from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_toke
 from flowgrpo.models.bagel.policy import PolicyApplier, PolicyUpdate
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, SamplerParams
 from flowgrpo.sampler_math import CfgParams, WindowParams
-from flowgrpo.services.trainer.policy import PolicyConfig, TrainablePolicy
-from flowgrpo.services.trainer.step import FlowGRPOStep, LossConfig, OptimConfig, Trajectory
+from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig
+from flowgrpo.services.trainer.policy import TrainablePolicy
+from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory
 
 PARAMS = SamplerParams(num_points=6, height=32, width=32, window=WindowParams(size=2, lo=0, hi=4),
                        deterministic=True, decode_images=False, cfg=CfgParams(text_scale=2.0))  # fmt: skip

@@ -166,3 +166,11 @@ SPECIAL_TOKEN_NAMES: dict[str, str] = {
     "vision_start": "<|vision_start|>",
     "vision_end": "<|vision_end|>",
 }
+
+
+GEN_PATH_MARKER = "moe_gen"
+
+
+def is_gen_path(name: str) -> bool:
+    """A parameter or module of the generation expert (the path FlowGRPO trains; und is frozen)."""
+    return GEN_PATH_MARKER in name

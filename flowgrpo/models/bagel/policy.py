@@ -25,11 +25,12 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from flowgrpo.models.bagel.config import is_gen_path
+
 UpdateKind = Literal["lora", "gen_path"]
 LoraMode = Literal["merge", "peft"]
 PEFT_ADAPTER = "default"
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
-GEN_PATH_MARKER = "moe_gen"
 
 
 class PolicyUpdateError(ValueError):
@@ -47,11 +48,6 @@ class PolicyUpdate:
     @property
     def lora_scale(self) -> float:
         return self.lora_alpha / self.lora_rank
-
-
-def is_gen_path(name: str) -> bool:
-    """A parameter of the generation expert (the path FlowGRPO trains; the und path is frozen)."""
-    return GEN_PATH_MARKER in name
 
 
 @dataclass

@@ -1,0 +1,99 @@
+"""The trainer service's config (torch-free): ``flowgrpo serve trainer trainer.checkpoint=DIR ...``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from flowgrpo.bus.config import BusConfig
+from flowgrpo.models.bagel.config import is_gen_path
+from flowgrpo.runtime.config import ServerConfig
+
+DEFAULT_LORA_TARGETS = [
+    "self_attn.q_proj_moe_gen",
+    "self_attn.k_proj_moe_gen",
+    "self_attn.v_proj_moe_gen",
+    "self_attn.o_proj_moe_gen",
+    "mlp_moe_gen.gate_proj",
+    "mlp_moe_gen.up_proj",
+    "mlp_moe_gen.down_proj",
+]
+
+
+@dataclass
+class PolicyConfig:
+    kind: Literal["lora", "full"] = "lora"
+    lora_rank: int = 64
+    lora_alpha: float = 128.0
+    lora_targets: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
+    lora_init: Literal["gaussian", "zero_b"] = "gaussian"  # both start with B = 0: the base policy
+    init_seed: int = 0  # the LoRA A initialisation is a function of this seed alone
+
+    def validate(self) -> None:
+        if self.kind == "lora" and (self.lora_rank < 1 or self.lora_alpha <= 0):
+            raise ValueError(
+                f"trainer.policy.lora_rank={self.lora_rank} / lora_alpha={self.lora_alpha} must be > 0"
+            )
+        non_gen = [t for t in self.lora_targets if not is_gen_path(t)]
+        if non_gen:
+            raise ValueError(
+                f"trainer.policy.lora_targets {non_gen} are outside the gen path (names need 'moe_gen')"
+            )
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    weight_decay: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8  # tiny LoRA gradients are comparable to AdamW's eps: make it small if needed
+    grad_clip: float = 1.0
+
+
+@dataclass
+class LossConfig:
+    clip_eps: float = 1e-5  # BAGEL recipes; 1e-4 in flow_grpo. Choose it per sde_type
+    kl_beta: float = 0.0
+    is_cap: float = 2.0  # truncation of the off-policy importance weight
+    logp_old: Literal["recompute", "bypass"] = "recompute"
+    bypass_check_every: int = 10  # bypass: recompute (and measure the gap) every this many steps
+    mini_batches: int = 2  # optimizer steps per training step
+    micro_batch_size: int = 4  # samples per forward; 1 in deterministic mode
+
+    def validate(self) -> None:
+        if self.mini_batches < 1 or self.micro_batch_size < 1:
+            raise ValueError("trainer.loss.mini_batches and micro_batch_size must be >= 1")
+        if not 0 < self.clip_eps < 1:
+            raise ValueError(f"trainer.loss.clip_eps={self.clip_eps} must be in (0, 1)")
+
+
+@dataclass
+class TrainerConfig:
+    checkpoint: str = (
+        ""  # BAGEL folder in the published layout (only ema.safetensors + llm_config.json are read)
+    )
+    device: str = "cpu"
+    dtype: Literal["bfloat16", "float32"] = "float32"  # frozen weights; trainable ones are fp32
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    checkpoint_dir: str = ""  # where trainer checkpoints go; empty: no checkpoints
+    keep_last: int = 3
+    resume: bool = True  # start from the newest checkpoint in checkpoint_dir when there is one
+    publish_dtype: Literal["", "bfloat16", "float32"] = ""  # dtype of published tensors; "" = as trained
+
+    def validate(self) -> None:
+        if not self.checkpoint:
+            raise ValueError("trainer.checkpoint is empty: set it to a BAGEL checkpoint folder")
+        if self.keep_last < 1:
+            raise ValueError(f"trainer.keep_last={self.keep_last} must be >= 1")
+
+
+@dataclass
+class TrainerServiceConfig:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    bus: BusConfig = field(default_factory=BusConfig)
+    replica_id: str = ""
+    run_dir: str = ""
+    log_format: Literal["json", "text"] = "json"

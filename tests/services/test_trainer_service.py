@@ -1,0 +1,155 @@
+"""The trainer service as a real process: trajectories in from a bus store, a FlowGRPO step,
+weights published on the bus, checkpoints and resume. Compared bitwise with the same step run
+in this process (deterministic shapes, CPU fp32)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import grpc.aio
+import pytest
+import torch
+
+from flowgrpo.bus import BusClient, BusServer, TensorRef, serve_store
+from flowgrpo.bus.torch_tensors import put_tensor, to_torch
+from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens, make_tiny_bagel
+from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, SamplerParams
+from flowgrpo.models.bagel.wire import sampler_params_to_proto
+from flowgrpo.runtime import open_channel, wait_ready
+from flowgrpo.sampler_math import CfgParams, WindowParams
+from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig
+from flowgrpo.services.trainer.policy import TrainablePolicy
+from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory
+from flowgrpo.v1 import trainer_pb2, trainer_pb2_grpc
+
+PARAMS = SamplerParams(num_points=6, height=32, width=32, window=WindowParams(size=2, lo=0, hi=4),
+                       deterministic=True, decode_images=False, cfg=CfgParams(text_scale=2.0))  # fmt: skip
+PROMPTS = {"p0": [384, 5, 6, 7, 385], "p1": [384, 9, 10, 385]}
+ADVANTAGES = [1.0, -1.0, 0.5, -0.5]
+OVERRIDES = ["trainer.policy.lora_rank=4", "trainer.policy.lora_alpha=8", "trainer.loss.mini_batches=1",
+             "trainer.loss.micro_batch_size=1", "trainer.optim.lr=1e-3", "log_format=text"]  # fmt: skip
+
+
+def start_trainer(checkpoint: Path, ckpt_dir: Path, ready: Path) -> tuple[subprocess.Popen[str], str]:
+    ready.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "flowgrpo.cli", "serve", "trainer", f"trainer.checkpoint={checkpoint}",
+           f"trainer.checkpoint_dir={ckpt_dir}", f"server.ready_file={ready}", *OVERRIDES]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, "the trainer wrote no ready file in 60 s"
+        time.sleep(0.05)
+    address = json.loads(ready.read_text())["grpc_address"]
+    asyncio.run(wait_ready(address, role="trainer", timeout_s=60))
+    return proc, address
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    proc.wait(timeout=30)
+    assert proc.returncode == 0
+
+
+async def call(address: str, method: str, request: object) -> object:
+    async with open_channel(address) as channel:
+        return await getattr(trainer_pb2_grpc.TrainerStub(channel), method)(request, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_bagel(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def trajectories(tiny: Path) -> Iterator[tuple[BusServer, list[Trajectory], trainer_pb2.TrainStepRequest]]:
+    sampler = BagelSampler(load_bagel_model(tiny, dtype=torch.float32), None, load_special_tokens(tiny))
+    requests = [SampleRequest(uid, i, torch.tensor(ids)) for uid, ids in PROMPTS.items() for i in range(2)]
+    out = sampler.generate(requests, PARAMS, seed=3, step=0)
+    batch = [
+        Trajectory(
+            r.prompt_uid, r.sample_index, 0, a, r.prompt_ids, out.latents[i], out.log_probs[i], out.sigmas[i]
+        )
+        for i, (r, a) in enumerate(zip(requests, ADVANTAGES, strict=True))
+    ]
+    with serve_store() as server:
+        samples = []
+        for t in batch:
+            key = f"s0/{t.prompt_uid}/{t.sample_index}"
+            columns = {
+                "prompt_ids": t.prompt_ids,
+                "latents": t.latents,
+                "log_probs": t.log_probs,
+                "sigmas": t.sigmas,
+            }
+            inputs = {c: put_tensor(server.store, f"{key}/{c}", c, v).to_proto() for c, v in columns.items()}
+            samples.append(
+                trainer_pb2.TrainSample(
+                    prompt_uid=t.prompt_uid, sample_index=t.sample_index, advantage=t.advantage, inputs=inputs
+                )
+            )
+        request = trainer_pb2.TrainStepRequest(
+            step=1, samples=samples, params=sampler_params_to_proto(PARAMS), seed=3
+        )
+        yield server, batch, request
+
+
+def fetch_update(update: object) -> dict[str, torch.Tensor]:
+    with BusClient() as client:
+        refs = [TensorRef.from_proto(t.ref) for t in update.tensors]  # type: ignore[attr-defined]
+        return {t.name: to_torch(f).clone() for t, f in zip(update.tensors, client.fetch(refs), strict=True)}  # type: ignore[attr-defined]
+
+
+def test_train_step_publish_checkpoint_and_resume(
+    tiny: Path, tmp_path: Path, trajectories: tuple[BusServer, list[Trajectory], trainer_pb2.TrainStepRequest]
+) -> None:
+    _, batch, request = trajectories
+    broken = trainer_pb2.TrainStepRequest()
+    broken.CopyFrom(request)
+    del broken.samples[0].inputs["log_probs"]
+    proc, address = start_trainer(tiny, tmp_path / "ckpt", tmp_path / "ready.json")
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as error:  # a missing column is named, nothing trains
+            asyncio.run(call(address, "TrainStep", broken))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "lacks input columns ['log_probs']" in (error.value.details() or "")
+
+        response = asyncio.run(call(address, "TrainStep", request))
+        metrics = response.metrics.values
+        assert metrics["actor/rollout_logp_gap/max"] == 0.0 and metrics["actor/ratio_mean"] == 1.0
+        assert response.update.policy_version == 1 and response.update.kind == "lora"
+        assert (response.update.lora.rank, response.update.lora.alpha) == (4, 8.0)
+        published = fetch_update(response.update)
+
+        policy = TrainablePolicy(
+            load_bagel_model(tiny, dtype=torch.float32), PolicyConfig(lora_rank=4, lora_alpha=8.0)
+        )
+        loss = LossConfig(mini_batches=1, micro_batch_size=1)
+        local = FlowGRPOStep(policy, load_special_tokens(tiny), OptimConfig(lr=1e-3), loss)
+        local.run(batch, PARAMS)
+        expected = local.policy.published()
+        assert published.keys() == expected.keys()
+        assert all(torch.equal(published[n], expected[n]) for n in expected), (
+            "same update as in-process, bitwise"
+        )
+
+        saved = asyncio.run(call(address, "SaveCheckpoint", trainer_pb2.SaveCheckpointRequest(step=1)))
+        assert Path(saved.path).name == "step_00000001"
+    finally:
+        stop(proc)
+
+    proc, address = start_trainer(tiny, tmp_path / "ckpt", tmp_path / "ready.json")
+    try:
+        state = asyncio.run(call(address, "State", trainer_pb2.TrainerStateRequest()))
+        assert (state.step, state.policy_version) == (1, 1)
+        again = fetch_update(state.current)
+        assert all(torch.equal(again[n], published[n]) for n in published), "resumed weights are re-published"
+    finally:
+        stop(proc)
