@@ -18,6 +18,8 @@ EPILOG = """\
 examples:
   flowgrpo bench bus              data-bus throughput (ipc, tcp, shared memory) vs memcpy
   flowgrpo bench bus --json b.json --sizes-mib 1 64
+  flowgrpo bench reward           images/s of every reward scorer (JPEG, OCR, PickScore, plug-ins)
+  flowgrpo bench rollout          BAGEL-7B sampling images/s and MFU on a GPU (bench/rollout_gpu.sh)
   flowgrpo columns                the column schema every service checks its data against
   flowgrpo make-tiny-bagel /tmp/tiny   a tiny random BAGEL checkpoint in the published layout
   flowgrpo serve rollout rollout.checkpoint=/tmp/tiny server.port=50051
@@ -40,6 +42,7 @@ def _cmd_columns(_: argparse.Namespace) -> int:
 
 
 SERVICE_MAINS = {
+    "reward": "flowgrpo.services.reward.main",
     "rollout": "flowgrpo.services.rollout.main",
     "trainer": "flowgrpo.services.trainer.main",
 }
@@ -100,9 +103,10 @@ def _cmd_make_tiny_bagel(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from flowgrpo.bench import bus
+    import importlib
 
-    code: int = bus.main(args.bench_args)
+    bench = importlib.import_module(f"flowgrpo.bench.{args.target}")
+    code: int = bench.main(args.bench_args)
     return code
 
 
@@ -176,7 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
         "run a benchmark and print ratios against a baseline measured in the same run",
         _cmd_bench,
     )
-    bench.add_argument("target", choices=["bus"], help="bus: the ZeroMQ data bus against memcpy")
+    bench.add_argument(
+        "target",
+        choices=["bus", "reward", "rollout"],
+        help="bus: the ZeroMQ data bus against memcpy; reward: images/s per scorer; rollout: BAGEL "
+        "sampling images/s and MFU against the matmul peak (GPU)",
+    )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options of the benchmark (see --help)")
     return parser
 

@@ -23,6 +23,11 @@ TORCH_FREE = [
     "flowgrpo.services.rollout.config",
     "flowgrpo.services.rollout.main",
     "flowgrpo.services.trainer.config",
+    "flowgrpo.rewards",
+    "flowgrpo.rewards.judge",
+    "flowgrpo.rewards.plugins",
+    "flowgrpo.services.reward.config",
+    "flowgrpo.services.reward.main",
     "flowgrpo.services.trainer.main",
 ]
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from flowgrpo.v1 import common_pb2 as flowgrpo_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66lowgrpo/v1/reward.proto\x12\x0b\x66lowgrpo.v1\x1a\x18\x66lowgrpo/v1/common.proto\"\xda\x01\n\x0cScoreRequest\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12%\n\x05image\x18\x02 \x01(\x0b\x32\x16.flowgrpo.v1.TensorRef\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x14\n\x0cground_truth\x18\x04 \x01(\t\x12\x39\n\x08metadata\x18\x05 \x03(\x0b\x32\'.flowgrpo.v1.ScoreRequest.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xcb\x01\n\x0bScoreResult\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x34\n\x06scores\x18\x03 \x03(\x0b\x32$.flowgrpo.v1.ScoreResult.ScoresEntry\x12!\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x12.flowgrpo.v1.Error\x12\x11\n\tlatency_s\x18\x05 \x01(\x01\x1a-\n\x0bScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x13\n\x11RewardInfoRequest\"\x94\x01\n\x12RewardInfoResponse\x12\x0f\n\x07scorers\x18\x01 \x03(\t\x12=\n\x07weights\x18\x02 \x03(\x0b\x32,.flowgrpo.v1.RewardInfoResponse.WeightsEntry\x1a.\n\x0cWeightsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\x93\x01\n\x06Reward\x12@\n\x05Score\x12\x19.flowgrpo.v1.ScoreRequest\x1a\x18.flowgrpo.v1.ScoreResult(\x01\x30\x01\x12G\n\x04Info\x12\x1e.flowgrpo.v1.RewardInfoRequest\x1a\x1f.flowgrpo.v1.RewardInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66lowgrpo/v1/reward.proto\x12\x0b\x66lowgrpo.v1\x1a\x18\x66lowgrpo/v1/common.proto\"\xda\x01\n\x0cScoreRequest\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12%\n\x05image\x18\x02 \x01(\x0b\x32\x16.flowgrpo.v1.TensorRef\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x14\n\x0cground_truth\x18\x04 \x01(\t\x12\x39\n\x08metadata\x18\x05 \x03(\x0b\x32\'.flowgrpo.v1.ScoreRequest.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xca\x02\n\x0bScoreResult\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x34\n\x06scores\x18\x03 \x03(\x0b\x32$.flowgrpo.v1.ScoreResult.ScoresEntry\x12!\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x12.flowgrpo.v1.Error\x12\x11\n\tlatency_s\x18\x05 \x01(\x01\x12\x46\n\x10scorer_latency_s\x18\x06 \x03(\x0b\x32,.flowgrpo.v1.ScoreResult.ScorerLatencySEntry\x1a-\n\x0bScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x35\n\x13ScorerLatencySEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x13\n\x11RewardInfoRequest\"\x94\x01\n\x12RewardInfoResponse\x12\x0f\n\x07scorers\x18\x01 \x03(\t\x12=\n\x07weights\x18\x02 \x03(\x0b\x32,.flowgrpo.v1.RewardInfoResponse.WeightsEntry\x1a.\n\x0cWeightsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\x93\x01\n\x06Reward\x12@\n\x05Score\x12\x19.flowgrpo.v1.ScoreRequest\x1a\x18.flowgrpo.v1.ScoreResult(\x01\x30\x01\x12G\n\x04Info\x12\x1e.flowgrpo.v1.RewardInfoRequest\x1a\x1f.flowgrpo.v1.RewardInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,6 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCOREREQUEST_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_SCORERESULT_SCORESENTRY']._loaded_options = None
   _globals['_SCORERESULT_SCORESENTRY']._serialized_options = b'8\001'
+  _globals['_SCORERESULT_SCORERLATENCYSENTRY']._loaded_options = None
+  _globals['_SCORERESULT_SCORERLATENCYSENTRY']._serialized_options = b'8\001'
   _globals['_REWARDINFORESPONSE_WEIGHTSENTRY']._loaded_options = None
   _globals['_REWARDINFORESPONSE_WEIGHTSENTRY']._serialized_options = b'8\001'
   _globals['_SCOREREQUEST']._serialized_start=68
@@ -43,15 +45,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCOREREQUEST_METADATAENTRY']._serialized_start=239
   _globals['_SCOREREQUEST_METADATAENTRY']._serialized_end=286
   _globals['_SCORERESULT']._serialized_start=289
-  _globals['_SCORERESULT']._serialized_end=492
-  _globals['_SCORERESULT_SCORESENTRY']._serialized_start=447
-  _globals['_SCORERESULT_SCORESENTRY']._serialized_end=492
-  _globals['_REWARDINFOREQUEST']._serialized_start=494
-  _globals['_REWARDINFOREQUEST']._serialized_end=513
-  _globals['_REWARDINFORESPONSE']._serialized_start=516
-  _globals['_REWARDINFORESPONSE']._serialized_end=664
-  _globals['_REWARDINFORESPONSE_WEIGHTSENTRY']._serialized_start=618
-  _globals['_REWARDINFORESPONSE_WEIGHTSENTRY']._serialized_end=664
-  _globals['_REWARD']._serialized_start=667
-  _globals['_REWARD']._serialized_end=814
+  _globals['_SCORERESULT']._serialized_end=619
+  _globals['_SCORERESULT_SCORESENTRY']._serialized_start=519
+  _globals['_SCORERESULT_SCORESENTRY']._serialized_end=564
+  _globals['_SCORERESULT_SCORERLATENCYSENTRY']._serialized_start=566
+  _globals['_SCORERESULT_SCORERLATENCYSENTRY']._serialized_end=619
+  _globals['_REWARDINFOREQUEST']._serialized_start=621
+  _globals['_REWARDINFOREQUEST']._serialized_end=640
+  _globals['_REWARDINFORESPONSE']._serialized_start=643
+  _globals['_REWARDINFORESPONSE']._serialized_end=791
+  _globals['_REWARDINFORESPONSE_WEIGHTSENTRY']._serialized_start=745
+  _globals['_REWARDINFORESPONSE_WEIGHTSENTRY']._serialized_end=791
+  _globals['_REWARD']._serialized_start=794
+  _globals['_REWARD']._serialized_end=941
 # @@protoc_insertion_point(module_scope)

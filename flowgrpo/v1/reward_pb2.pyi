@@ -102,11 +102,32 @@ class ScoreResult(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class ScorerLatencySEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SAMPLE_ID_FIELD_NUMBER: _builtins.int
     REWARD_FIELD_NUMBER: _builtins.int
     SCORES_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     LATENCY_S_FIELD_NUMBER: _builtins.int
+    SCORER_LATENCY_S_FIELD_NUMBER: _builtins.int
     sample_id: _builtins.str
     reward: _builtins.float
     """the weighted sum of the configured scorers"""
@@ -119,6 +140,10 @@ class ScoreResult(_message.Message):
     def error(self) -> _common_pb2.Error:
         """a failed image is an error, never a silent 0 reward"""
 
+    @_builtins.property
+    def scorer_latency_s(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """seconds each scorer took for this sample's batch"""
+
     def __init__(
         self,
         *,
@@ -127,10 +152,11 @@ class ScoreResult(_message.Message):
         scores: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         error: _common_pb2.Error | None = ...,
         latency_s: _builtins.float = ...,
+        scorer_latency_s: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "latency_s", b"latency_s", "reward", b"reward", "sample_id", b"sample_id", "scores", b"scores"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "latency_s", b"latency_s", "reward", b"reward", "sample_id", b"sample_id", "scorer_latency_s", b"scorer_latency_s", "scores", b"scores"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

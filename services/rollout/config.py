@@ -18,6 +18,7 @@ class EngineConfig:
     # LoRA updates: "merge" into the weights (fast sampling) or run them unmerged through peft,
     # the trainer's own computation (behaviour == recomputed log-probs bitwise on CPU; slower)
     lora_mode: Literal["merge", "peft"] = "merge"
+    compile: bool = True  # CUDA only: torch.compile the query path's per-layer halves (~20 s once)
 
     def validate(self) -> None:
         if not self.checkpoint:

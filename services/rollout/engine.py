@@ -20,8 +20,15 @@ from typing import Protocol
 import torch
 
 from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens, load_vae
+from flowgrpo.models.bagel.parallelize import compile_query_layers
 from flowgrpo.models.bagel.policy import LoraMode, PolicyApplier, PolicyUpdate
-from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, SamplerParams, Trajectories
+from flowgrpo.models.bagel.sampling import (
+    BagelSampler,
+    SampleRequest,
+    SamplerParams,
+    Trajectories,
+    concat_trajectories,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +65,11 @@ class NativeBagelEngine:
         dtype: torch.dtype,
         max_batch_samples: int,
         lora_mode: LoraMode = "merge",
+        compile: bool = False,
     ) -> NativeBagelEngine:
         model = load_bagel_model(folder, dtype=dtype, device=device).eval()
+        if compile and str(device).startswith("cuda"):
+            compile_query_layers(model)
         vae = load_vae(folder, dtype=dtype, device=device).eval()
         log.info("loaded BAGEL from %s on %s (%s)", folder, device, dtype)
         return cls(BagelSampler(model, vae, load_special_tokens(folder)), max_batch_samples, lora_mode)
@@ -80,16 +90,3 @@ class NativeBagelEngine:
 
     def apply_update(self, update: PolicyUpdate) -> None:
         self._policy.apply(update)
-
-
-def concat_trajectories(parts: Sequence[Trajectories]) -> Trajectories:
-    images = [p.images for p in parts]
-    return Trajectories(
-        latents=torch.cat([p.latents for p in parts]),
-        log_probs=torch.cat([p.log_probs for p in parts]),
-        sigmas=torch.cat([p.sigmas for p in parts]),
-        timesteps=torch.cat([p.timesteps for p in parts]),
-        window_begin=torch.cat([p.window_begin for p in parts]),
-        final_latents=torch.cat([p.final_latents for p in parts]),
-        images=None if any(i is None for i in images) else torch.cat([i for i in images if i is not None]),
-    )

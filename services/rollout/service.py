@@ -73,6 +73,7 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
             dtype=getattr(torch, cfg.dtype),
             max_batch_samples=cfg.max_batch_samples,
             lora_mode=cfg.lora_mode,
+            compile=cfg.compile,
         )
 
     # --- RPCs ----------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from flowgrpo.models.bagel.config import is_gen_path
 from flowgrpo.models.bagel.policy import LORA_A, LORA_B
 from flowgrpo.services.trainer.config import PolicyConfig
+from flowgrpo.services.trainer.distributed import full_tensor
 
 ADAPTER = "default"
 
@@ -42,9 +43,10 @@ class TrainablePolicy:
 
     def published(self) -> dict[str, Tensor]:
         """The trainable tensors under their published names (LoRA: ``<module>.lora_A.weight``)."""
+        full = {n: full_tensor(p.detach()) for n, p in self.trainable().items()}  # gathers shards
         if self.kind == "full":
-            return {n: p.detach() for n, p in self.trainable().items()}
-        return {lora_published_name(n): p.detach() for n, p in self.trainable().items()}
+            return full
+        return {lora_published_name(n): t for n, t in full.items()}
 
     def load_published(self, tensors: dict[str, Tensor]) -> None:
         """Set the trainable tensors from their published form (checkpoint resume)."""
@@ -58,7 +60,7 @@ class TrainablePolicy:
             )
         with torch.no_grad():
             for name, param in by_name.items():
-                param.copy_(tensors[name])
+                param.copy_(_like(param, tensors[name]))
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
@@ -84,6 +86,16 @@ class TrainablePolicy:
             with torch.no_grad():
                 for n, p in params.items():
                     p.copy_(current[n])
+
+
+def _like(param: Tensor, full: Tensor) -> Tensor:
+    """``full`` laid out like ``param``: sharded the same way when ``param`` is a DTensor."""
+    placements = getattr(param, "placements", None)
+    if placements is None:
+        return full.to(param.device, param.dtype)
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.to(param.dtype), param.device_mesh, placements)  # type: ignore[attr-defined]
 
 
 def lora_published_name(param_name: str) -> str:

@@ -33,6 +33,7 @@ from flowgrpo.models.bagel.sampling import (
 )
 from flowgrpo.sampler_math import StepResult, shifted_schedule
 from flowgrpo.services.trainer.config import LossConfig, OptimConfig
+from flowgrpo.services.trainer.distributed import Dist, full_tensor
 from flowgrpo.services.trainer.loss import (
     effective_sample_size,
     flow_grpo_terms,
@@ -60,9 +61,15 @@ class FlowGRPOStep:
     """Owns the optimizer and the policy version; ``run`` trains on one batch."""
 
     def __init__(
-        self, policy: TrainablePolicy, special: SpecialTokens, optim: OptimConfig, loss: LossConfig
+        self,
+        policy: TrainablePolicy,
+        special: SpecialTokens,
+        optim: OptimConfig,
+        loss: LossConfig,
+        dist: Dist | None = None,
     ) -> None:
         self.policy = policy
+        self.dist = dist or Dist()
         self.special = special
         self.loss = loss
         self.optim_config = optim
@@ -108,10 +115,14 @@ class FlowGRPOStep:
         if bypass:
             metrics["actor/logp_old_bypassed"] = 1.0
             return behaviour
+        recomputed = torch.zeros_like(behaviour)
         with torch.no_grad():
-            recomputed = torch.cat(
-                [self._window_log_probs(part, params).log_prob for part in self._micro_batches(batch)]
-            )
+            for part in self._chunks(self.dist.share(list(range(len(batch))))):
+                logp = self._window_log_probs([batch[r] for r, _ in part], params).log_prob
+                for (row, valid), value in zip(part, logp, strict=True):
+                    if valid:
+                        recomputed[row] = value.to(recomputed.device)
+        recomputed = self.dist.sum(recomputed)  # every rank holds the whole batch's logp_old
         gap = (recomputed - behaviour).abs()
         self.last_gap = float(gap.max())
         metrics["actor/rollout_logp_gap/mean"] = float(gap.mean())
@@ -153,43 +164,48 @@ class FlowGRPOStep:
         self.optimizer.zero_grad(set_to_none=True)
         window = logp_old.shape[1]
         total = float(len(mini) * window)  # every (sample, window step) of the mini-batch counts once
-        sums = {"loss": 0.0, "clipped": 0.0, "ratio": 0.0, "ppo_kl": 0.0, "kl": 0.0}
-        for rows in self._chunks(mini):
-            part = [batch[i] for i in rows]
-            result = self._window_log_probs(part, params)
+        sums = torch.zeros(5, dtype=torch.float64)  # loss, clipped, ratio, ppo_kl, kl: summed over entries
+        for part in self._chunks(self.dist.share(mini)):
+            rows = [r for r, _ in part]
+            result = self._window_log_probs([batch[i] for i in rows], params)
             index = torch.tensor(rows)
-            kl = self._kl(part, params, result) if self.loss.kl_beta > 0 else None
+            kl = self._kl([batch[i] for i in rows], params, result) if self.loss.kl_beta > 0 else None
             terms = flow_grpo_terms(
                 result.log_prob.flatten(),
-                logp_old[index].flatten(),
-                torch.tensor([batch[i].advantage for i in rows]).repeat_interleave(window),
-                torch.ones(len(rows) * window, dtype=torch.bool),
+                logp_old[index].flatten().to(result.log_prob.device),
+                torch.tensor([batch[i].advantage for i in rows])
+                .repeat_interleave(window)
+                .to(result.log_prob.device),
+                torch.tensor([valid for _, valid in part])
+                .repeat_interleave(window)
+                .to(result.log_prob.device),
                 clip_eps=self.loss.clip_eps,
-                weights=weights[index].flatten(),
+                weights=weights[index].flatten().to(result.log_prob.device),
                 kl=kl,
                 kl_beta=self.loss.kl_beta,
             )
-            (terms.loss_sum / total).backward()
-            sums["loss"] += float(terms.loss_sum.detach()) / total
-            sums["clipped"] += float(terms.clipped) / total
-            sums["ratio"] += float(terms.ratio_sum) / total
-            sums["ppo_kl"] += float(terms.approx_kl_sum) / total
-            sums["kl"] += float(kl.detach().sum()) / total if kl is not None else 0.0
+            # FSDP averages gradients over ranks: scale by world to get the mini-batch mean
+            (terms.loss_sum * (self.dist.world / total)).backward()
+            kl_sum = kl.detach().sum() if kl is not None else torch.zeros(())
+            parts = [terms.loss_sum.detach(), terms.clipped, terms.ratio_sum, terms.approx_kl_sum, kl_sum]
+            sums += torch.stack([p.double().cpu() for p in parts])
+        sums = self.dist.sum(sums) / total
         grad_norm, skipped = self._apply_gradients()
+        loss, clipped, ratio, ppo_kl, kl_loss = sums.tolist()
         return {
-            "actor/loss": sums["loss"],
+            "actor/loss": loss,
             "actor/grad_norm": grad_norm,
-            "actor/pg_clipfrac": sums["clipped"],
-            "actor/ratio_mean": sums["ratio"],
-            "actor/ppo_kl": sums["ppo_kl"],
-            "actor/kl_loss": sums["kl"],
+            "actor/pg_clipfrac": clipped,
+            "actor/ratio_mean": ratio,
+            "actor/ppo_kl": ppo_kl,
+            "actor/kl_loss": kl_loss,
             "actor/skipped_steps": float(skipped),
         }
 
     def _apply_gradients(self) -> tuple[float, bool]:
         """Clip the gradient norm and step; a non-finite norm skips the update (and counts it)."""
         trainable = list(self.policy.trainable().values())
-        norm = torch.nn.utils.clip_grad_norm_(trainable, self.optim_config.grad_clip)
+        norm = full_tensor(torch.nn.utils.clip_grad_norm_(trainable, self.optim_config.grad_clip))
         if not torch.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             return float(norm), True
@@ -231,10 +247,7 @@ class FlowGRPOStep:
             ref = self._window_log_probs(part, params)
         return kl_to_reference(result.mean.flatten(0, 1), ref.mean.flatten(0, 1), result.std.flatten())
 
-    def _micro_batches(self, batch: Sequence[Trajectory]) -> list[list[Trajectory]]:
-        return [[batch[i] for i in rows] for rows in self._chunks(list(range(len(batch))))]
-
-    def _chunks(self, rows: list[int]) -> list[list[int]]:
+    def _chunks(self, rows: list[tuple[int, bool]]) -> list[list[tuple[int, bool]]]:
         size = self.loss.micro_batch_size
         return [rows[i : i + size] for i in range(0, len(rows), size)]
 

@@ -17,7 +17,6 @@ import grpc
 import grpc.aio
 import pytest
 import torch
-from flowgrpo.services.rollout.engine import NativeBagelEngine
 
 from flowgrpo.bus import BusClient, BusServer, Released, TensorRef, serve_store
 from flowgrpo.bus.torch_tensors import put_tensor, to_torch
@@ -26,6 +25,7 @@ from flowgrpo.models.bagel.policy import PolicyUpdate
 from flowgrpo.models.bagel.sampling import SampleRequest, SamplerParams
 from flowgrpo.runtime import open_channel, wait_ready
 from flowgrpo.sampler_math import WindowParams
+from flowgrpo.services.rollout.engine import NativeBagelEngine
 from flowgrpo.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 PARAMS = SamplerParams(num_points=7, height=32, width=48, window=WindowParams(size=2, lo=0, hi=4),

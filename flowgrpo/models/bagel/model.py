@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -254,6 +255,96 @@ class MoTDecoderLayer(nn.Module):
         x_gen = x_gen + self.mlp_moe_gen(self.post_attention_layernorm_moe_gen(x_gen))
         return route.merge(x_und, x_gen), (k, v)
 
+    # The image query [soi, N latents, eoi] has a static layout, so its two experts' rows are kept
+    # apart for the whole forward (x_gen [B, N, hidden], x_und [B, 2, hidden]): no routing gather,
+    # no host sync. Inside attention the query tokens are ordered [latents, soi, eoi]; the query is
+    # non-causal and all its tokens share one RoPE position, so the order changes nothing.
+    # These two methods are the per-layer work around attention; parallelize.py compiles them.
+
+    def query_qkv(
+        self, x_gen: Tensor, x_und: Tensor, cos: Tensor, sin: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """-> q [B, N + 2, heads, D], k and v [B, N + 2, kv_heads, D] in the weight dtype, rows
+        [latents, markers]; cos/sin [B, 1, 1, D] hold each row's single query position."""
+        q_gen, k_gen, v_gen = self.self_attn.qkv(self.input_layernorm_moe_gen(x_gen), gen=True)
+        q_und, k_und, v_und = self.self_attn.qkv(self.input_layernorm(x_und), gen=False)
+        q = apply_rope(torch.cat([q_gen, q_und], dim=1), cos, sin).to(x_gen.dtype)
+        k = apply_rope(torch.cat([k_gen, k_und], dim=1), cos, sin).to(x_gen.dtype)
+        return q, k, torch.cat([v_gen, v_und], dim=1)
+
+    def query_out(self, x_gen: Tensor, x_und: Tensor, attn: Tensor) -> tuple[Tensor, Tensor]:
+        """Output projection, residuals and MLPs of both experts; attn [B, N + 2, heads * D]."""
+        n = x_gen.shape[1]
+        x_gen = x_gen + self.self_attn.o_proj_moe_gen(attn[:, :n])
+        x_und = x_und + self.self_attn.o_proj(attn[:, n:])
+        x_gen = x_gen + self.mlp_moe_gen(self.post_attention_layernorm_moe_gen(x_gen))
+        x_und = x_und + self.mlp(self.post_attention_layernorm(x_und))
+        return x_gen, x_und
+
+
+# At most this many SDPA calls per layer for one query batch; beyond it one masked call is cheaper
+# than many small launches.
+MAX_QUERY_RUNS = 16
+
+
+@dataclass(frozen=True)
+class QueryRun:
+    """Consecutive cache rows [start, stop) whose real entries are exactly their first ``length``."""
+
+    start: int
+    stop: int
+    length: int
+
+
+def query_runs(key_mask: Tensor) -> list[QueryRun] | None:
+    """Cut the cache rows into runs that attend without a mask (a prefix of ``length`` real keys,
+    then the query), or None when a row is not a prefix (left padding) or when there would be more
+    than MAX_QUERY_RUNS runs. One host copy of the mask, done once per cache."""
+    mask = key_mask.cpu()
+    lengths = mask.sum(dim=1)
+    if not torch.equal(mask, torch.arange(mask.shape[1]) < lengths[:, None]):
+        return None
+    runs: list[QueryRun] = []
+    for row, length in enumerate(lengths.tolist()):
+        if runs and runs[-1].length == length:
+            runs[-1] = QueryRun(runs[-1].start, row + 1, length)
+        else:
+            runs.append(QueryRun(row, row + 1, length))
+    return runs if len(runs) <= MAX_QUERY_RUNS else None
+
+
+def query_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    past_k: Tensor,
+    past_v: Tensor,
+    *,
+    runs: list[QueryRun] | None,
+    bias: Tensor | None,
+) -> Tensor:
+    """Joint attention of the image query: q [B, T, heads, D] and k, v [B, T, kv_heads, D] (this
+    query's tokens) over the cache rows' keys past_k, past_v [B, kv_heads, S, D] and the query's
+    own -> [B, T, heads * D].
+
+    With ``runs`` every SDPA call is unmasked and grouped (GQA inside SDPA), which lets it pick the
+    flash / cuDNN kernels; otherwise one call with the additive ``bias`` [B, 1, T, S + T]."""
+    if runs is None:
+        assert bias is not None
+        keys = torch.cat([past_k, k.transpose(1, 2)], dim=2)
+        values = torch.cat([past_v, v.transpose(1, 2)], dim=2)
+        return attend(q.transpose(1, 2), keys, values, bias).transpose(1, 2).flatten(2)
+    outs = []
+    for run in runs:
+        rows = slice(run.start, run.stop)
+        keys, values = k[rows].transpose(1, 2), v[rows].transpose(1, 2)
+        if run.length:  # the cache's real entries come first; they are copied once per layer and step
+            keys = torch.cat([past_k[rows, :, : run.length], keys], dim=2)
+            values = torch.cat([past_v[rows, :, : run.length], values], dim=2)
+        out = F.scaled_dot_product_attention(q[rows].transpose(1, 2), keys, values, enable_gqa=True)
+        outs.append(out.transpose(1, 2))
+    return (outs[0] if len(outs) == 1 else torch.cat(outs)).flatten(2)
+
 
 @dataclass
 class KVCache:
@@ -266,11 +357,21 @@ class KVCache:
     keys: list[Tensor]  # per layer [B, kv_heads, S, head_dim]
     values: list[Tensor]  # per layer [B, kv_heads, S, head_dim]
     key_mask: Tensor  # [B, S] bool
+    # query_runs(key_mask), computed on first use: a cache serves every denoising step, and the
+    # host copy of its mask is then made once, not once per step.
+    _runs: list[QueryRun] | None = field(default=None, init=False, repr=False, compare=False)
+    _runs_known: bool = field(default=False, init=False, repr=False, compare=False)
 
     @property
     def lengths(self) -> Tensor:
         """[B] long: real tokens per row, the RoPE position of the row's next token."""
         return self.key_mask.sum(dim=1)
+
+    def query_runs(self) -> list[QueryRun] | None:
+        """``query_runs`` of this cache's mask (memoised; the mask must not be changed in place)."""
+        if not self._runs_known:
+            self._runs, self._runs_known = query_runs(self.key_mask), True
+        return self._runs
 
     @classmethod
     def empty(cls, cfg: BagelConfig, batch: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
@@ -351,6 +452,23 @@ class MoTDecoder(nn.Module):
                 new_kv.append(kv)
         x_und, x_gen = route.split(x)
         return route.merge(self.norm(x_und), self.norm_moe_gen(x_gen)), new_kv
+
+    def forward_query(self, x_gen: Tensor, x_und: Tensor, cache: KVCache) -> Tensor:
+        """The image query of every row over its cache row: latent embeddings x_gen [B, N, hidden],
+        marker embeddings x_und [B, 2, hidden] (soi, eoi) -> final-normed latent hidden states
+        [B, N, hidden]. Same function as ``forward`` on [soi, latents, eoi] with ``query_mask``,
+        without routing gathers or host syncs."""
+        positions = cache.lengths[:, None]  # one RoPE position per row: its context length
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)  # [B, 1, 1, D]
+        runs = cache.query_runs()
+        bias = None
+        if runs is None:
+            bias = attention_bias(query_mask(cache.key_mask, x_gen.shape[1] + 2), x_gen.dtype)
+        for i, layer in enumerate(cast("Sequence[MoTDecoderLayer]", self.layers)):
+            q, k, v = layer.query_qkv(x_gen, x_und, cos, sin)
+            attn = query_attention(q, k, v, cache.keys[i], cache.values[i], runs=runs, bias=bias)
+            x_gen, x_und = layer.query_out(x_gen, x_und, attn)
+        return self.norm_moe_gen(x_gen)  # type: ignore[no-any-return]
 
 
 class MoTLanguageModel(nn.Module):
@@ -485,18 +603,28 @@ class BagelModel(nn.Module):
         A latent's embedding is vae2llm(x_t) + time_embedder(t) + latent_pos_embed[position id].
         x_t [B, N, 64] (fp32), t [B], latent_pos_ids [N] or [B, N]."""
         b, n, _ = x_t.shape
-        weight_dtype = self.vae2llm.weight.dtype
-        latents = (
-            self.vae2llm(x_t.to(weight_dtype))
-            + self.time_embedder(t)[:, None, :]
-            + self.latent_pos_embed(latent_pos_ids)
-        )
-        marker_ids = torch.tensor([soi_id, eoi_id], device=x_t.device)
-        soi, eoi = self.decoder.embed_tokens(marker_ids).unbind(0)
+        soi, eoi = self._marker_embeddings(soi_id, eoi_id).unbind(0)
+        latents = self._latent_embeddings(x_t, t, latent_pos_ids)
         embeds = torch.cat([soi.expand(b, 1, -1), latents, eoi.expand(b, 1, -1)], dim=1)
         is_gen = torch.zeros(b, n + 2, dtype=torch.bool, device=x_t.device)
         is_gen[:, 1 : n + 1] = True
         return embeds, is_gen
+
+    def _latent_embeddings(self, x_t: Tensor, t: Tensor, latent_pos_ids: Tensor) -> Tensor:
+        """vae2llm(x_t) + time_embedder(t) + latent_pos_embed[position id] -> [B, N, hidden]."""
+        weight_dtype = self.vae2llm.weight.dtype
+        latents: Tensor = (
+            self.vae2llm(x_t.to(weight_dtype))
+            + self.time_embedder(t)[:, None, :]
+            + self.latent_pos_embed(latent_pos_ids)
+        )
+        return latents
+
+    def _marker_embeddings(self, soi_id: int, eoi_id: int) -> Tensor:
+        """[2, hidden]: the soi and eoi rows of the embedding table, indexed by Python ints (an id
+        tensor would be a host-to-device copy, a sync, on every call)."""
+        table = self.decoder.embed_tokens.weight
+        return torch.stack([table[soi_id], table[eoi_id]])
 
     def prefill(self, input_ids: Tensor, token_mask: Tensor, cache: KVCache | None = None) -> KVCache:
         """Run prompts [B, L] causally through the und expert and return the cache extended with
@@ -519,12 +647,12 @@ class BagelModel(nn.Module):
         """Velocity [B, N, 64] fp32 of latents x_t [B, N, 64] at times t [B], each row conditioned on
         its cache row (an empty row = the text-unconditional branch). The N + 2 query tokens sit at
         RoPE position = the row's cache length and see each other and the row's real entries."""
-        b, n, _ = x_t.shape
-        embeds, is_gen = self.image_query(x_t, t, latent_pos_ids, soi_id=soi_id, eoi_id=eoi_id)
-        positions = cache.lengths[:, None].expand(b, n + 2)
-        mask = query_mask(cache.key_mask, n + 2)
-        hidden, _ = self.decoder(embeds, is_gen, positions, mask, past=cache)
-        velocity: Tensor = self.llm2vae(hidden[:, 1 : n + 1])
+        b = x_t.shape[0]
+        x_gen = self._latent_embeddings(x_t, t, latent_pos_ids)
+        # contiguous like every later layer's x_und: one layout, one compiled graph (parallelize.py)
+        x_und = self._marker_embeddings(soi_id, eoi_id).expand(b, 2, -1).contiguous()
+        hidden = self.decoder.forward_query(x_gen, x_und, cache)
+        velocity: Tensor = self.llm2vae(hidden)
         return velocity.float()
 
     def forward(

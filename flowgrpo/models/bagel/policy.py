@@ -153,7 +153,7 @@ class PolicyApplier:
         if self._peft_modules is None:
             config = LoraConfig(
                 r=update.lora_rank,
-                lora_alpha=update.lora_alpha,
+                lora_alpha=round(update.lora_alpha),  # peft's field is an int; the exact scale is set below
                 target_modules=list(layout[0]),
                 lora_dropout=0.0,
             )
@@ -168,13 +168,10 @@ class PolicyApplier:
         modules = dict(self.model.named_modules())
         for name, (a, b) in pairs.items():
             layer = modules[name]
-            layer.lora_A[PEFT_ADAPTER].weight.data = a.to(
-                layer.base_layer.weight.device, torch.float32
-            ).clone()  # type: ignore[index,union-attr]
-            layer.lora_B[PEFT_ADAPTER].weight.data = b.to(
-                layer.base_layer.weight.device, torch.float32
-            ).clone()  # type: ignore[index,union-attr]
-            layer.scaling[PEFT_ADAPTER] = update.lora_scale  # type: ignore[index]
+            device = layer.base_layer.weight.device
+            layer.lora_A[PEFT_ADAPTER].weight.data = a.to(device, torch.float32).clone()
+            layer.lora_B[PEFT_ADAPTER].weight.data = b.to(device, torch.float32).clone()
+            layer.scaling[PEFT_ADAPTER] = update.lora_scale
 
 
 def _base_weight(module: str, params: Mapping[str, nn.Parameter]) -> nn.Parameter | None:

@@ -201,7 +201,7 @@ class BagelSampler:
         if params.deterministic:
             with _deterministic_kernels():
                 parts = [self._generate_batch([r], params, seed, step) for r in requests]
-            return _cat_trajectories(parts)
+            return concat_trajectories(parts)
         return self._generate_batch(list(requests), params, seed, step)
 
     def _generate_batch(
@@ -212,11 +212,14 @@ class BagelSampler:
         pos_ids = latent_position_ids(rows, cols, self.model.config.max_latent_size, device)
         keys = [(r.prompt_uid, r.sample_index) for r in requests]
         context = with_cfg_branches(self.model, self._prompt_cache(requests), params.cfg)
-        schedule = shifted_schedule(params.num_points, params.shift).to(device)
-        begins = torch.tensor(
-            [window_begin(params.window, params.num_steps, seed, step, r.prompt_uid) for r in requests],
-            device=device,
-        )
+        # The schedule and the window starts are known on the host: deciding which steps are
+        # stochastic from them, rather than from device tensors, keeps the loop free of syncs.
+        host_schedule = shifted_schedule(params.num_points, params.shift)
+        schedule = host_schedule.to(device)
+        host_begins = [
+            window_begin(params.window, params.num_steps, seed, step, r.prompt_uid) for r in requests
+        ]
+        begins = torch.tensor(host_begins, device=device)
         x = batch_noise((rows * cols, self.model.config.latent_token_dim), seed, step, keys, "init").to(
             device
         )
@@ -229,18 +232,19 @@ class BagelSampler:
             sigma, sigma_next = schedule[i].expand(len(requests)), schedule[i + 1].expand(len(requests))
             v = guided_velocity(self.model, context, x, sigma, pos_ids, cfg=params.cfg, special=self.special)
             offset = i - begins  # position of step i inside each sample's window
-            in_window = (offset >= 0) & (offset < size)
-            _record(window_x, x, offset, size + 1)
-            if bool(in_window.any()):
+            host_offsets = [i - b for b in host_begins]
+            _record(window_x, x, offset, host_offsets, size + 1)
+            if any(0 <= o < size for o in host_offsets):
+                in_window = (offset >= 0) & (offset < size)
                 noise = batch_noise(tuple(x.shape[1:]), seed, step, keys, f"sde/{i}").to(device)
                 stoch = window_step(
-                    params, x, v, sigma, sigma_next, sigma_after_first=float(schedule[1]), noise=noise
+                    params, x, v, sigma, sigma_next, sigma_after_first=float(host_schedule[1]), noise=noise
                 )
-                _record(window_lp, stoch.log_prob, offset, size)
+                _record(window_lp, stoch.log_prob, offset, host_offsets, size)
                 x = torch.where(in_window.view(-1, 1, 1), stoch.x_next, ode_step(x, v, sigma, sigma_next))
             else:
                 x = ode_step(x, v, sigma, sigma_next)
-        _record(window_x, x, params.num_steps - begins, size + 1)
+        _record(window_x, x, params.num_steps - begins, [params.num_steps - b for b in host_begins], size + 1)
         return self._trajectories(
             window_x, window_lp, begins=begins, schedule=schedule, final=x, params=params, grid=(rows, cols)
         )
@@ -284,16 +288,16 @@ class BagelSampler:
         )
 
 
-def _record(slots: list[Tensor], value: Tensor, offset: Tensor, count: int) -> None:
-    """slots[k][b] = value[b] for each sample b whose offset[b] == k (0 <= k < count)."""
+def _record(slots: list[Tensor], value: Tensor, offset: Tensor, host_offset: list[int], count: int) -> None:
+    """slots[k][b] = value[b] for each sample b whose offset[b] == k (0 <= k < count). ``host_offset``
+    is ``offset`` as a list: it says which slots change without a device sync."""
     for k in range(count):
-        hit = offset == k
-        if bool(hit.any()):
+        if k in host_offset:
             shape = (-1,) + (1,) * (value.dim() - 1)
-            slots[k] = torch.where(hit.view(shape), value, slots[k])
+            slots[k] = torch.where((offset == k).view(shape), value, slots[k])
 
 
-def _cat_trajectories(parts: list[Trajectories]) -> Trajectories:
+def concat_trajectories(parts: list[Trajectories]) -> Trajectories:
     images = [p.images for p in parts]
     return Trajectories(
         latents=torch.cat([p.latents for p in parts]),

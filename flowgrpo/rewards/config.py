@@ -1,0 +1,86 @@
+"""Typed configs of the scorers (torch-free): which scorers make the reward, their weights and
+settings. A recipe's ``reward:`` section::
+
+    reward:
+      scorers:
+        - {name: pickscore, weight: 1.0}
+        - {name: ocr, weight: 0.5}
+        - {name: aesthetic, weight: 0.2, plugin: my_pkg.rewards:aesthetic}
+      pickscore: {model: /ckpt/PickScore_v1, processor: /ckpt/CLIP-ViT-H-14, device: "cuda:0"}
+      ocr: {engine: judge, judge: {base_url: "http://vllm:8000/v1"}}
+
+or on the command line: ``reward.scorers=[{name: jpeg_compressibility, weight: 1.0}]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from flowgrpo.rewards.judge import JudgeConfig
+from flowgrpo.rewards.offline_ocr import OfflineOcrConfig
+
+BUILTIN_SCORERS = ("pickscore", "ocr", "jpeg_compressibility", "jpeg_incompressibility")
+
+
+@dataclass
+class ScorerSpec:
+    """One term of the reward: ``weight * score``. ``name`` is a built-in scorer, or any name of a
+    plug-in given as ``plugin`` (``path/to/file.py:function`` or ``package.module:function``)."""
+
+    name: str = "jpeg_compressibility"
+    weight: float = 1.0
+    plugin: str = ""
+
+    def validate(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ValueError(f"scorer name {self.name!r} must be non-empty and contain no '/'")
+        if not math.isfinite(self.weight):
+            raise ValueError(f"scorer {self.name}: weight {self.weight} is not finite")
+        if not self.plugin and self.name not in BUILTIN_SCORERS:
+            raise ValueError(
+                f"scorer {self.name!r} is not built in ({', '.join(BUILTIN_SCORERS)}); "
+                "a plug-in needs plugin='path/to/file.py:function' or 'package.module:function'"
+            )
+
+
+@dataclass
+class PickScoreConfig:
+    model: str = ""  # folder with config.json + model.safetensors (PickScore_v1)
+    processor: str = ""  # folder with the CLIP-ViT-H-14 tokenizer + preprocessor_config.json; "" = model
+    device: str = "cpu"  # "cuda", "cuda:1", "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    batch_size: int = 32
+
+    def validate(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"pickscore.batch_size={self.batch_size} must be >= 1")
+
+
+@dataclass
+class OcrConfig:
+    engine: Literal["judge", "offline"] = "judge"  # judge: a VLM server (the recipes); offline: rapidocr
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    offline: OfflineOcrConfig = field(default_factory=OfflineOcrConfig)
+
+
+@dataclass
+class RewardConfig:
+    scorers: list[ScorerSpec] = field(default_factory=lambda: [ScorerSpec()])
+    pickscore: PickScoreConfig = field(default_factory=PickScoreConfig)
+    ocr: OcrConfig = field(default_factory=OcrConfig)
+    jpeg_quality: int = 95
+
+    def validate(self) -> None:
+        names = [s.name for s in self.scorers]
+        if not names:
+            raise ValueError("reward.scorers is empty: name at least one scorer")
+        if len(set(names)) != len(names):
+            raise ValueError(f"reward.scorers: names must be unique, got {names}")
+        for spec in self.scorers:
+            spec.validate()
+        if "pickscore" in names and not self.pickscore.model:
+            raise ValueError("scorer pickscore needs reward.pickscore.model (a PickScore_v1 folder)")
+        if not 1 <= self.jpeg_quality <= 100:
+            raise ValueError(f"reward.jpeg_quality={self.jpeg_quality} is outside 1..100")

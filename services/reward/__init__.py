@@ -1,0 +1,1 @@
+"""The reward service: scores images referenced on the data bus (``flowgrpo serve reward``)."""

@@ -1,0 +1,37 @@
+"""The reward service's config: ``flowgrpo serve reward reward.scorers=[{name: jpeg_compressibility}]``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from flowgrpo.bus.config import BusConfig
+from flowgrpo.rewards.config import RewardConfig
+from flowgrpo.runtime.config import ServerConfig
+
+
+@dataclass
+class StreamConfig:
+    """How a Score stream is cut into batches: whatever is waiting when the scorers are free,
+    at most ``max_batch_samples``; ``max_wait_s`` > 0 waits that long for a batch to fill."""
+
+    max_batch_samples: int = 32
+    max_wait_s: float = 0.0
+    read_ahead: int = 256  # requests read from a stream before scoring catches up (back-pressure)
+
+    def validate(self) -> None:
+        if self.max_batch_samples < 1 or self.read_ahead < 1:
+            raise ValueError("stream.max_batch_samples and stream.read_ahead must be >= 1")
+        if self.max_wait_s < 0:
+            raise ValueError(f"stream.max_wait_s={self.max_wait_s} must be >= 0")
+
+
+@dataclass
+class RewardServiceConfig:
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    bus: BusConfig = field(default_factory=BusConfig)  # the client that fetches images
+    replica_id: str = ""  # default: reward-<random>
+    run_dir: str = ""  # traces go to <run_dir>/traces when no OTLP endpoint is set
+    log_format: Literal["json", "text"] = "json"

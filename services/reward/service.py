@@ -1,0 +1,203 @@
+"""The reward actor: Score (a bidirectional stream) and Info over gRPC, images from the bus.
+
+State: the reward model (the configured scorers and their weights) and a bus client. A Score
+stream runs three stages at once: requests are read as they come (up to ``read_ahead``), their
+images fetched from the producers' stores in chunks of what is waiting, and the scorers take
+every fetched image that is waiting when they are free (up to ``max_batch_samples``) as one
+batch; each batch is one actor message, so batches of all streams run one at a time on the
+compute thread, and its results go back at once, while the stream is still open.
+
+Rewards are scalars: they return in the ScoreResults (the coordinator turns them into
+advantages), not on the bus. A sample that cannot be scored comes back with a typed Error and
+no reward, never a silent 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+from opentelemetry import trace
+
+from flowgrpo.bus import BusClient, BusError, Fetched, TensorRef
+from flowgrpo.rewards import RewardModel, Sample, build_reward
+from flowgrpo.rewards.combine import Batch, Scored
+from flowgrpo.runtime import Actor, message
+from flowgrpo.services.reward.config import RewardServiceConfig
+from flowgrpo.services.reward.stream import Pump, take_batch
+from flowgrpo.telemetry import links_from
+from flowgrpo.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
+
+STAGE = common_pb2.StageSpec(stage="reward", consumes=["images"], produces=[])
+ErrorCode = common_pb2.ErrorCode
+
+
+@dataclass
+class Pending:
+    request: reward_pb2.ScoreRequest
+    received: float  # perf_counter() when it arrived
+
+
+@dataclass
+class Ready:
+    """A request whose image is here (``sample``), or could not be had (``error``)."""
+
+    pending: Pending
+    sample: Sample | None = None
+    error: common_pb2.Error | None = None
+    trace: dict[str, str] | None = None
+
+
+class RewardService(Actor, reward_pb2_grpc.RewardServicer):
+    role = "reward"
+
+    def __init__(self, config: RewardServiceConfig, model: RewardModel | None = None) -> None:
+        super().__init__(config.replica_id)
+        self.config = config
+        self.model: RewardModel | None = model  # built in start() unless given
+        self.client = BusClient(config.bus)  # fetches images from the producers' stores
+        self.stages = [STAGE]
+
+    async def start(self) -> None:
+        if self.model is None:
+            self.model = await self.compute(build_reward, self.config.reward)
+        self.labels["scorers"] = ",".join(self._model().weights)
+
+    async def stop(self) -> None:
+        self.client.close()
+        if self.model is not None:
+            await self.compute(self.model.close)
+
+    # --- RPCs ----------------------------------------------------------------------------------
+
+    @message
+    async def Info(
+        self, request: reward_pb2.RewardInfoRequest, context: grpc.aio.ServicerContext
+    ) -> reward_pb2.RewardInfoResponse:
+        weights = self._model().weights
+        return reward_pb2.RewardInfoResponse(scorers=list(weights), weights=weights)
+
+    async def Score(
+        self, request_iterator: AsyncIterator[reward_pb2.ScoreRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[reward_pb2.ScoreResult]:
+        cfg = self.config.stream
+        requests = Pump(_stamped(request_iterator), cfg.read_ahead, "reward-requests")
+        ready = Pump(self._fetched(requests), cfg.max_batch_samples, "reward-fetch")
+        try:
+            while batch := await take_batch(ready, cfg.max_batch_samples, cfg.max_wait_s):
+                for result in await self._score(batch):
+                    yield result
+        finally:
+            await ready.close()
+            await requests.close()
+
+    # --- stages --------------------------------------------------------------------------------
+
+    async def _fetched(self, requests: Pump[Pending]) -> AsyncIterator[Ready]:
+        """Images of the requests, fetched in chunks of what is waiting, as soon as they come."""
+        while chunk := await take_batch(requests, self.config.stream.max_batch_samples):
+            for item in await asyncio.to_thread(self._fetch, chunk):
+                yield item
+
+    def _fetch(self, chunk: list[Pending]) -> list[Ready]:
+        ready = [Ready(p, error=self._ref_error(p.request)) for p in chunk]
+        wanted = [r for r in ready if r.error is None]
+        refs = [TensorRef.from_proto(r.pending.request.image) for r in wanted]
+        for item, got in zip(wanted, self.client.fetch(refs, errors="return"), strict=True):
+            if isinstance(got, BusError):
+                message = f"image not available on the bus: {got.message}"
+                item.error = self._error(got.code.name, message, item.pending.request)
+            else:
+                item.sample, item.trace = _sample(item.pending.request, got), got.trace
+        return ready
+
+    @message
+    async def _score(self, batch: list[Ready]) -> list[reward_pb2.ScoreResult]:
+        """One message per batch: the scorers run on the compute thread, one batch at a time."""
+        samples = [r.sample for r in batch if r.sample is not None]
+        links = links_from(r.trace for r in batch if r.trace)
+        with tracer.start_as_current_span("reward.score", links=links) as span:
+            scored = await self.compute(self._model().score, samples)
+            span.set_attributes({"samples": len(samples), **_seconds_by_scorer(scored, "seconds.")})
+        results = iter(scored.results)
+        replies = [self._result(r, next(results) if r.sample is not None else None) for r in batch]
+        for reply in replies:
+            reply.scorer_latency_s.update(scored.seconds)
+        self._log_batch(replies, scored)
+        return replies
+
+    # --- results -------------------------------------------------------------------------------
+
+    def _result(self, item: Ready, scored: Scored | None) -> reward_pb2.ScoreResult:
+        result = reward_pb2.ScoreResult(
+            sample_id=item.pending.request.sample_id,
+            latency_s=time.perf_counter() - item.pending.received,
+        )
+        if scored is None:
+            assert item.error is not None, "an unscored sample carries its fetch error"
+            result.error.CopyFrom(item.error)
+            return result
+        result.scores.update(scored.scores)
+        if scored.reward is not None:
+            result.reward = scored.reward
+        elif (error := scored.error) is not None:
+            result.error.CopyFrom(self._error(error.kind.upper(), error.message, item.pending.request))
+        return result
+
+    def _ref_error(self, request: reward_pb2.ScoreRequest) -> common_pb2.Error | None:
+        """What is wrong with the image reference itself (checked before any fetch), or None."""
+        ref = request.image
+        if not request.HasField("image") or not ref.key:
+            return self._error("INVALID_ARGUMENT", "the request has no image reference", request)
+        if ref.column != "images":
+            message = f"image refers to column {ref.column!r}, not 'images'"
+            return self._error("INVALID_ARGUMENT", message, request)
+        if ref.dtype != "uint8" or len(ref.shape) != 3 or ref.shape[2] != 3:
+            message = f"image is {ref.dtype}{list(ref.shape)}; expected uint8 [H, W, 3]"
+            return self._error("SCHEMA_VIOLATION", message, request)
+        return None
+
+    def _error(self, code: str, message: str, request: reward_pb2.ScoreRequest) -> common_pb2.Error:
+        where = f"reward {self.replica_id} sample {request.sample_id!r} ({request.image.key})"
+        return common_pb2.Error(code=ErrorCode.Value(f"ERROR_CODE_{code}"), message=message, where=where)
+
+    def _log_batch(self, replies: list[reward_pb2.ScoreResult], scored: Batch) -> None:
+        failed = sum(r.HasField("error") for r in replies)
+        seconds = ", ".join(f"{name} {s * 1000:.1f} ms" for name, s in scored.seconds.items())
+        log.info(
+            "scored %d sample(s), %d failed: %s",
+            len(replies),
+            failed,
+            seconds,
+            extra={"samples": len(replies), "failed": failed, **_seconds_by_scorer(scored, "seconds_")},
+        )
+
+    def _model(self) -> RewardModel:
+        assert self.model is not None, "the reward model is built in start(), before any message"
+        return self.model
+
+
+async def _stamped(requests: AsyncIterator[reward_pb2.ScoreRequest]) -> AsyncIterator[Pending]:
+    async for request in requests:
+        yield Pending(request, time.perf_counter())
+
+
+def _sample(request: reward_pb2.ScoreRequest, fetched: Fetched) -> Sample:
+    return Sample(
+        image=fetched.array,
+        prompt=request.prompt,
+        ground_truth=request.ground_truth,
+        metadata=dict(request.metadata),
+    )
+
+
+def _seconds_by_scorer(scored: Batch, prefix: str) -> dict[str, float]:
+    return {prefix + name: seconds for name, seconds in scored.seconds.items()}

@@ -1,0 +1,61 @@
+"""One FlowGRPO step in every process of a torchrun job (FSDP2 over gloo when WORLD_SIZE > 1);
+rank 0 writes the published tensors and the metrics. Used by test_fsdp.py: run as
+``python -m torch.distributed.run --nproc_per_node N fsdp_worker.py CHECKPOINT KIND OUT``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens
+from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, SamplerParams
+from flowgrpo.sampler_math import CfgParams, WindowParams
+from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig
+from flowgrpo.services.trainer.distributed import init_distributed, shard_model
+from flowgrpo.services.trainer.policy import TrainablePolicy
+from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory
+
+PARAMS = SamplerParams(num_points=6, height=32, width=32, window=WindowParams(size=2, lo=0, hi=4),
+                       deterministic=True, decode_images=False, cfg=CfgParams(text_scale=2.0))  # fmt: skip
+PROMPTS = {"p0": [384, 5, 6, 7, 385], "p1": [384, 9, 10, 385], "p2": [384, 11, 385]}
+ADVANTAGES = [1.0, -1.0, 0.5, -0.5, 2.0]  # 5 samples: uneven over 2 ranks (masked, not duplicated)
+
+
+def trajectories(checkpoint: Path) -> list[Trajectory]:
+    sampler = BagelSampler(
+        load_bagel_model(checkpoint, dtype=torch.float32), None, load_special_tokens(checkpoint)
+    )
+    pairs = [("p0", 0), ("p0", 1), ("p1", 0), ("p1", 1), ("p2", 0)]
+    requests = [SampleRequest(uid, i, torch.tensor(PROMPTS[uid])) for uid, i in pairs]
+    out = sampler.generate(requests, PARAMS, seed=3, step=0)
+    return [
+        Trajectory(
+            r.prompt_uid, r.sample_index, 0, a, r.prompt_ids, out.latents[i], out.log_probs[i], out.sigmas[i]
+        )
+        for i, (r, a) in enumerate(zip(requests, ADVANTAGES, strict=True))
+    ]
+
+
+def main(checkpoint: Path, kind: str, out: Path) -> None:
+    torch.set_num_threads(1)
+    dist = init_distributed("cpu")
+    config = PolicyConfig(kind=kind, lora_rank=4, lora_alpha=8.0)  # type: ignore[arg-type]
+    policy = TrainablePolicy(load_bagel_model(checkpoint, dtype=torch.float32), config)
+    if dist.enabled:
+        shard_model(policy.model, "cpu")
+    loss = LossConfig(mini_batches=2, micro_batch_size=1)
+    step = FlowGRPOStep(policy, load_special_tokens(checkpoint), OptimConfig(lr=1e-3), loss, dist)
+    metrics = step.run(trajectories(checkpoint), PARAMS)
+    published = {n: t.contiguous() for n, t in policy.published().items()}
+    if dist.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(published, str(out / "published.safetensors"))
+        (out / "metrics.json").write_text(json.dumps(metrics))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]))
