@@ -4,6 +4,9 @@ dotted overrides (``rollout.server.port=50051``) reach every field."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+from flowgrpo.bus.config import BusConfig
 
 
 @dataclass
@@ -43,3 +46,15 @@ class ClientConfig:
     connect_timeout_s: float = 120.0  # how long wait_ready waits for a READY handshake by default
     keepalive_s: float = 30.0  # ping an idle connection this often to notice a dead peer
     max_message_bytes: int = 16 * 1024 * 1024
+
+
+@dataclass
+class ServiceProcessConfig:
+    """What every service process has beside its own section (``rollout``, ``trainer``, ...):
+    its gRPC server, its data-bus store and client, and how it logs and traces."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    bus: BusConfig = field(default_factory=BusConfig)
+    replica_id: str = ""  # default: <role>-<random>
+    run_dir: str = ""  # traces go to <run_dir>/traces when no OTLP endpoint is set
+    log_format: Literal["json", "text"] = "json"

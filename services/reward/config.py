@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
-from flowgrpo.bus.config import BusConfig
 from flowgrpo.rewards.config import RewardConfig
-from flowgrpo.runtime.config import ServerConfig
+from flowgrpo.runtime.config import ServiceProcessConfig
 
 
 @dataclass
@@ -27,11 +25,6 @@ class StreamConfig:
 
 
 @dataclass
-class RewardServiceConfig:
+class RewardServiceConfig(ServiceProcessConfig):
     reward: RewardConfig = field(default_factory=RewardConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
-    server: ServerConfig = field(default_factory=ServerConfig)
-    bus: BusConfig = field(default_factory=BusConfig)  # the client that fetches images
-    replica_id: str = ""  # default: reward-<random>
-    run_dir: str = ""  # traces go to <run_dir>/traces when no OTLP endpoint is set
-    log_format: Literal["json", "text"] = "json"

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from flowgrpo.bus.config import BusConfig
-from flowgrpo.runtime.config import ServerConfig
+from flowgrpo.runtime.config import ServiceProcessConfig
 
 
 @dataclass
@@ -28,10 +27,5 @@ class EngineConfig:
 
 
 @dataclass
-class RolloutServiceConfig:
+class RolloutServiceConfig(ServiceProcessConfig):
     rollout: EngineConfig = field(default_factory=EngineConfig)
-    server: ServerConfig = field(default_factory=ServerConfig)
-    bus: BusConfig = field(default_factory=BusConfig)
-    replica_id: str = ""  # default: rollout-<random>
-    run_dir: str = ""  # traces go to <run_dir>/traces when no OTLP endpoint is set
-    log_format: Literal["json", "text"] = "json"

@@ -18,10 +18,7 @@ from opentelemetry import trace
 
 from flowgrpo.bus import (
     BusClient,
-    BusError,
     BusServer,
-    DataLost,
-    Fetched,
     TensorRef,
     TensorStore,
     serve_store,
@@ -30,7 +27,8 @@ from flowgrpo.bus.torch_tensors import put_tensor, to_torch
 from flowgrpo.models.bagel.policy import PolicyUpdate, PolicyUpdateError
 from flowgrpo.models.bagel.sampling import SampleRequest, SamplerParams, Trajectories
 from flowgrpo.models.bagel.wire import sampler_params_from_proto
-from flowgrpo.runtime import Actor, InvalidArgument, ServiceError, message
+from flowgrpo.runtime import Actor, InvalidArgument, message
+from flowgrpo.runtime.data import fetch_inputs
 from flowgrpo.services.rollout.config import RolloutServiceConfig
 from flowgrpo.services.rollout.engine import NativeBagelEngine, RolloutEngine
 from flowgrpo.telemetry import links_from
@@ -150,7 +148,7 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
                 raise InvalidArgument(
                     f"group {group.prompt_uid!r}: prompt_ids refers to column {ref.column!r}"
                 )
-        fetched = self._fetch(refs, "prompt ids")
+        fetched = fetch_inputs(self.client, refs, "prompt ids")
         with tracer.start_as_current_span("rollout.prompts", links=links_from(f.trace for f in fetched)):
             ids = [to_torch(f).clone() for f in fetched]
         return [
@@ -190,7 +188,9 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
         if update.kind not in ("lora", "gen_path"):
             raise InvalidArgument(f"WeightUpdate.kind {update.kind!r}: expected 'lora' or 'gen_path'")
         names = [t.name for t in update.tensors]
-        fetched = self._fetch([TensorRef.from_proto(t.ref) for t in update.tensors], "policy weights")
+        fetched = fetch_inputs(
+            self.client, [TensorRef.from_proto(t.ref) for t in update.tensors], "policy weights"
+        )
         return PolicyUpdate(
             version=update.policy_version,
             kind=update.kind,  # type: ignore[arg-type]
@@ -198,15 +198,6 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
             lora_rank=update.lora.rank,
             lora_alpha=update.lora.alpha,
         )
-
-    def _fetch(self, refs: list[TensorRef], what: str) -> list[Fetched]:
-        """Fetch from other producers; a lost or released input fails this request, typed."""
-        try:
-            return self.client.fetch(refs)
-        except DataLost as error:
-            raise ServiceError(f"{what} lost: {error}", grpc.StatusCode.UNAVAILABLE) from None
-        except BusError as error:
-            raise ServiceError(f"{what} not available on the bus: {error}") from None
 
     def _engine(self) -> RolloutEngine:
         assert self.engine is not None, "the engine is loaded in start(), before any message"

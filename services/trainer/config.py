@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from flowgrpo.bus.config import BusConfig
 from flowgrpo.models.bagel.config import is_gen_path
-from flowgrpo.runtime.config import ServerConfig
+from flowgrpo.runtime.config import ServiceProcessConfig
 
 DEFAULT_LORA_TARGETS = [
     "self_attn.q_proj_moe_gen",
@@ -90,10 +89,5 @@ class TrainerConfig:
 
 
 @dataclass
-class TrainerServiceConfig:
+class TrainerServiceConfig(ServiceProcessConfig):
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    server: ServerConfig = field(default_factory=ServerConfig)
-    bus: BusConfig = field(default_factory=BusConfig)
-    replica_id: str = ""
-    run_dir: str = ""
-    log_format: Literal["json", "text"] = "json"

@@ -15,11 +15,12 @@ import grpc.aio
 import torch
 from opentelemetry import trace
 
-from flowgrpo.bus import BusClient, BusError, BusServer, DataLost, Fetched, TensorRef, serve_store
+from flowgrpo.bus import BusClient, BusServer, TensorRef, serve_store
 from flowgrpo.bus.torch_tensors import to_torch
 from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens
 from flowgrpo.models.bagel.wire import sampler_params_from_proto
-from flowgrpo.runtime import Actor, InvalidArgument, ServiceError, message
+from flowgrpo.runtime import Actor, InvalidArgument, message
+from flowgrpo.runtime.data import fetch_inputs
 from flowgrpo.services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from flowgrpo.services.trainer.config import TrainerServiceConfig
 from flowgrpo.services.trainer.policy import TrainablePolicy
@@ -145,7 +146,7 @@ class TrainerService(Actor, trainer_pb2_grpc.TrainerServicer):
                     f"the trainer needs {list(INPUT_COLUMNS)}"
                 )
             refs += [TensorRef.from_proto(sample.inputs[c]) for c in INPUT_COLUMNS]
-        fetched = self._fetch(refs)
+        fetched = fetch_inputs(self.client, refs, "trajectories")
         width = len(INPUT_COLUMNS)
         batch = []
         for i, sample in enumerate(request.samples):
@@ -155,14 +156,6 @@ class TrainerService(Actor, trainer_pb2_grpc.TrainerServicer):
             batch.append(Trajectory(sample.prompt_uid, sample.sample_index, sample.policy_version,
                                     sample.advantage, ids, latents, log_probs, sigmas))  # fmt: skip
         return batch, [f.trace for f in fetched]
-
-    def _fetch(self, refs: list[TensorRef]) -> list[Fetched]:
-        try:
-            return self.client.fetch(refs)
-        except DataLost as error:
-            raise ServiceError(f"trajectories lost: {error}", grpc.StatusCode.UNAVAILABLE) from None
-        except BusError as error:
-            raise ServiceError(f"trajectories not available on the bus: {error}") from None
 
     def _dtype(self) -> str:
         return self.config.trainer.publish_dtype
