@@ -19,6 +19,7 @@ examples:
   flowgrpo bench bus              data-bus throughput (ipc, tcp, shared memory) vs memcpy
   flowgrpo bench bus --json b.json --sizes-mib 1 64
   flowgrpo bench reward           images/s of every reward scorer (JPEG, OCR, PickScore, plug-ins)
+  flowgrpo bench trainer          FlowGRPO LoRA / full gen-path training MFU (bench/trainer_gpu.sh)
   flowgrpo bench rollout          BAGEL-7B sampling images/s and MFU on a GPU (bench/rollout_gpu.sh)
   flowgrpo columns                the column schema every service checks its data against
   flowgrpo make-tiny-bagel /tmp/tiny   a tiny random BAGEL checkpoint in the published layout
@@ -182,9 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "target",
-        choices=["bus", "reward", "rollout"],
+        choices=["bus", "reward", "rollout", "trainer"],
         help="bus: the ZeroMQ data bus against memcpy; reward: images/s per scorer; rollout: BAGEL "
-        "sampling images/s and MFU against the matmul peak (GPU)",
+        "sampling images/s and MFU against the matmul peak (GPU); trainer: FlowGRPO training "
+        "throughput and MFU (GPU)",
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options of the benchmark (see --help)")
     return parser

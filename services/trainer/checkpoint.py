@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from flowgrpo.models.bagel.peft_format import load_peft_adapter, save_peft_adapter
 from flowgrpo.models.bagel.policy import PolicyUpdate
+from flowgrpo.services.trainer.distributed import full_tensor, shard_like
 from flowgrpo.services.trainer.step import FlowGRPOStep
 
 PREFIX = "step_"
@@ -49,15 +50,22 @@ def latest_checkpoint(folder: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(folder: str | Path, trainer: FlowGRPOStep, step: int, keep_last: int = 3) -> Path:
-    """Write the checkpoint of ``step`` atomically; keep the ``keep_last`` newest."""
+def save_checkpoint(folder: str | Path, trainer: FlowGRPOStep, step: int, keep_last: int = 3) -> Path | None:
+    """Write the checkpoint of ``step`` atomically; keep the ``keep_last`` newest.
+
+    Under FSDP every rank must call it (the shards are gathered); rank 0 writes and returns the
+    path, the others return None."""
+    published = {n: t.detach().cpu().contiguous() for n, t in trainer.policy.published().items()}
+    optimizer = _optimizer_tensors(trainer)
+    if trainer.dist.rank != 0:
+        return None
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / checkpoint_name(step)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=folder))
     try:
-        _write_weights(tmp, trainer)
-        _write_optimizer(tmp, trainer)
+        _write_weights(tmp, trainer, published)
+        _write_optimizer(tmp, trainer, optimizer)
         save_file(_rng_state(), str(tmp / "rng.safetensors"))
         counters = {"step": step, "version": trainer.version, "steps_done": trainer.steps_done,
                     "last_gap": trainer.last_gap, "kind": trainer.policy.kind}  # fmt: skip
@@ -99,8 +107,7 @@ def load_checkpoint(path: str | Path, trainer: FlowGRPOStep) -> int:
 # --- parts ---------------------------------------------------------------------------------
 
 
-def _write_weights(tmp: Path, trainer: FlowGRPOStep) -> None:
-    published = {n: t.detach().cpu().contiguous() for n, t in trainer.policy.published().items()}
+def _write_weights(tmp: Path, trainer: FlowGRPOStep, published: dict[str, torch.Tensor]) -> None:
     if trainer.policy.kind == "lora":
         cfg = trainer.policy.config
         save_peft_adapter(
@@ -115,15 +122,20 @@ def _param_names(trainer: FlowGRPOStep) -> list[str]:
     return list(trainer.policy.trainable())
 
 
-def _write_optimizer(tmp: Path, trainer: FlowGRPOStep) -> None:
-    state = trainer.optimizer.state_dict()
+def _optimizer_tensors(trainer: FlowGRPOStep) -> dict[str, torch.Tensor]:
+    """AdamW's state as whole tensors keyed ``<param name>/<key>`` (shards gathered)."""
     names = _param_names(trainer)
-    tensors = {
-        f"{names[index]}/{key}": value.detach().cpu().contiguous().reshape(value.shape)
-        for index, entry in state["state"].items()
+    return {
+        f"{names[index]}/{key}": full_tensor(value.detach()).cpu().contiguous()
+        for index, entry in trainer.optimizer.state_dict()["state"].items()
         for key, value in entry.items()
         if isinstance(value, torch.Tensor)
     }
+
+
+def _write_optimizer(tmp: Path, trainer: FlowGRPOStep, tensors: dict[str, torch.Tensor]) -> None:
+    state = trainer.optimizer.state_dict()
+    names = _param_names(trainer)
     save_file(tensors, str(tmp / "optimizer.safetensors"))
     groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
     (tmp / "optimizer.json").write_text(json.dumps({"param_groups": groups, "params": names}, indent=2))
@@ -137,10 +149,13 @@ def _read_optimizer(path: Path, trainer: FlowGRPOStep) -> None:
             f"{path / 'optimizer.json'}: the trainable parameters differ from this trainer's"
         )
     tensors = load_file(str(path / "optimizer.safetensors"))
+    params = list(trainer.policy.trainable().values())
     state: dict[int, dict[str, Any]] = {}
     for key, value in tensors.items():
         name, _, field = key.rpartition("/")
-        state.setdefault(names.index(name), {})[field] = value
+        index = names.index(name)
+        # moments are laid out like their parameter (sharded under FSDP); the step count is a scalar
+        state.setdefault(index, {})[field] = shard_like(params[index], value) if value.dim() else value
     current = trainer.optimizer.state_dict()
     groups = [
         {**g, "params": cg["params"]}

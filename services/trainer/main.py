@@ -1,4 +1,5 @@
-"""``flowgrpo serve trainer``: parse the config, then serve the trainer actor until drained."""
+"""``flowgrpo serve trainer``: one process, or every rank of ``torchrun ... -m flowgrpo.cli serve
+trainer``: rank 0 serves gRPC, the other ranks follow it (FSDP2 data parallelism)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,14 @@ CONFIG = TrainerServiceConfig
 
 
 def run(config: TrainerServiceConfig) -> None:
-    from flowgrpo.services.trainer.service import TrainerService  # torch: imported only to serve
+    from flowgrpo.services.trainer.distributed import init_distributed  # torch: imported only to serve
+    from flowgrpo.services.trainer.service import TrainerService, follow
 
-    actor = TrainerService(config)
+    dist = init_distributed(config.trainer.device)
+    if dist.rank > 0:
+        follow(config, dist)
+        return
+    actor = TrainerService(config, dist)
     run_service(
         actor, config, [Service("flowgrpo.v1.Trainer", actor, trainer_pb2_grpc.add_TrainerServicer_to_server)]
     )

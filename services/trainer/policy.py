@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from flowgrpo.models.bagel.config import is_gen_path
 from flowgrpo.models.bagel.policy import LORA_A, LORA_B
 from flowgrpo.services.trainer.config import PolicyConfig
-from flowgrpo.services.trainer.distributed import full_tensor
+from flowgrpo.services.trainer.distributed import full_tensor, shard_like
 
 ADAPTER = "default"
 
@@ -60,7 +60,7 @@ class TrainablePolicy:
             )
         with torch.no_grad():
             for name, param in by_name.items():
-                param.copy_(_like(param, tensors[name]))
+                param.copy_(shard_like(param, tensors[name]))
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
@@ -86,16 +86,6 @@ class TrainablePolicy:
             with torch.no_grad():
                 for n, p in params.items():
                     p.copy_(current[n])
-
-
-def _like(param: Tensor, full: Tensor) -> Tensor:
-    """``full`` laid out like ``param``: sharded the same way when ``param`` is a DTensor."""
-    placements = getattr(param, "placements", None)
-    if placements is None:
-        return full.to(param.device, param.dtype)
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(full.to(param.dtype), param.device_mesh, placements)  # type: ignore[attr-defined]
 
 
 def lora_published_name(param_name: str) -> str:

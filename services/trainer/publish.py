@@ -23,9 +23,14 @@ def version_tag(version: int) -> str:
 
 
 def publish(
-    store: TensorStore, policy: TrainablePolicy, version: int, dtype: str = ""
+    store: TensorStore,
+    policy: TrainablePolicy,
+    version: int,
+    dtype: str = "",
+    tensors: dict[str, torch.Tensor] | None = None,
 ) -> common_pb2.WeightUpdate:
-    """Put the policy's published tensors into ``store`` and describe them."""
+    """Put the policy's published tensors (``tensors`` when already gathered) into ``store`` and
+    describe them."""
     tag = version_tag(version)
     store.release(tag=tag)  # a re-publication of the same version replaces it
     update = common_pb2.WeightUpdate(
@@ -34,7 +39,7 @@ def publish(
     if policy.kind == "lora":
         update.lora.rank, update.lora.alpha = policy.config.lora_rank, policy.config.lora_alpha
     cast = getattr(torch, dtype) if dtype else None
-    for name, tensor in policy.published().items():
+    for name, tensor in (policy.published() if tensors is None else tensors).items():
         value = tensor.to(cast) if cast is not None else tensor
         ref = put_tensor(store, f"{tag}/{name}", "weights", value, policy_version=version, tag=tag)
         update.tensors.append(common_pb2.NamedTensor(name=name, ref=ref.to_proto()))

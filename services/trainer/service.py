@@ -1,83 +1,61 @@
-"""The trainer actor: TrainStep, SaveCheckpoint and State over gRPC, weights on the bus.
+"""The trainer actor (rank 0): TrainStep, SaveCheckpoint and State over gRPC, weights on the bus.
 
-State: the policy and its optimizer (``FlowGRPOStep``), this replica's bus store (the published
-weights) and a bus client (trajectories come from the rollouts' stores). One message at a time:
-a checkpoint is never taken in the middle of an update.
+State: the ``TrainerCore`` (policy, optimizer, bus client), this replica's bus store (the
+published weights), the last step and the newest publication. One message at a time: a
+checkpoint is never taken in the middle of an update. Under torchrun, every operation is first
+announced to the other ranks (``follow.py``), which run it too.
 """
 
 from __future__ import annotations
 
-import logging
+import signal
 import time
 
-import grpc
 import grpc.aio
-import torch
-from opentelemetry import trace
 
-from flowgrpo.bus import BusClient, BusServer, TensorRef, serve_store
-from flowgrpo.bus.torch_tensors import to_torch
-from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens
-from flowgrpo.models.bagel.wire import sampler_params_from_proto
+from flowgrpo.bus import BusServer, serve_store
 from flowgrpo.runtime import Actor, InvalidArgument, message
-from flowgrpo.runtime.data import fetch_inputs
-from flowgrpo.services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from flowgrpo.services.trainer.config import TrainerServiceConfig
-from flowgrpo.services.trainer.policy import TrainablePolicy
+from flowgrpo.services.trainer.core import INPUT_COLUMNS, TrainerCore
+from flowgrpo.services.trainer.distributed import Dist
+from flowgrpo.services.trainer.follow import SAVE, STOP, TRAIN, CommandChannel
 from flowgrpo.services.trainer.publish import publish
-from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory
-from flowgrpo.telemetry import links_from
 from flowgrpo.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
-log = logging.getLogger(__name__)
-tracer = trace.get_tracer(__name__)
-
-INPUT_COLUMNS = ("prompt_ids", "latents", "log_probs", "sigmas")
 STAGE = common_pb2.StageSpec(stage="trainer", consumes=[*INPUT_COLUMNS, "advantages"], produces=["weights"])
 
 
 class TrainerService(Actor, trainer_pb2_grpc.TrainerServicer):
     role = "trainer"
 
-    def __init__(self, config: TrainerServiceConfig) -> None:
+    def __init__(self, config: TrainerServiceConfig, dist: Dist | None = None) -> None:
         super().__init__(config.replica_id)
         self.config = config
-        self.trainer: FlowGRPOStep | None = None  # policy + optimizer, built in start()
+        self.dist = dist or Dist()
+        self.channel = CommandChannel.create() if self.dist.enabled else None  # to ranks > 0
+        self.core: TrainerCore | None = None  # built in start()
         self.step = 0  # last completed training step (the coordinator's numbering)
         self.current = common_pb2.WeightUpdate()  # the newest publication
         self.bus: BusServer | None = None
-        self.client = BusClient(config.bus)
         self.stages = [STAGE]
 
     async def start(self) -> None:
-        self.trainer = await self.compute(self._build)
+        self.core = await self.compute(TrainerCore, self.config, self.dist)
         self.bus = serve_store(self.config.bus)
         self.bus_endpoint = self.bus.endpoint
-        resumed = await self.compute(self._resume)
+        resumed = await self.compute(self.core.resume)  # every rank resumes on its own
         if resumed is not None:
             self.step = resumed
-            self.current = publish(self.bus.store, self.trainer.policy, self.trainer.version, self._dtype())
-        self.policy_version = self.trainer.version
+            self.current = await self.compute(self._publish)
+        self.policy_version = self.core.trainer.version
 
     async def stop(self) -> None:
-        self.client.close()
+        if self.channel is not None:
+            self.channel.send(STOP)
+        if self.core is not None:
+            self.core.close()
         if self.bus is not None:
             self.bus.close()
-
-    def _build(self) -> FlowGRPOStep:
-        cfg = self.config.trainer
-        model = load_bagel_model(cfg.checkpoint, dtype=getattr(torch, cfg.dtype), device=cfg.device)
-        policy = TrainablePolicy(model, cfg.policy)
-        return FlowGRPOStep(policy, load_special_tokens(cfg.checkpoint), cfg.optim, cfg.loss)
-
-    def _resume(self) -> int | None:
-        cfg = self.config.trainer
-        path = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint_dir and cfg.resume else None
-        if path is None:
-            return None
-        step = load_checkpoint(path, self._trainer())
-        log.info("resumed from %s: step %d, policy version %d", path, step, self._trainer().version)
-        return step
 
     # --- RPCs ----------------------------------------------------------------------------------
 
@@ -85,13 +63,17 @@ class TrainerService(Actor, trainer_pb2_grpc.TrainerServicer):
     async def TrainStep(
         self, request: trainer_pb2.TrainStepRequest, context: grpc.aio.ServicerContext
     ) -> trainer_pb2.TrainStepResponse:
-        try:
-            params = sampler_params_from_proto(request.params)
-        except ValueError as error:
-            raise InvalidArgument(str(error)) from None
-        if not request.samples:
-            raise InvalidArgument("TrainStep needs at least one sample")
-        return await self.compute(self._train, request, params)
+        core = self._core()
+        core.check(request)  # refuse a bad request here, before the other ranks join in
+        self._announce(TRAIN, request.SerializeToString())
+        metrics = await self.compute(core.train, request)
+        started = time.perf_counter()
+        self.current = await self.compute(self._publish)
+        metrics["timing_s/update_weights"] = time.perf_counter() - started
+        self.step, self.policy_version = request.step, core.trainer.version
+        response = trainer_pb2.TrainStepResponse(step=request.step, update=self.current)
+        response.metrics.values.update(metrics)
+        return response
 
     @message
     async def SaveCheckpoint(
@@ -102,11 +84,10 @@ class TrainerService(Actor, trainer_pb2_grpc.TrainerServicer):
             raise InvalidArgument(
                 "no checkpoint folder: set trainer.checkpoint_dir or SaveCheckpointRequest.path"
             )
+        resolved = trainer_pb2.SaveCheckpointRequest(step=request.step or self.step, path=folder)
+        self._announce(SAVE, resolved.SerializeToString())
         started = time.perf_counter()
-        step = request.step or self.step
-        path = await self.compute(
-            save_checkpoint, folder, self._trainer(), step, self.config.trainer.keep_last
-        )
+        path = await self.compute(self._core().save, folder, resolved.step)
         return trainer_pb2.SaveCheckpointResponse(path=str(path), save_s=time.perf_counter() - started)
 
     @message
@@ -114,56 +95,52 @@ class TrainerService(Actor, trainer_pb2_grpc.TrainerServicer):
         self, request: trainer_pb2.TrainerStateRequest, context: grpc.aio.ServicerContext
     ) -> trainer_pb2.TrainerStateResponse:
         return trainer_pb2.TrainerStateResponse(
-            step=self.step, policy_version=self._trainer().version, current=self.current
+            step=self.step, policy_version=self._core().trainer.version, current=self.current
         )
 
-    # --- work (on the actor's compute thread) --------------------------------------------------
+    # --- helpers -------------------------------------------------------------------------------
 
-    def _train(self, request: trainer_pb2.TrainStepRequest, params: object) -> trainer_pb2.TrainStepResponse:
-        batch, traces = self._fetch_batch(request)
-        trainer = self._trainer()
-        with tracer.start_as_current_span(
-            "trainer.step", links=links_from(traces), attributes={"step": request.step}
-        ):
-            metrics = trainer.run(batch, params)  # type: ignore[arg-type]
-            started = time.perf_counter()
-            self.current = publish(self._store().store, trainer.policy, trainer.version, self._dtype())
-            metrics["timing_s/update_weights"] = time.perf_counter() - started
-        self.step, self.policy_version = request.step, trainer.version
-        response = trainer_pb2.TrainStepResponse(step=request.step, update=self.current)
-        response.metrics.values.update(metrics)
-        return response
-
-    def _fetch_batch(
-        self, request: trainer_pb2.TrainStepRequest
-    ) -> tuple[list[Trajectory], list[dict[str, str]]]:
-        refs: list[TensorRef] = []
-        for sample in request.samples:
-            missing = [c for c in INPUT_COLUMNS if c not in sample.inputs]
-            if missing:
-                raise InvalidArgument(
-                    f"sample {sample.prompt_uid}/{sample.sample_index} lacks input columns {missing}; "
-                    f"the trainer needs {list(INPUT_COLUMNS)}"
-                )
-            refs += [TensorRef.from_proto(sample.inputs[c]) for c in INPUT_COLUMNS]
-        fetched = fetch_inputs(self.client, refs, "trajectories")
-        width = len(INPUT_COLUMNS)
-        batch = []
-        for i, sample in enumerate(request.samples):
-            ids, latents, log_probs, sigmas = (
-                to_torch(f).clone() for f in fetched[i * width : (i + 1) * width]
-            )
-            batch.append(Trajectory(sample.prompt_uid, sample.sample_index, sample.policy_version,
-                                    sample.advantage, ids, latents, log_probs, sigmas))  # fmt: skip
-        return batch, [f.trace for f in fetched]
-
-    def _dtype(self) -> str:
-        return self.config.trainer.publish_dtype
-
-    def _trainer(self) -> FlowGRPOStep:
-        assert self.trainer is not None, "built in start(), before any message"
-        return self.trainer
-
-    def _store(self) -> BusServer:
+    def _publish(self) -> common_pb2.WeightUpdate:
+        core = self._core()
         assert self.bus is not None, "created in start(), before any message"
-        return self.bus
+        tensors = core.published()
+        return publish(
+            self.bus.store,
+            core.trainer.policy,
+            core.trainer.version,
+            self.config.trainer.publish_dtype,
+            tensors,
+        )
+
+    def _announce(self, op: int, payload: bytes) -> None:
+        if self.channel is not None:
+            self.channel.send(op, payload)
+
+    def _core(self) -> TrainerCore:
+        assert self.core is not None, "built in start(), before any message"
+        return self.core
+
+
+def follow(config: TrainerServiceConfig, dist: Dist) -> None:
+    """Ranks > 0: run what rank 0 announces, until STOP. SIGTERM is left to rank 0, which drains
+    and then sends STOP (torchrun signals every rank; a follower that died first would break
+    the collectives of the message rank 0 is finishing)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    channel = CommandChannel.create()
+    core = TrainerCore(config, dist)
+    if core.resume() is not None:
+        core.published()  # rank 0 re-publishes after a resume: join its gather
+    try:
+        while True:
+            op, payload = channel.receive()
+            if op == STOP:
+                return
+            if op == TRAIN:
+                core.train(trainer_pb2.TrainStepRequest.FromString(payload))
+                core.published()
+            elif op == SAVE:
+                request = trainer_pb2.SaveCheckpointRequest.FromString(payload)
+                core.save(request.path, request.step)
+    finally:
+        core.close()

@@ -15,6 +15,7 @@ from flowgrpo.models.bagel.sampling import (
     BagelSampler,
     SampleRequest,
     SamplerParams,
+    deterministic_kernels,
     guided_velocity,
     prefill_prompts,
     window_step,
@@ -90,11 +91,12 @@ def test_stored_steps_rescore_to_the_behaviour_log_prob(sampler: BagelSampler) -
     pos = latent_position_ids(4, 4, model.config.max_latent_size)
     schedule = shifted_schedule(params.num_points)
     for row, req in enumerate(reqs):
-        cache = with_cfg_branches(model, prefill_prompts(model, [req.prompt_ids]), params.cfg)
+        with deterministic_kernels():  # the sampler's deterministic mode: same kernels, one thread
+            cache = with_cfg_branches(model, prefill_prompts(model, [req.prompt_ids]), params.cfg)
         for k in range(params.window.size):
             x, x_next = out.latents[row : row + 1, k], out.latents[row : row + 1, k + 1]
             sig, sig_next = out.sigmas[row : row + 1, k], out.sigmas[row : row + 1, k + 1]
-            with torch.no_grad():
+            with torch.no_grad(), deterministic_kernels():
                 v = guided_velocity(model, cache, x, sig, pos, cfg=params.cfg, special=special)
             scored = window_step(
                 params, x, v, sig, sig_next, sigma_after_first=float(schedule[1]), x_next=x_next
@@ -122,8 +124,8 @@ def test_noise_level_zero_is_the_euler_ode(sampler: BagelSampler) -> None:
         x = sample_noise(
             (16, 64), seed=SEED, step=STEP, prompt_uid=req.prompt_uid, sample_index=0, stream="init"
         )[None]
-        cache = with_cfg_branches(model, prefill_prompts(model, [req.prompt_ids]), params.cfg)
-        with torch.no_grad():
+        with torch.no_grad(), deterministic_kernels():
+            cache = with_cfg_branches(model, prefill_prompts(model, [req.prompt_ids]), params.cfg)
             for i in range(params.num_steps):
                 v = guided_velocity(
                     model, cache, x, schedule[i : i + 1], pos, cfg=params.cfg, special=special

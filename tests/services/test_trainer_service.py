@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -27,7 +28,7 @@ from flowgrpo.sampler_math import CfgParams, WindowParams
 from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig
 from flowgrpo.services.trainer.policy import TrainablePolicy
 from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory
-from flowgrpo.v1 import trainer_pb2, trainer_pb2_grpc
+from flowgrpo.v1 import common_pb2, common_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 PARAMS = SamplerParams(num_points=6, height=32, width=32, window=WindowParams(size=2, lo=0, hi=4),
                        deterministic=True, decode_images=False, cfg=CfgParams(text_scale=2.0))  # fmt: skip
@@ -37,11 +38,18 @@ OVERRIDES = ["trainer.policy.lora_rank=4", "trainer.policy.lora_alpha=8", "train
              "trainer.loss.micro_batch_size=1", "trainer.optim.lr=1e-3", "log_format=text"]  # fmt: skip
 
 
-def start_trainer(checkpoint: Path, ckpt_dir: Path, ready: Path) -> tuple[subprocess.Popen[str], str]:
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", "localhost:0", "-m"]  # fmt: skip
+
+
+def start_trainer(
+    checkpoint: Path, ckpt_dir: Path, ready: Path, launcher: tuple[str, ...] = (sys.executable, "-m")
+) -> tuple[subprocess.Popen[str], str]:
     ready.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "flowgrpo.cli", "serve", "trainer", f"trainer.checkpoint={checkpoint}",
+    cmd = [*launcher, "flowgrpo.cli", "serve", "trainer", f"trainer.checkpoint={checkpoint}",
            f"trainer.checkpoint_dir={ckpt_dir}", f"server.ready_file={ready}", *OVERRIDES]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 60
     while not ready.exists():
         assert proc.poll() is None, proc.communicate()[1]
@@ -54,8 +62,14 @@ def start_trainer(checkpoint: Path, ckpt_dir: Path, ready: Path) -> tuple[subpro
 
 def stop(proc: subprocess.Popen[str]) -> None:
     proc.terminate()
-    proc.wait(timeout=30)
-    assert proc.returncode == 0
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr[-4000:]
+
+
+async def drain(address: str) -> None:
+    """The way to stop a torchrun trainer cleanly (torchrun's agent itself exits 1 on SIGTERM)."""
+    async with open_channel(address) as channel:
+        await common_pb2_grpc.LifecycleStub(channel).Drain(common_pb2.DrainRequest(grace_s=30), timeout=30)
 
 
 async def call(address: str, method: str, request: object) -> object:
@@ -153,3 +167,36 @@ def test_train_step_publish_checkpoint_and_resume(
         assert all(torch.equal(again[n], published[n]) for n in published), "resumed weights are re-published"
     finally:
         stop(proc)
+
+
+def test_torchrun_rank0_serves_and_rank1_follows(
+    tiny: Path, tmp_path: Path, trajectories: tuple[BusServer, list[Trajectory], trainer_pb2.TrainStepRequest]
+) -> None:
+    """FSDP2 over 2 gloo processes behind one gRPC server: the update of one process."""
+    _, batch, request = trajectories
+    proc, address = start_trainer(tiny, tmp_path / "ckpt", tmp_path / "ready.json", tuple(TORCHRUN))
+    try:
+        response = asyncio.run(call(address, "TrainStep", request))
+        published = fetch_update(response.update)
+        saved = asyncio.run(call(address, "SaveCheckpoint", trainer_pb2.SaveCheckpointRequest(step=1)))
+        assert (Path(saved.path) / "manifest.json").is_file()
+        asyncio.run(drain(address))  # rank 0 drains, then tells rank 1 to stop: torchrun exits 0
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 0, stderr[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    policy = TrainablePolicy(
+        load_bagel_model(tiny, dtype=torch.float32), PolicyConfig(lora_rank=4, lora_alpha=8.0)
+    )
+    local = FlowGRPOStep(
+        policy,
+        load_special_tokens(tiny),
+        OptimConfig(lr=1e-3),
+        LossConfig(mini_batches=1, micro_batch_size=1),
+    )
+    local.run(batch, PARAMS)
+    expected = local.policy.published()
+    assert published.keys() == expected.keys()
+    for name, tensor in expected.items():  # tolerance: gradients reduced across ranks in another order
+        torch.testing.assert_close(published[name], tensor, rtol=1e-5, atol=1e-6, msg=name)

@@ -14,7 +14,8 @@ CPU; otherwise they agree within float rounding.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -199,7 +200,7 @@ class BagelSampler:
         if not requests:
             raise ValueError("generate() needs at least one request")
         if params.deterministic:
-            with _deterministic_kernels():
+            with deterministic_kernels():
                 parts = [self._generate_batch([r], params, seed, step) for r in requests]
             return concat_trajectories(parts)
         return self._generate_batch(list(requests), params, seed, step)
@@ -310,12 +311,18 @@ def concat_trajectories(parts: list[Trajectories]) -> Trajectories:
     )
 
 
-class _deterministic_kernels:
-    """Deterministic algorithms while sampling; restores the caller's setting afterwards."""
+@contextlib.contextmanager
+def deterministic_kernels() -> Iterator[None]:
+    """Deterministic algorithms and ONE intra-op thread while inside; the caller's settings after.
 
-    def __enter__(self) -> None:
-        self._previous = torch.are_deterministic_algorithms_enabled()
-        torch.use_deterministic_algorithms(True)
-
-    def __exit__(self, *exc: object) -> None:
-        torch.use_deterministic_algorithms(self._previous)
+    The thread count matters: CPU matmuls split their reductions by thread, so two processes
+    with different thread counts (a rollout and a torchrun trainer, say) differ in the last bit.
+    The sampler and the trainer both run their deterministic-mode forwards inside this."""
+    previous = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0])
+        torch.set_num_threads(previous[1])

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Every FlowGRPO trainer figure in ONE device call (flowgrpo.bench.trainer; its docstring has the
+# FLOP formula):
+#  1. one GPU, the 7B with random bf16 weights, LoRA r 64 / alpha 128 on the default gen-path
+#     targets, 512px, CFG 4, window 2 of 15 points, 16 trajectories per step, 2 optimizer steps:
+#     trajectories/s, the logp_old and update passes and their MFU against the bf16 matmul peak
+#     measured in the same run, peak memory, for several micro-batch / activation-checkpointing /
+#     autocast variants; the sync-mode rollout/trainer log-prob gap; LoRA publication (gather,
+#     host copy, the bus put as the service does it, a consumer's fetch in another process);
+#  2. with 2 GPUs or more (kind nvidia-h200-x2): full gen-path training, FSDP2 over 2 processes
+#     (torchrun): step time, MFU, memory per GPU, full gen-path publication (bf16 on the bus).
+# The bus needs pyzmq, OpenTelemetry and protobuf 7, which the GPU image lacks: carry the wheels
+# of bench/fetch_gpu_wheels.sh (.whl). Without them publication is timed up to the host copy.
+#   run(command="bash bench/trainer_gpu.sh", carry=[".whl"], kind="nvidia-h200-x2", timeout_s=600)
+# A CPU smoke test of the script (tiny model, gloo): DEVICE=cpu bash bench/trainer_gpu.sh
+# Writes $OUT/trainer_lora.json, $OUT/trainer_full_fsdp2.json, their logs and $OUT/gpu.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/trainer-bench}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+DEVICE=${DEVICE:-cuda}
+LORA_DEADLINE=${LORA_DEADLINE:-300}  # seconds: LoRA variants that would start later are skipped
+site=""
+if compgen -G ".whl/*.whl" >/dev/null && ! $PY -c "import zmq, opentelemetry" 2>/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl && site=/tmp/site
+fi
+src=$PWD
+if ! PYTHONPATH="$PWD" $PY -c "import flowgrpo.services.trainer" 2>/dev/null; then
+    # not installed here: pyproject maps flowgrpo.services to services/; lay the two out together
+    rm -rf /tmp/fgsrc && mkdir -p /tmp/fgsrc && cp -r flowgrpo /tmp/fgsrc/ && cp -r services /tmp/fgsrc/flowgrpo/
+    src=/tmp/fgsrc
+    export PYTHONSAFEPATH=1  # python -m would put the working directory (flowgrpo without services) first
+fi
+export PYTHONPATH="${site:+$site:}$src${PYTHONPATH:+:$PYTHONPATH}"
+
+if [[ $DEVICE == cuda* ]]; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+    NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())')
+    SMOKE=()
+else
+    NGPU=2  # gloo processes on the CPU
+    SMOKE=(--model tiny --device cpu --dtype fp32 --resolution 64 --batch 4 --group 2 --prompt-len 6
+           --reps 1 --publish-reps 1)
+fi
+$PY -c 'import torch, peft; print("torch", torch.__version__, "cuda", torch.version.cuda, "peft", peft.__version__)' \
+    | tee -a "$OUT/gpu.txt"
+$PY -c 'import zmq, opentelemetry, google.protobuf as p; print("bus: pyzmq", zmq.__version__, "protobuf", p.__version__)' \
+    2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
+
+$PY -m flowgrpo.bench.trainer "${SMOKE[@]}" --deadline-s "$LORA_DEADLINE" --json "$OUT/trainer_lora.json" "$@" \
+    2>&1 | tee "$OUT/trainer_lora.log"
+status=$?
+if [[ $NGPU -ge 2 && ${FULL:-1} == 1 ]]; then
+    if [[ $DEVICE == cuda* ]]; then FULL_ARGS=(--store-gib 48); else FULL_ARGS=("${SMOKE[@]}" --variants ac1); fi
+    timeout -k 10 "${FULL_TIMEOUT:-260}" $PY -m torch.distributed.run --standalone --nproc_per_node 2 -m flowgrpo.bench.trainer --policy full \
+        --variants ac4 --trajectories random --reps 2 --publish-reps 1 "${FULL_ARGS[@]}" \
+        --json "$OUT/trainer_full_fsdp2.json" 2>&1 | tee "$OUT/trainer_full.log"
+    status=$((status || $?))
+fi
+exit $status
