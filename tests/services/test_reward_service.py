@@ -5,9 +5,7 @@ plus a plug-in, weights summed, typed per-sample errors, and a clean SIGTERM dra
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
-import sys
 import textwrap
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -18,15 +16,16 @@ import numpy as np
 import pytest
 
 from flowgrpo.bus import BusServer, TensorRef, serve_store
-from flowgrpo.cli import SERVICE_MAINS
 from flowgrpo.rewards import Outcome, RewardModel, Sample, SampleScore, Scorer, Weighted
 from flowgrpo.rewards.jpeg import JpegScorer
 from flowgrpo.rewards.plugins import PluginScorer
-from flowgrpo.runtime import Service, ServiceServer, open_channel, wait_ready
+from flowgrpo.runtime import Service, ServiceServer, open_channel
 from flowgrpo.services.reward.config import RewardServiceConfig, StreamConfig
 from flowgrpo.services.reward.service import RewardService
 from flowgrpo.services.reward.stream import Pump, take_batch
 from flowgrpo.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+
+from .launch import spawn_service, stop_service
 
 PLUGIN = """
     def brightness(images, prompts, ground_truths, metadata):
@@ -36,10 +35,6 @@ PLUGIN = """
         return [float(i.mean()) / 255 for i in images], {"height": [float(i.shape[0]) for i in images]}
 """
 WEIGHTS = {"jpeg_compressibility": 1.0, "bright": 2.0}
-RUN_MAIN = (
-    "import sys; from flowgrpo.config import load_config; from flowgrpo.services.reward import main; "
-    "main.run(load_config(main.CONFIG, None, sys.argv[1:]))"
-)
 
 
 @dataclass
@@ -49,41 +44,21 @@ class Reward:
     proc: subprocess.Popen[str]
 
 
-def service_command(overrides: list[str]) -> list[str]:
-    """``flowgrpo serve reward`` once the CLI knows the role, else the same ``run(config)`` call."""
-    if "reward" in SERVICE_MAINS:
-        return [sys.executable, "-m", "flowgrpo.cli", "serve", "reward", *overrides]
-    return [sys.executable, "-c", RUN_MAIN, *overrides]
-
-
 @pytest.fixture(scope="module")
 def reward(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reward]:
     root = tmp_path_factory.mktemp("reward")
     plugin = root / "plug.py"
     plugin.write_text(textwrap.dedent(PLUGIN))
     target = f"{plugin}:brightness"
-    ready = root / "ready.json"
     scorers = (
         f"[{{name: jpeg_compressibility, weight: 1.0}}, {{name: bright, weight: 2.0, plugin: {target}}}]"
     )
-    overrides = [f"reward.scorers={scorers}", f"server.ready_file={ready}", "stream.max_batch_samples=4",
-                 "log_format=text"]  # fmt: skip
-    proc = subprocess.Popen(
-        service_command(overrides), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
+    overrides = [f"reward.scorers={scorers}", "stream.max_batch_samples=4"]
+    proc, address = spawn_service("reward", overrides, root / "ready.json")
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "the reward service wrote no ready file in 60 s"
-            time.sleep(0.05)
-        address = json.loads(ready.read_text())["grpc_address"]
-        asyncio.run(wait_ready(address, role="reward", timeout_s=60))
         yield Reward(address, target, proc)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    assert proc.returncode == 0, "SIGTERM drains the service and it exits 0"
+        stop_service(proc)
 
 
 @pytest.fixture(scope="module")

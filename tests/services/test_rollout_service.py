@@ -5,10 +5,7 @@ run in this process (deterministic mode, CPU fp32)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +20,12 @@ from flowgrpo.bus.torch_tensors import put_tensor, to_torch
 from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
 from flowgrpo.models.bagel.policy import PolicyUpdate
 from flowgrpo.models.bagel.sampling import SampleRequest, SamplerParams
-from flowgrpo.runtime import open_channel, wait_ready
+from flowgrpo.runtime import open_channel
 from flowgrpo.sampler_math import WindowParams
 from flowgrpo.services.rollout.engine import NativeBagelEngine
 from flowgrpo.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+from .launch import spawn_service, stop_service
 
 PARAMS = SamplerParams(num_points=7, height=32, width=48, window=WindowParams(size=2, lo=0, hi=4),
                        deterministic=True)  # fmt: skip
@@ -52,23 +51,12 @@ class Rollout:
 def rollout(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rollout]:
     root = tmp_path_factory.mktemp("rollout")
     checkpoint = make_tiny_bagel(root / "tiny", seed=0)
-    ready = root / "ready.json"
-    cmd = [sys.executable, "-m", "flowgrpo.cli", "serve", "rollout", f"rollout.checkpoint={checkpoint}",
-           f"server.ready_file={ready}", "rollout.max_batch_samples=2", "log_format=text"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    overrides = [f"rollout.checkpoint={checkpoint}", "rollout.max_batch_samples=2"]
+    proc, address = spawn_service("rollout", overrides, root / "ready.json")
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "the rollout service wrote no ready file in 60 s"
-            time.sleep(0.05)
-        address = json.loads(ready.read_text())["grpc_address"]
-        asyncio.run(wait_ready(address, role="rollout", timeout_s=60))
         yield Rollout(address, checkpoint, proc)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    assert proc.returncode == 0, "SIGTERM drains the service and it exits 0"
+        stop_service(proc)
 
 
 @pytest.fixture(scope="module")

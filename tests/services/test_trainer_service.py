@@ -5,12 +5,10 @@ in this process (deterministic shapes, CPU fp32)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -23,19 +21,21 @@ from flowgrpo.bus.torch_tensors import put_tensor, to_torch
 from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens, make_tiny_bagel
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, SamplerParams
 from flowgrpo.models.bagel.wire import sampler_params_to_proto
-from flowgrpo.runtime import open_channel, wait_ready
+from flowgrpo.runtime import open_channel
 from flowgrpo.sampler_math import CfgParams, WindowParams
 from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig
 from flowgrpo.services.trainer.policy import TrainablePolicy
 from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory
 from flowgrpo.v1 import common_pb2, common_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
+from .launch import PYTHON_M, kill_service, spawn_service, stop_service
+
 PARAMS = SamplerParams(num_points=6, height=32, width=32, window=WindowParams(size=2, lo=0, hi=4),
                        deterministic=True, decode_images=False, cfg=CfgParams(text_scale=2.0))  # fmt: skip
 PROMPTS = {"p0": [384, 5, 6, 7, 385], "p1": [384, 9, 10, 385]}
 ADVANTAGES = [1.0, -1.0, 0.5, -0.5]
 OVERRIDES = ["trainer.policy.lora_rank=4", "trainer.policy.lora_alpha=8", "trainer.loss.mini_batches=1",
-             "trainer.loss.micro_batch_size=1", "trainer.optim.lr=1e-3", "log_format=text"]  # fmt: skip
+             "trainer.loss.micro_batch_size=1", "trainer.optim.lr=1e-3"]  # fmt: skip
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv-backend", "c10d",
@@ -43,27 +43,14 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "
 
 
 def start_trainer(
-    checkpoint: Path, ckpt_dir: Path, ready: Path, launcher: tuple[str, ...] = (sys.executable, "-m")
+    checkpoint: Path, ckpt_dir: Path, ready: Path, launcher: Sequence[str] = PYTHON_M
 ) -> tuple[subprocess.Popen[str], str]:
-    ready.unlink(missing_ok=True)
-    cmd = [*launcher, "flowgrpo.cli", "serve", "trainer", f"trainer.checkpoint={checkpoint}",
-           f"trainer.checkpoint_dir={ckpt_dir}", f"server.ready_file={ready}", *OVERRIDES]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-        assert proc.poll() is None, proc.communicate()[1]
-        assert time.monotonic() < deadline, "the trainer wrote no ready file in 60 s"
-        time.sleep(0.05)
-    address = json.loads(ready.read_text())["grpc_address"]
-    asyncio.run(wait_ready(address, role="trainer", timeout_s=60))
-    return proc, address
+    overrides = [f"trainer.checkpoint={checkpoint}", f"trainer.checkpoint_dir={ckpt_dir}", *OVERRIDES]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if launcher != PYTHON_M else None
+    return spawn_service("trainer", overrides, ready, launcher, env)
 
 
-def stop(proc: subprocess.Popen[str]) -> None:
-    proc.terminate()
-    _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 0, stderr[-4000:]
+stop = stop_service
 
 
 async def drain(address: str) -> None:
@@ -174,7 +161,7 @@ def test_torchrun_rank0_serves_and_rank1_follows(
 ) -> None:
     """FSDP2 over 2 gloo processes behind one gRPC server: the update of one process."""
     _, batch, request = trajectories
-    proc, address = start_trainer(tiny, tmp_path / "ckpt", tmp_path / "ready.json", tuple(TORCHRUN))
+    proc, address = start_trainer(tiny, tmp_path / "ckpt", tmp_path / "ready.json", TORCHRUN)
     try:
         response = asyncio.run(call(address, "TrainStep", request))
         published = fetch_update(response.update)
@@ -184,8 +171,7 @@ def test_torchrun_rank0_serves_and_rank1_follows(
         _, stderr = proc.communicate(timeout=60)
         assert proc.returncode == 0, stderr[-4000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        kill_service(proc)
     policy = TrainablePolicy(
         load_bagel_model(tiny, dtype=torch.float32), PolicyConfig(lora_rank=4, lora_alpha=8.0)
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,8 +25,16 @@ def run(
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]  # fmt: skip
     cmd = [*launcher, str(WORKER), str(checkpoint), kind, str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # its own process group: a hang ends torchrun AND its workers, not only torchrun
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    try:
+        _, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, stderr[-3000:]
     return load_file(str(out / "published.safetensors")), json.loads((out / "metrics.json").read_text())
 
 
