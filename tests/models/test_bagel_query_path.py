@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_bagel_model import prompts  # same folder: the shared padded-prompt builder
 from torch import Tensor
 from torch._dynamo.testing import CompileCounter
 
@@ -27,18 +28,6 @@ from flowgrpo.models.bagel.parallelize import compile_query_layers, uncompile_qu
 
 SOI, EOI = 386, 387
 MARKERS = {"soi_id": SOI, "eoi_id": EOI}
-
-
-def padded_prompts(lengths: list[int], left_pad: bool = False) -> tuple[Tensor, Tensor]:
-    g = torch.Generator().manual_seed(1)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros(len(lengths), width, dtype=torch.bool)
-    for row, n in enumerate(lengths):
-        cols = slice(width - n, width) if left_pad else slice(0, n)
-        ids[row, cols] = torch.randint(1, 380, (n,), generator=g)
-        mask[row, cols] = True
-    return ids, mask
 
 
 def general_path(model: BagelModel, cache: KVCache, x: Tensor, t: Tensor, pos: Tensor) -> Tensor:
@@ -77,7 +66,7 @@ def test_query_path_equals_general_path(model: BagelModel, left_pad: bool) -> No
     """Tolerance (fp32): 4 prompts of different lengths + 4 empty-context rows in one forward, by
     the static query path (unmasked runs, or the masked fallback for left padding) == the general
     routing path; the runs are memoised on the cache."""
-    ids, mask = padded_prompts([5, 9, 9, 2], left_pad=left_pad)
+    ids, mask = prompts([5, 9, 9, 2], left_pad=left_pad)
     cond = model.prefill(ids, mask)
     cache = KVCache.cat_rows([cond, KVCache.empty(model.config, 4, torch.float32, "cpu")])
     g = torch.Generator().manual_seed(2)
@@ -94,7 +83,7 @@ def test_compiled_query_layers_match_eager_and_compile_once(model: BagelModel) -
     """Tolerance (fp32, aot_eager backend): compiled == eager for two batch sizes and resolutions;
     one graph per compiled method serves every layer and every shape (dynamic=True); uncompile
     restores the eager methods."""
-    ids, mask = padded_prompts([4, 7, 6])
+    ids, mask = prompts([4, 7, 6])
     cond = model.prefill(ids, mask)
     cache = KVCache.cat_rows([cond, KVCache.empty(model.config, 3, torch.float32, "cpu")])
     g = torch.Generator().manual_seed(3)

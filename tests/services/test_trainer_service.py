@@ -5,7 +5,6 @@ in this process (deterministic shapes, CPU fp32)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -46,8 +45,7 @@ def start_trainer(
     checkpoint: Path, ckpt_dir: Path, ready: Path, launcher: Sequence[str] = PYTHON_M
 ) -> tuple[subprocess.Popen[str], str]:
     overrides = [f"trainer.checkpoint={checkpoint}", f"trainer.checkpoint_dir={ckpt_dir}", *OVERRIDES]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"} if launcher != PYTHON_M else None
-    return spawn_service("trainer", overrides, ready, launcher, env)
+    return spawn_service("trainer", overrides, ready, launcher)
 
 
 stop = stop_service
