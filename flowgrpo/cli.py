@@ -23,6 +23,8 @@ examples:
   flowgrpo bench rollout          BAGEL-7B sampling images/s and MFU on a GPU (bench/rollout_gpu.sh)
   flowgrpo columns                the column schema every service checks its data against
   flowgrpo make-tiny-bagel /tmp/tiny   a tiny random BAGEL checkpoint in the published layout
+  flowgrpo data prepare ocr --model-path /tmp/tiny --input-dir examples/data/tiny_ocr --output-dir /tmp/ocr
+                                  prompt files -> train/test.parquet + meta.json (see data prepare --help)
   flowgrpo serve rollout rollout.checkpoint=/tmp/tiny server.port=50051
   flowgrpo generate --checkpoint /ckpt/BAGEL-7B-MoT --prompt "a red fox" --out images/
 """
@@ -103,6 +105,118 @@ def _cmd_make_tiny_bagel(args: argparse.Namespace) -> int:
     return 0
 
 
+DATA_PREPARE_DESCRIPTION = """\
+Turn flow_grpo-style prompt files into the prepared dataset that training reads.
+
+input:  INPUT_DIR/train.txt and INPUT_DIR/test.txt, UTF-8, one prompt per line (the layout of
+        flow_grpo's dataset/pickscore and dataset/ocr; choose files with --splits).
+output: OUTPUT_DIR/train.parquet, OUTPUT_DIR/test.parquet and OUTPUT_DIR/meta.json, each written
+        atomically. One row per prompt: data_source, split, index, line, prompt_uid, prompt,
+        prompt_ids, truncated, ground_truth. prompt_ids = <|im_start|> + the tokens of the prompt
+        + <|im_end|>, made once here with the checkpoint's tokenizer (every service uses these
+        ids); a longer prompt is cut to --max-length with both markers kept and is counted as
+        truncated. meta.json names the tokenizer (sha256 of tokenizer.json, checked when a run
+        loads the dataset with its checkpoint) and the counts below.
+
+kinds:  pickscore  the ground truth is the prompt itself (the caption PickScore scores against)
+        ocr        the ground truth is the text between the first pair of double quotes
+                   ("..."), which the image should show
+
+lines:  surrounding whitespace is stripped; empty lines are skipped; a repeated line is dropped
+        (the first one is kept); an ocr line without a double-quoted span, or with an empty one,
+        is reported with its file and line number and dropped (or fails the command with
+        --on-bad-line fail). Each is counted in the summary and in meta.json.
+
+prompt_uid = <split>-<16 hex digits of sha256(prompt)>: it depends on the text only, so it
+stays the same when lines are added, removed or reordered, and runs compare prompt by prompt.
+
+exit status: 0 when written; 2 on bad input (a one-line message says what and how to fix it).
+"""
+
+DATA_PREPARE_EPILOG = """\
+examples:
+  flowgrpo make-tiny-bagel /tmp/tiny
+  flowgrpo data prepare pickscore --model-path /tmp/tiny --input-dir examples/data/tiny \\
+      --output-dir /tmp/tiny-data
+  flowgrpo data prepare ocr --model-path /ckpt/BAGEL-7B-MoT --input-dir flow_grpo/dataset/ocr \\
+      --output-dir data/ocr --on-bad-line fail
+  flowgrpo data prepare ocr --model-path /ckpt/BAGEL-7B-MoT --input-dir ocr/ --splits test \\
+      --output-dir data/ocr-test
+"""
+
+
+def _cmd_data_prepare(args: argparse.Namespace) -> int:
+    try:
+        from flowgrpo.data.format import DatasetError
+        from flowgrpo.data.prepare import PrepareOptions, prepare_dataset, report
+    except ImportError as error:
+        if error.name not in ("pyarrow", "tqdm"):
+            raise
+        print(f"flowgrpo data prepare: needs {error.name}: pip install 'flowgrpo[data]'", file=sys.stderr)
+        return 2
+    options = PrepareOptions(
+        kind=args.kind, max_length=args.max_length, splits=tuple(args.splits),
+        on_bad_line=args.on_bad_line, data_source=args.data_source, progress=not args.no_progress,
+    )  # fmt: skip
+    try:
+        meta = prepare_dataset(args.model_path, args.input_dir, args.output_dir, options)
+    except (DatasetError, OSError) as error:
+        print(f"flowgrpo data prepare: {error}", file=sys.stderr)
+        return 2
+    warnings, summary = report(meta, args.output_dir)
+    for line in warnings:
+        print(line, file=sys.stderr)
+    print("\n".join(summary))
+    return 0
+
+
+def _add_data_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    data = sub.add_parser(
+        "data",
+        help="prepare prompt datasets (train.txt / test.txt -> parquet with prompt ids)",
+        description="Prompt datasets. `flowgrpo data prepare --help` explains the format.",
+    )
+    actions = data.add_subparsers(dest="action", metavar="ACTION", required=True)
+    prep = actions.add_parser(
+        "prepare",
+        help="tokenise flow_grpo-style prompt files once into train/test.parquet + meta.json",
+        description=DATA_PREPARE_DESCRIPTION,
+        epilog=DATA_PREPARE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    prep.set_defaults(fn=_cmd_data_prepare)
+    prep.add_argument("kind", choices=["pickscore", "ocr"], help="what the reward compares with (see kinds)")
+    prep.add_argument(
+        "--model-path", required=True, metavar="DIR",
+        help="the BAGEL checkpoint folder the dataset is for (its tokenizer.json is used)",
+    )  # fmt: skip
+    prep.add_argument("--input-dir", required=True, metavar="DIR", help="folder with train.txt / test.txt")
+    prep.add_argument(
+        "--output-dir", required=True, metavar="DIR", help="folder for the parquet files and meta.json "
+        "(created; files of the same names are replaced)",
+    )  # fmt: skip
+    prep.add_argument(
+        "--max-length", type=int, default=256, metavar="N",
+        help="tokens per prompt including both markers; longer prompts are cut (default: %(default)s)",
+    )  # fmt: skip
+    prep.add_argument(
+        "--splits", nargs="+", choices=["train", "test"], default=["train", "test"],
+        help="which of INPUT_DIR/<split>.txt to prepare; each must exist; meta.json then lists only "
+        "these (default: train test)",
+    )  # fmt: skip
+    prep.add_argument(
+        "--on-bad-line", choices=["drop", "fail"], default="drop",
+        help="an ocr line without a usable quoted span: drop it and report it (default), or fail",
+    )  # fmt: skip
+    prep.add_argument(
+        "--data-source", default="", metavar="NAME",
+        help="dataset name in metrics, val-core/NAME/reward/mean@1 (default: the kind)",
+    )  # fmt: skip
+    prep.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (it shows only on a terminal)"
+    )
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
@@ -156,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny.add_argument("dir", help="output folder (created; existing files are replaced)")
     tiny.add_argument("--seed", type=int, default=0, help="the same seed writes byte-identical files")
+    _add_data_commands(sub)
     gen = add(
         "generate", "generate images with a BAGEL checkpoint (and a LoRA adapter) as PNG files", _cmd_generate
     )
