@@ -7,8 +7,13 @@
 #     measured in the same run, peak memory, for several micro-batch / activation-checkpointing /
 #     autocast variants; the sync-mode rollout/trainer log-prob gap; LoRA publication (gather,
 #     host copy, the bus put as the service does it, a consumer's fetch in another process);
-#  2. with 2 GPUs or more (kind nvidia-h200-x2): full gen-path training, FSDP2 over 2 processes
-#     (torchrun): step time, MFU, memory per GPU, full gen-path publication (bf16 on the bus).
+#  2. with 2 GPUs or more (kind nvidia-h200-x2): a random checkpoint of the 7B in the published
+#     layout, loaded through the trainer's loader (meta device, FSDP2, each rank reads its rows:
+#     time, peak host and device memory per rank), full gen-path training, FSDP2 over 2 processes
+#     (torchrun): step time, MFU, memory per GPU, full gen-path publication (bf16 on the bus, and
+#     the same-host CUDA IPC path, each with a consumer process taking it onto its GPU);
+#  0. the CUDA IPC test (tests/bus/test_cuda_ipc.py, marker gpu) when pytest is there.
+# LORA=0 or FULL=0 skips a part (one part per device call keeps each call under 10 minutes).
 # The bus needs pyzmq, OpenTelemetry and protobuf 7, which the GPU image lacks: carry the wheels
 # of bench/fetch_gpu_wheels.sh (.whl). Without them publication is timed up to the host copy.
 #   run(command="bash bench/trainer_gpu.sh", carry=[".whl"], kind="nvidia-h200-x2", timeout_s=600)
@@ -50,14 +55,24 @@ $PY -c 'import torch, peft; print("torch", torch.__version__, "cuda", torch.vers
 $PY -c 'import zmq, opentelemetry, google.protobuf as p; print("bus: pyzmq", zmq.__version__, "protobuf", p.__version__)' \
     2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
 
-$PY -m flowgrpo.bench.trainer "${SMOKE[@]}" --deadline-s "$LORA_DEADLINE" --json "$OUT/trainer_lora.json" "$@" \
-    2>&1 | tee "$OUT/trainer_lora.log"
-status=$?
+status=0
+if [[ $DEVICE == cuda* ]] && $PY -c "import pytest" 2>/dev/null; then  # CUDA IPC across two processes
+    $PY -m pytest -q -p no:cacheprovider -m gpu tests/bus/test_cuda_ipc.py 2>&1 | tail -3 | tee -a "$OUT/gpu.txt"
+fi
+if [[ ${LORA:-1} == 1 ]]; then
+    $PY -m flowgrpo.bench.trainer "${SMOKE[@]}" --deadline-s "$LORA_DEADLINE" --json "$OUT/trainer_lora.json" "$@" \
+        2>&1 | tee "$OUT/trainer_lora.log"
+    status=$?
+fi
 if [[ $NGPU -ge 2 && ${FULL:-1} == 1 ]]; then
-    if [[ $DEVICE == cuda* ]]; then FULL_ARGS=(--store-gib 48); else FULL_ARGS=("${SMOKE[@]}" --variants ac1); fi
-    timeout -k 10 "${FULL_TIMEOUT:-260}" $PY -m torch.distributed.run --standalone --nproc_per_node 2 -m flowgrpo.bench.trainer --policy full \
-        --variants ac4 --trajectories random --reps 2 --publish-reps 1 "${FULL_ARGS[@]}" \
-        --json "$OUT/trainer_full_fsdp2.json" 2>&1 | tee "$OUT/trainer_full.log"
+    if [[ $DEVICE == cuda* ]]; then FULL_ARGS=(--store-gib 48); else FULL_ARGS=("${SMOKE[@]}"); FULL_VARIANTS=ac1-compile; fi
+    # a random checkpoint in the published layout, then loaded through the trainer's loader
+    CKPT=${CKPT:-/tmp/bagel-random}
+    $PY -m flowgrpo.bench.trainer "${FULL_ARGS[@]}" --write-checkpoint "$CKPT" 2>&1 | tee "$OUT/trainer_full.log"
+    timeout -k 10 "${FULL_TIMEOUT:-400}" $PY -m torch.distributed.run --standalone --nproc_per_node 2 -m flowgrpo.bench.trainer --policy full \
+        --variants "${FULL_VARIANTS:-ac4-compile}" --compile --trajectories random --reps 2 --publish-reps 1 \
+        --checkpoint "$CKPT" "${FULL_ARGS[@]}" \
+        --json "$OUT/trainer_full_fsdp2.json" 2>&1 | tee -a "$OUT/trainer_full.log"
     status=$((status || $?))
 fi
 exit $status

@@ -45,6 +45,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -65,7 +66,9 @@ from flowgrpo.bench.rollout import (
     random_bagel,
     sync,
 )
+from flowgrpo.models.bagel.checkpoint import EMA_FILE, save_bagel_checkpoint
 from flowgrpo.models.bagel.config import BagelConfig, SpecialTokens, bagel_7b, tiny
+from flowgrpo.models.bagel.parallelize import compile_query_layers, uncompile_query_layers
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, SamplerParams
 from flowgrpo.sampler_math import CfgParams, WindowParams, shifted_schedule
 
@@ -83,6 +86,7 @@ from flowgrpo.services.trainer.distributed import (  # type: ignore[import-not-f
     shard_model,
     uncheckpoint_query_layers,
 )
+from flowgrpo.services.trainer.load import load_policy  # type: ignore[import-not-found]
 from flowgrpo.services.trainer.policy import TrainablePolicy  # type: ignore[import-not-found]
 from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory, compute_autocast  # type: ignore[import-not-found]
 
@@ -237,18 +241,21 @@ class Variant:
     checkpointing: bool
     autocast: bool = True
     addmm: bool = False  # an experiment, not the trainer's path: see addmm_lora
+    compile: bool = False  # the query path compiled (compile_query_layers), under autograd
 
 
 def parse_variants(text: str) -> list[Variant]:
     """'ac4,ac8,none2,ac4-fp32' -> variants: activation checkpointing ('ac') or not ('none'), the
     micro-batch size, '-fp32': LoRA matmuls in fp32 (no autocast: peft's own dtype handling),
-    '-addmm': the experiment of :func:`addmm_lora`."""
+    '-addmm': the experiment of :func:`addmm_lora`, '-compile': the query path compiled."""
     out = []
     for item in filter(None, text.split(",")):
         head, *flags = item.split("-")
         ac = head.startswith("ac")
         micro = int(head.removeprefix("ac").removeprefix("none"))
-        out.append(Variant(item, micro, ac, autocast="fp32" not in flags, addmm="addmm" in flags))
+        out.append(
+            Variant(item, micro, ac, "fp32" not in flags, addmm="addmm" in flags, compile="compile" in flags)
+        )
     return out
 
 
@@ -321,10 +328,16 @@ def measure_variant(  # noqa: PLR0917
     }
     if dist.enabled and not variant.checkpointing:  # applied once, before sharding (main)
         return row | {"error": "skipped: sharded runs always use activation checkpointing"}
-    if variant.checkpointing:
-        checkpoint_query_layers(model)
-    else:
+    if dist.enabled and variant.compile != args.compile:
+        return row | {"error": "skipped: sharded runs compile (--compile) or not, before sharding"}
+    if not dist.enabled:  # compile first, checkpoint around it (the order load_policy applies)
         uncheckpoint_query_layers(model)
+        uncompile_query_layers(model)
+        if variant.compile:
+            compile_query_layers(model)
+        if variant.checkpointing:
+            checkpoint_query_layers(model)
+    row["compiled"] = variant.compile
     if initial is not None:  # back to the sampled weights: the warm-up step is a sync step
         policy.load_published(initial)
     loss = LossConfig(mini_batches=args.mini_batches, micro_batch_size=variant.micro)
@@ -383,52 +396,52 @@ def _free(device: torch.device) -> None:
 
 
 def measure_publication(policy: TrainablePolicy, dist: Dist, args: argparse.Namespace) -> dict[str, Any]:
-    """Gather, host copies, and (with the bus) publish + a consumer's fetch in another process."""
+    """The gather alone, then each publication path as the service runs it (``Publisher``) and a
+    consumer in another process taking the update as a rollout would (bus: fetch, then to its
+    GPU; CUDA IPC: open the bucket, copy device to device onto its GPU)."""
     out: dict[str, Any] = {}
     reps = args.publish_reps
+    device = next(iter(policy.trainable().values())).device
 
-    def gather() -> dict[str, Tensor]:
-        tensors: dict[str, Tensor] = policy.published()  # a collective under FSDP: every rank calls it
-        for t in tensors.values():
-            if t.is_cuda:
-                torch.cuda.synchronize(t.device)
-                break
-        return tensors
+    def gather() -> None:
+        for _, tensor in policy.iter_published():  # a collective under FSDP: every rank iterates
+            del tensor
+        sync(device)
 
     out["gather_s"] = _median(gather, reps)
-    tensors = gather()
-    out["tensors"] = len(tensors)
-    out["bytes_fp32"] = sum(t.numel() * t.element_size() for t in tensors.values())
-    if dist.rank == 0 and policy.kind == "lora":  # (the full gen path: 26 GB; its publish has the copy)
-        out["host_copy_s"] = _median(lambda: {n: t.to("cpu") for n, t in tensors.items()}, reps)
-        if any(t.is_cuda for t in tensors.values()):
-            out["pinned_bucket_s"] = _median(lambda: _bucket_to_pinned(tensors), reps)
-    tensors.clear()
+    specs = policy.published_specs()
+    out["tensors"] = len(specs)
+    out["bytes_fp32"] = sum(shape.numel() * 4 for _, shape, _ in specs)
     try:
         from flowgrpo.bus import BusConfig, serve_store
-        from flowgrpo.services.trainer.publish import publish  # type: ignore[import-not-found]
+        from flowgrpo.services.trainer.publish import Publisher  # type: ignore[import-not-found]
     except ImportError as e:
         out["bus"] = f"not measured: the bus needs pyzmq and OpenTelemetry ({e})"
         return out
-    dtypes = ["bfloat16"] if policy.kind == "full" else ["", "bfloat16"]
+    cases = [("bus", "bfloat16")] if policy.kind == "full" else [("bus", ""), ("bus", "bfloat16")]
+    if device.type == "cuda":
+        cases.append(("cuda_ipc", "bfloat16"))
     config = BusConfig(max_bytes=args.store_gib * GiB, transport="ipc")
     server = serve_store(config) if dist.rank == 0 else None
+    version = 100
     try:
-        version = 100
-        for dtype in dtypes:
+        for path, dtype in cases:
+            publisher = Publisher(policy, server.store if server is not None else None, dtype,
+                                  bus=path == "bus", cuda_ipc=path == "cuda_ipc")  # fmt: skip
             times, update = [], None
             for _ in range(reps):
                 version += 1
                 begin = time.perf_counter()
-                if server is not None:
-                    update = publish(server.store, policy, version, dtype)
-                else:
-                    gather()  # the same collectives as rank 0's publish
+                update = publisher.publish(version)
+                sync(device)
                 times.append(time.perf_counter() - begin)
-            key = f"publish_{dtype or 'fp32'}"
-            out[f"{key}_s"] = statistics.median(times)
+            key = f"{path}_{dtype or 'fp32'}"
+            out[f"{key}_publish_s"] = statistics.median(times)
             if server is not None and update is not None:
-                out[f"{key}_fetch"] = _fetch_in_child(update.SerializeToString(), config)
+                out[f"{key}_consumer"] = _consume_in_child(update.SerializeToString(), config)
+            if dist.enabled:
+                torch.distributed.barrier()  # rank 0's consumer is done before the next case gathers
+            publisher.close()
     finally:
         if server is not None:
             server.close()
@@ -444,17 +457,10 @@ def _median(fn: Any, reps: int) -> float:
     return statistics.median(times)
 
 
-def _bucket_to_pinned(tensors: dict[str, Tensor]) -> Tensor:
-    flat = torch.cat([t.detach().reshape(-1) for t in tensors.values()])
-    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-    host.copy_(flat, non_blocking=True)
-    torch.cuda.synchronize()
-    return host
-
-
-def _fetch_in_child(update: bytes, config: Any) -> dict[str, Any]:
-    """A consumer in another process fetches every tensor of ``update`` (shared memory on this host)
-    and copies it to its GPU, as a rollout would before applying it."""
+def _consume_in_child(update: bytes, config: Any) -> dict[str, Any]:
+    """A consumer in another process takes every tensor of ``update`` onto its GPU (the last
+    one), as a rollout does before applying it: over the bus (shared memory on this host) or
+    from the CUDA IPC bucket."""
     with tempfile.NamedTemporaryFile(suffix=".pb", delete=False) as f:
         f.write(update)
     try:
@@ -481,25 +487,33 @@ _FETCH_CHILD = """
 import json, sys, time
 from pathlib import Path
 import torch
-from flowgrpo.bus import BusClient, BusConfig, TensorRef
-from flowgrpo.bus.torch_tensors import to_torch
 from flowgrpo.v1 import common_pb2
 
 update = common_pb2.WeightUpdate.FromString(Path(sys.argv[1]).read_bytes())
-refs = [TensorRef.from_proto(t.ref) for t in update.tensors]
-device = torch.device("cuda") if torch.cuda.is_available() else None
+device = torch.device("cuda", torch.cuda.device_count() - 1) if torch.cuda.is_available() else None
 if device is not None:
     torch.zeros(1, device=device)  # the CUDA context before the clock
-with BusClient(BusConfig(transport=sys.argv[2])) as client:
-    begin = time.perf_counter()
-    tensors = [to_torch(f) for f in client.fetch(refs)]
-    fetch_s = time.perf_counter() - begin
-    if device is not None:
-        on_device = [t.to(device) for t in tensors]
-        torch.cuda.synchronize(device)
-    total_s = time.perf_counter() - begin
-nbytes = sum(t.numel() * t.element_size() for t in tensors)
-out = {"fetch_s": fetch_s, "fetch_and_to_gpu_s": total_s, "bytes": nbytes, "tensors": len(tensors)}
+out = {}
+begin = time.perf_counter()
+if update.cuda_ipc:
+    from flowgrpo.bus.cuda_ipc import open_bucket
+    views = [v for b in update.cuda_ipc for v in open_bucket(b).values()]
+    out["open_s"] = time.perf_counter() - begin
+    tensors = [v.to(device, copy=True) for v in views]
+    torch.cuda.synchronize(device)
+else:
+    from flowgrpo.bus import BusClient, BusConfig, TensorRef
+    from flowgrpo.bus.torch_tensors import to_torch
+    with BusClient(BusConfig(transport=sys.argv[2])) as client:
+        tensors = [to_torch(f) for f in client.fetch([TensorRef.from_proto(t.ref) for t in update.tensors])]
+        out["fetch_s"] = time.perf_counter() - begin
+        if device is not None:
+            tensors = [t.to(device) for t in tensors]
+            torch.cuda.synchronize(device)
+out["total_s"] = time.perf_counter() - begin
+out["bytes"] = sum(t.numel() * t.element_size() for t in tensors)
+out["tensors"] = len(tensors)
+out["device"] = str(device)
 print(json.dumps(out))
 """
 
@@ -507,8 +521,48 @@ print(json.dumps(out))
 # --- the run -----------------------------------------------------------------------------------------
 
 
+def _load_figures(dist: Dist, device: torch.device, seconds: float) -> dict[str, Any]:
+    """Load time, and every rank's peak host memory (resident set) and device memory."""
+    mine = torch.tensor(
+        [
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # KiB -> GiB
+            torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else 0.0,
+            seconds,
+        ],
+        dtype=torch.float64,
+    )
+    rows = [mine.clone() for _ in range(dist.world)]
+    if dist.enabled:
+        on = mine.to(device) if device.type == "cuda" else mine
+        gathered = [torch.empty_like(on) for _ in range(dist.world)]
+        torch.distributed.all_gather(gathered, on)
+        rows = [g.cpu() for g in gathered]
+    return {
+        "load_s": max(float(r[2]) for r in rows),
+        "peak_host_rss_gib_per_rank": [round(float(r[0]), 2) for r in rows],
+        "peak_device_gib_per_rank": [round(float(r[1]), 2) for r in rows],
+    }
+
+
+def write_random_checkpoint(args: argparse.Namespace) -> int:
+    """A random checkpoint of the geometry in the published layout (ema.safetensors +
+    llm_config.json + config.json), for the loader's figures."""
+    cfg = bagel_7b() if args.model == "7b" else tiny()
+    special = SPECIAL_7B if args.model == "7b" else SPECIAL_TINY
+    device = torch.device(args.device)
+    begin = time.perf_counter()
+    model = random_bagel(cfg, {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype], device)
+    save_bagel_checkpoint(model, None, args.write_checkpoint, special_tokens=special)
+    size = (Path(args.write_checkpoint) / EMA_FILE).stat().st_size
+    print(json.dumps({"checkpoint": args.write_checkpoint, "ema_gib": size / GiB,
+                      "write_s": time.perf_counter() - begin}), flush=True)  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915
     args = _parser().parse_args(argv)
+    if args.write_checkpoint:
+        return write_random_checkpoint(args)
     started = time.perf_counter()
     dist = init_distributed(args.device)
     device = torch.device(args.device)
@@ -546,14 +600,27 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915
     special = SPECIAL_7B if seven_b else SPECIAL_TINY
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     begin = time.perf_counter()
-    model = random_bagel(cfg, dtype, device)
     policy_cfg = PolicyConfig(kind=args.policy, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha)
-    policy = TrainablePolicy(model, policy_cfg)
-    if args.policy == "full":
-        policy._reference.clear()  # the KL reference copy (unsharded fp32 gen path); kl_beta = 0 here
-    if dist.enabled:
-        checkpoint_query_layers(policy.model)  # before sharding: FSDP's hooks around the recompute
-        shard_model(policy.model, args.device, param_dtype=dtype)
+    if args.checkpoint:  # the trainer's loader: meta device, FSDP2, each rank reads its rows
+        policy = load_policy(
+            args.checkpoint,
+            policy_cfg,
+            dist,
+            dtype=dtype,
+            device=str(device),
+            param_dtype=dtype,
+            activation_checkpointing=dist.enabled,
+            compile=dist.enabled and args.compile,
+        )
+        report["load"] = _load_figures(dist, device, time.perf_counter() - begin)
+        say("loaded through the trainer's loader:", json.dumps(report["load"]), flush=True)
+    else:
+        policy = TrainablePolicy(random_bagel(cfg, dtype, device), policy_cfg)
+        if dist.enabled:
+            if args.compile:
+                compile_query_layers(policy.model)
+            checkpoint_query_layers(policy.model)  # before sharding: FSDP's hooks around the recompute
+            shard_model(policy.model, args.device, param_dtype=dtype)
     sync(device)
     report["build_s"] = time.perf_counter() - begin
     trainable = sum(p.numel() for p in policy.trainable().values())  # a DTensor's numel is global
@@ -700,7 +767,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mini-batches", type=int, default=2, help="optimizer steps per training step")
     p.add_argument(
         "--variants",
-        default="ac4,ac8,none2,ac4-fp32",
+        default="none2,none2-compile,ac8-compile",
         help="'ac<micro>' (activation checkpointing) or 'none<micro>', '-fp32': no autocast",
     )
     p.add_argument("--reps", type=int, default=2, help="timed steps per variant (after one warm-up)")
@@ -710,6 +777,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--store-gib", type=int, default=8, help="the bus store's capacity")
     p.add_argument("--deadline-s", type=float, default=1e9, help="skip what would start after this")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON (rewritten as rows come in)")
+    p.add_argument(
+        "--compile", action="store_true", help="sharded runs: compile the query path (variants '-compile')"
+    )
+    p.add_argument("--checkpoint", metavar="DIR", help="load this checkpoint through the trainer's loader")
+    p.add_argument("--write-checkpoint", metavar="DIR", help="write a random checkpoint of --model and exit")
     return p
 
 

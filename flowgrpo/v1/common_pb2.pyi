@@ -321,6 +321,96 @@ class LoraSpec(_message.Message):
 Global___LoraSpec: _TypeAlias = LoraSpec  # noqa: Y015
 
 @_typing.final
+class BucketTensor(_message.Message):
+    """One tensor inside a CUDA IPC bucket: its bytes start at `offset` of the bucket's allocation."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    dtype: _builtins.str
+    offset: _builtins.int
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        dtype: _builtins.str = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+        offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "name", b"name", "offset", b"offset", "shape", b"shape"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BucketTensor: _TypeAlias = BucketTensor  # noqa: Y015
+
+@_typing.final
+class CudaIpcBucket(_message.Message):
+    """Weights left on the producer's GPU for consumers on the same host: one device allocation,
+    exported as its CUDA IPC handle (raw bytes, opened with cudaIpcOpenMemHandle; no pickle).
+    The producer keeps it alive as long as the bus keeps the same version (two versions).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOST_ID_FIELD_NUMBER: _builtins.int
+    DEVICE_UUID_FIELD_NUMBER: _builtins.int
+    HANDLE_FIELD_NUMBER: _builtins.int
+    STORAGE_BYTES_FIELD_NUMBER: _builtins.int
+    STORAGE_OFFSET_FIELD_NUMBER: _builtins.int
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _builtins.int
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _builtins.int
+    EVENT_HANDLE_FIELD_NUMBER: _builtins.int
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _builtins.int
+    TENSORS_FIELD_NUMBER: _builtins.int
+    host_id: _builtins.str
+    """the producer host's boot id: only the same host can open it"""
+    device_uuid: _builtins.str
+    """the producer's GPU; the consumer finds its own index for it"""
+    handle: _builtins.bytes
+    """cudaIpcMemHandle_t of the allocation"""
+    storage_bytes: _builtins.int
+    """the shared storage's size"""
+    storage_offset: _builtins.int
+    """the bucket's offset within the allocation, in bytes"""
+    ref_counter_handle: _builtins.bytes
+    """torch's shared reference counter (keeps the block mapped)"""
+    ref_counter_offset: _builtins.int
+    event_handle: _builtins.bytes
+    """CUDA event the consumer waits on before reading"""
+    event_sync_required: _builtins.bool
+    @_builtins.property
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___BucketTensor]: ...
+    def __init__(
+        self,
+        *,
+        host_id: _builtins.str = ...,
+        device_uuid: _builtins.str = ...,
+        handle: _builtins.bytes = ...,
+        storage_bytes: _builtins.int = ...,
+        storage_offset: _builtins.int = ...,
+        ref_counter_handle: _builtins.bytes = ...,
+        ref_counter_offset: _builtins.int = ...,
+        event_handle: _builtins.bytes = ...,
+        event_sync_required: _builtins.bool = ...,
+        tensors: _abc.Iterable[Global___BucketTensor] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_uuid", b"device_uuid", "event_handle", b"event_handle", "event_sync_required", b"event_sync_required", "handle", b"handle", "host_id", b"host_id", "ref_counter_handle", b"ref_counter_handle", "ref_counter_offset", b"ref_counter_offset", "storage_bytes", b"storage_bytes", "storage_offset", b"storage_offset", "tensors", b"tensors"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaIpcBucket: _TypeAlias = CudaIpcBucket  # noqa: Y015
+
+@_typing.final
 class WeightUpdate(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -328,14 +418,21 @@ class WeightUpdate(_message.Message):
     KIND_FIELD_NUMBER: _builtins.int
     TENSORS_FIELD_NUMBER: _builtins.int
     LORA_FIELD_NUMBER: _builtins.int
+    CUDA_IPC_FIELD_NUMBER: _builtins.int
     policy_version: _builtins.int
     kind: _builtins.str
     """"lora" or "gen_path" """
     @_builtins.property
-    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___NamedTensor]: ...
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___NamedTensor]:
+        """over the bus (may be empty when cuda_ipc carries them)"""
+
     @_builtins.property
     def lora(self) -> Global___LoraSpec:
         """kind "lora" only"""
+
+    @_builtins.property
+    def cuda_ipc(self) -> _containers.RepeatedCompositeFieldContainer[Global___CudaIpcBucket]:
+        """the same tensors on the producer's GPU (same host only)"""
 
     def __init__(
         self,
@@ -344,10 +441,11 @@ class WeightUpdate(_message.Message):
         kind: _builtins.str = ...,
         tensors: _abc.Iterable[Global___NamedTensor] | None = ...,
         lora: Global___LoraSpec | None = ...,
+        cuda_ipc: _abc.Iterable[Global___CudaIpcBucket] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lora", b"lora"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "lora", b"lora", "policy_version", b"policy_version", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc", b"cuda_ipc", "kind", b"kind", "lora", b"lora", "policy_version", b"policy_version", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -187,17 +187,32 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
     def _fetch_update(self, update: common_pb2.WeightUpdate) -> PolicyUpdate:
         if update.kind not in ("lora", "gen_path"):
             raise InvalidArgument(f"WeightUpdate.kind {update.kind!r}: expected 'lora' or 'gen_path'")
-        names = [t.name for t in update.tensors]
-        fetched = fetch_inputs(
-            self.client, [TensorRef.from_proto(t.ref) for t in update.tensors], "policy weights"
-        )
         return PolicyUpdate(
             version=update.policy_version,
             kind=update.kind,  # type: ignore[arg-type]
-            tensors={name: to_torch(f) for name, f in zip(names, fetched, strict=True)},
+            tensors=self._update_tensors(update),
             lora_rank=update.lora.rank,
             lora_alpha=update.lora.alpha,
         )
+
+    def _update_tensors(self, update: common_pb2.WeightUpdate) -> dict[str, torch.Tensor]:
+        """From the trainer's GPU when this replica is a GPU on the same host (CUDA IPC views,
+        copied by the apply), else over the bus."""
+        if update.cuda_ipc and self.config.rollout.device.startswith("cuda"):
+            from flowgrpo.bus import cuda_ipc
+
+            if all(cuda_ipc.can_open(b) for b in update.cuda_ipc):
+                return {n: t for b in update.cuda_ipc for n, t in cuda_ipc.open_bucket(b).items()}
+        if not update.tensors:
+            where = ", ".join(f"host {b.host_id} GPU {b.device_uuid}" for b in update.cuda_ipc)
+            raise InvalidArgument(
+                f"weights v{update.policy_version} are only on CUDA IPC ({where}), which this replica "
+                "cannot open: run it on that host with the GPU visible, or set trainer.publish_bus=true"
+            )
+        fetched = fetch_inputs(
+            self.client, [TensorRef.from_proto(t.ref) for t in update.tensors], "policy weights"
+        )
+        return {t.name: to_torch(f) for t, f in zip(update.tensors, fetched, strict=True)}
 
     def _engine(self) -> RolloutEngine:
         assert self.engine is not None, "the engine is loaded in start(), before any message"

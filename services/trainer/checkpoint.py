@@ -2,38 +2,63 @@
 
 Layout of ``<dir>/step_00000042/``:
 
-- ``adapter/`` (LoRA, the standard PEFT adapter folder) or ``gen_path.safetensors`` (full);
-- ``optimizer.safetensors`` (AdamW moments keyed ``<param name>/<key>``) + ``optimizer.json``;
-- ``rng.safetensors`` (CPU and CUDA generator states);
-- ``trainer.json`` (step, policy version, counters) and ``manifest.json``: the SHA-256 of every
-  other file, written last.
+- ``adapter/`` (LoRA: the standard PEFT adapter folder, gathered; rank 0 writes it) or
+  ``gen_path/`` (full: every gen-path parameter through torch.distributed.checkpoint, DCP);
+- ``optimizer/`` (DCP: AdamW's state keyed ``<param name>/<key>``; absent before the first step)
+  and ``optimizer.json`` (the param groups and the parameter order);
+- ``rng/rank_00000.safetensors``, one per rank: that rank's CPU and CUDA generator states;
+- ``trainer.json`` (format, step, policy version, counters, ranks) and ``manifest.json``: the
+  SHA-256 of every other file, written last.
 
-A checkpoint is written into a hidden temporary folder and renamed into place, so a crash
-never leaves a half checkpoint under a real name. Loading verifies the manifest and every hash
-BEFORE anything is applied: a corrupt or truncated checkpoint is refused whole, naming the file.
-No pickle: tensors in safetensors, the rest JSON.
+A DCP folder holds ``shard-<rank + 1>-model-<i>-of-<n>.safetensors`` files: every rank writes its
+own shards, in parallel, with their offsets in the safetensors header. Nothing is gathered, and
+DCP copies one file (about ``FILE_BYTES`` of a rank's shards) to host memory at a time. Loading
+reshards: a checkpoint saved by N ranks loads into M. With several hosts, ``checkpoint_dir`` must
+be one filesystem that every rank shares.
+
+A checkpoint is written into a hidden temporary folder (``.step_00000042.partial``) that rank 0
+renames into place once every rank has written, so a crash never leaves a half checkpoint under a
+real name. Loading verifies the manifest and every hash on every rank (each rank hashes a share of
+the files and all learn every result) BEFORE anything is applied: a corrupt, truncated, missing
+or unlisted file is refused, naming it, and nothing is loaded.
+
+No pickle on disk: tensors in safetensors (DCP's ``HuggingFaceStorageWriter`` writes no pickled
+``.metadata``, unlike its default ``FileSystemWriter``), the rest JSON. DCP does exchange its
+save and load plans between ranks as pickled objects over the process group, in memory.
+
+The RNG state is per rank; resumed on more ranks than saved it, the extra ranks take rank 0's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
-import tempfile
+import warnings
+import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
+import torch.distributed as torch_dist
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch import Tensor
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
 from flowgrpo.models.bagel.peft_format import load_peft_adapter, save_peft_adapter
 from flowgrpo.models.bagel.policy import PolicyUpdate
-from flowgrpo.services.trainer.distributed import full_tensor, shard_like
+from flowgrpo.services.trainer.distributed import Dist
+from flowgrpo.services.trainer.policy import lora_published_name
 from flowgrpo.services.trainer.step import FlowGRPOStep
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
+PARTIAL = ".partial"
+FORMAT = 2  # 1: one process wrote whole tensors (gen_path.safetensors, optimizer.safetensors)
+FILE_BYTES = 1 << 30  # of one rank's shards per DCP file: DCP copies a whole file to host memory
 
 
 class CheckpointError(RuntimeError):
@@ -53,68 +78,103 @@ def latest_checkpoint(folder: str | Path) -> Path | None:
 def save_checkpoint(folder: str | Path, trainer: FlowGRPOStep, step: int, keep_last: int = 3) -> Path | None:
     """Write the checkpoint of ``step`` atomically; keep the ``keep_last`` newest.
 
-    Under FSDP every rank must call it (the shards are gathered); rank 0 writes and returns the
-    path, the others return None."""
-    published = {n: t.detach().cpu().contiguous() for n, t in trainer.policy.published().items()}
-    optimizer = _optimizer_tensors(trainer)
-    if trainer.dist.rank != 0:
-        return None
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    Every rank calls it and writes its own shards; rank 0 writes the rest, renames the folder
+    into place and returns its path, the others return None."""
+    dist, folder = trainer.dist, Path(folder)
     final = folder / checkpoint_name(step)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=folder))
+    tmp = folder / f".{final.name}{PARTIAL}"  # the same name on every rank
+    if dist.rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
+        tmp.mkdir()
+    _barrier(dist)
     try:
-        _write_weights(tmp, trainer, published)
-        _write_optimizer(tmp, trainer, optimizer)
-        save_file(_rng_state(), str(tmp / "rng.safetensors"))
-        counters = {"step": step, "version": trainer.version, "steps_done": trainer.steps_done,
-                    "last_gap": trainer.last_gap, "kind": trainer.policy.kind}  # fmt: skip
-        (tmp / "trainer.json").write_text(json.dumps(counters, indent=2))
-        (tmp / MANIFEST).write_text(json.dumps(_hashes(tmp), indent=2, sort_keys=True))
+        _write_weights(tmp, trainer)
+        _write_optimizer(tmp, trainer)
+        _write_rng(tmp / "rng" / _rng_name(dist.rank))
+        if dist.rank == 0:
+            counters = {"format": FORMAT, "step": step, "version": trainer.version,
+                        "steps_done": trainer.steps_done, "last_gap": trainer.last_gap,
+                        "kind": trainer.policy.kind, "ranks": dist.world}  # fmt: skip
+            (tmp / "trainer.json").write_text(json.dumps(counters, indent=2))
+        _barrier(dist)
+        names = _files(tmp)
+        _check_shared(tmp, names, dist)
+        digests = _hashes(tmp, names, dist)  # every rank hashes its share
+        if dist.rank != 0:
+            return None
+        (tmp / MANIFEST).write_text(json.dumps(digests, indent=2, sort_keys=True))
         _fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _fsync_dir(folder)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if dist.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     for old in sorted(p for p in folder.glob(f"{PREFIX}*") if p.is_dir())[:-keep_last]:
         shutil.rmtree(old)
+    for stale in folder.glob(f".{PREFIX}*{PARTIAL}"):  # of saves that crashed
+        shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
 def load_checkpoint(path: str | Path, trainer: FlowGRPOStep) -> int:
-    """Verify, then restore ``trainer`` from ``path``; returns the checkpoint's step."""
-    path = Path(path)
-    _verify(path)
+    """Verify, then restore ``trainer`` from ``path``; returns the checkpoint's step. Every rank
+    calls it (the hashes are shared out, DCP reads collectively)."""
+    path, dist = Path(path), trainer.dist
+    _verify(path, dist)
     counters = json.loads((path / "trainer.json").read_text())
+    if counters.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path / 'trainer.json'}: checkpoint format {counters.get('format', 1)}, this trainer "
+            f"reads format {FORMAT} only"
+        )
     if counters["kind"] != trainer.policy.kind:
         raise CheckpointError(
             f"{path} holds a {counters['kind']!r} policy, this trainer trains {trainer.policy.kind!r}"
         )
-    if trainer.policy.kind == "lora":
-        tensors = load_peft_adapter(path / "adapter").tensors
-    else:
-        tensors = load_file(str(path / "gen_path.safetensors"))
-    trainer.policy.load_published(tensors)
-    _read_optimizer(path, trainer)
-    _set_rng_state(load_file(str(path / "rng.safetensors")))
+    # every check first, then everything is applied: never half-loaded
+    weights = _check_weights(path, trainer)
+    optimizer = _check_optimizer(path, trainer)
+    weights()
+    optimizer()
+    rng = path / "rng" / _rng_name(dist.rank)
+    _set_rng_state(load_file(str(rng if rng.is_file() else path / "rng" / _rng_name(0))))
     trainer.version, trainer.steps_done = int(counters["version"]), int(counters["steps_done"])
     trainer.last_gap = float(counters["last_gap"])
     return int(counters["step"])
 
 
-# --- parts ---------------------------------------------------------------------------------
+# --- weights and optimizer -----------------------------------------------------------------
 
 
-def _write_weights(tmp: Path, trainer: FlowGRPOStep, published: dict[str, torch.Tensor]) -> None:
-    if trainer.policy.kind == "lora":
+def _write_weights(tmp: Path, trainer: FlowGRPOStep) -> None:
+    if trainer.policy.kind == "full":
+        _dcp_save(tmp / "gen_path", dict(trainer.policy.trainable()), trainer.dist)
+        return
+    published = {n: t.detach().cpu().contiguous() for n, t in trainer.policy.published().items()}
+    if trainer.dist.rank == 0:  # LoRA is small: gathered, in the format rollouts load
         cfg = trainer.policy.config
         save_peft_adapter(
             tmp / "adapter", PolicyUpdate(trainer.version, "lora", published, cfg.lora_rank, cfg.lora_alpha)
         )
-    else:
-        save_file(published, str(tmp / "gen_path.safetensors"))
+
+
+def _check_weights(path: Path, trainer: FlowGRPOStep) -> Callable[[], None]:
+    """Check that the stored weights fit; returns what applies them."""
+    if trainer.policy.kind == "lora":
+        tensors = load_peft_adapter(path / "adapter").tensors
+        shapes = {lora_published_name(n): p.shape for n, p in trainer.policy.trainable().items()}
+        if {n: t.shape for n, t in tensors.items()} != shapes:
+            raise CheckpointError(
+                f"{path / 'adapter'} does not fit this trainer's LoRA: names or shapes differ"
+            )
+        return lambda: trainer.policy.load_published(tensors)
+    params = dict(trainer.policy.trainable())
+    reader = _fitting_reader(path / "gen_path", params)
+    return lambda: _dcp_load(reader, params, trainer.dist)
 
 
 def _param_names(trainer: FlowGRPOStep) -> list[str]:
@@ -122,83 +182,175 @@ def _param_names(trainer: FlowGRPOStep) -> list[str]:
     return list(trainer.policy.trainable())
 
 
-def _optimizer_tensors(trainer: FlowGRPOStep) -> dict[str, torch.Tensor]:
-    """AdamW's state as whole tensors keyed ``<param name>/<key>`` (shards gathered)."""
-    names = _param_names(trainer)
-    return {
-        f"{names[index]}/{key}": full_tensor(value.detach()).cpu().contiguous()
-        for index, entry in trainer.optimizer.state_dict()["state"].items()
-        for key, value in entry.items()
-        if isinstance(value, torch.Tensor)
-    }
-
-
-def _write_optimizer(tmp: Path, trainer: FlowGRPOStep, tensors: dict[str, torch.Tensor]) -> None:
+def _write_optimizer(tmp: Path, trainer: FlowGRPOStep) -> None:
     state = trainer.optimizer.state_dict()
     names = _param_names(trainer)
-    save_file(tensors, str(tmp / "optimizer.safetensors"))
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
-    (tmp / "optimizer.json").write_text(json.dumps({"param_groups": groups, "params": names}, indent=2))
+    tensors = {
+        f"{names[index]}/{key}": value  # moments sharded like their parameter; the step a scalar
+        for index, entry in state["state"].items()
+        for key, value in entry.items()
+    }
+    if tensors:  # none before the first step
+        _dcp_save(tmp / "optimizer", tensors, trainer.dist)
+    if trainer.dist.rank == 0:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
+        meta = {"param_groups": groups, "params": names}
+        (tmp / "optimizer.json").write_text(json.dumps(meta, indent=2))
 
 
-def _read_optimizer(path: Path, trainer: FlowGRPOStep) -> None:
+def _check_optimizer(path: Path, trainer: FlowGRPOStep) -> Callable[[], None]:
+    """Check that the stored optimizer state fits; returns what applies it."""
     meta = json.loads((path / "optimizer.json").read_text())
     names = _param_names(trainer)
     if meta["params"] != names:
         raise CheckpointError(
             f"{path / 'optimizer.json'}: the trainable parameters differ from this trainer's"
         )
-    tensors = load_file(str(path / "optimizer.safetensors"))
     params = list(trainer.policy.trainable().values())
-    state: dict[int, dict[str, Any]] = {}
-    for key, value in tensors.items():
-        name, _, field = key.rpartition("/")
-        index = names.index(name)
-        # moments are laid out like their parameter (sharded under FSDP); the step count is a scalar
-        state.setdefault(index, {})[field] = shard_like(params[index], value) if value.dim() else value
-    current = trainer.optimizer.state_dict()
-    groups = [
-        {**g, "params": cg["params"]}
-        for g, cg in zip(meta["param_groups"], current["param_groups"], strict=True)
-    ]
-    for group in groups:
-        if "betas" in group:
-            group["betas"] = tuple(group["betas"])
-    trainer.optimizer.load_state_dict({"state": state, "param_groups": groups})
+    folder = path / "optimizer"
+    stored = _stored(folder)
+    unknown = sorted(k for k in stored if k.rpartition("/")[0] not in names)
+    if unknown:
+        raise CheckpointError(f"{folder}: state of unknown parameters {unknown[:5]}")
+    # the tensors DCP reads into: moments laid out like their parameter (DTensors under FSDP)
+    tensors = {
+        key: torch.zeros_like(params[names.index(key.rpartition("/")[0])], dtype=dtype)
+        if len(size)
+        else torch.zeros((), dtype=dtype)
+        for key, (size, dtype) in stored.items()
+    }
+    reader = _fitting_reader(folder, tensors) if tensors else None
+
+    def apply() -> None:
+        if reader is not None:
+            _dcp_load(reader, tensors, trainer.dist)
+        state: dict[int, dict[str, Tensor]] = {}
+        for key, value in tensors.items():
+            name, _, field = key.rpartition("/")
+            state.setdefault(names.index(name), {})[field] = value
+        current = trainer.optimizer.state_dict()
+        groups = [
+            {**g, "params": cg["params"]}
+            for g, cg in zip(meta["param_groups"], current["param_groups"], strict=True)
+        ]
+        for group in groups:
+            if "betas" in group:
+                group["betas"] = tuple(group["betas"])
+        trainer.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    return apply
 
 
-def _rng_state() -> dict[str, torch.Tensor]:
+# --- DCP -----------------------------------------------------------------------------------
+
+
+def _dcp_save(folder: Path, tensors: dict[str, Tensor], dist: Dist) -> None:
+    """Each rank writes its shards of ``tensors`` (DTensors, or plain tensors written once) into
+    safetensors files under ``folder``, in files of about ``FILE_BYTES`` per rank."""
+    if not all(isinstance(t, Tensor) for t in tensors.values()):
+        raise TypeError("only tensors are checkpointed through DCP (anything else would be pickled)")
+    index, size, files = 1, 0, {}
+    for name, tensor in tensors.items():
+        share = tensor.numel() * tensor.element_size() // dist.world
+        if size and size + share > FILE_BYTES:
+            index, size = index + 1, 0
+        files[name], size = index, size + share
+    writer = HuggingFaceStorageWriter(str(folder), fqn_to_index_mapping=files, save_distributed=True)
+    with _one_process_quietly():
+        dcp.save(tensors, storage_writer=writer, no_dist=not dist.enabled)
+
+
+def _stored(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (whole shape, dtype) of the tensors of a DCP folder (from the safetensors headers)."""
+    if not folder.is_dir():
+        return {}
+    metadata = HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata
+    return {k: (tuple(m.size), m.properties.dtype) for k, m in metadata.items()}  # type: ignore[union-attr]
+
+
+def _fitting_reader(folder: Path, tensors: dict[str, Tensor]) -> HuggingFaceStorageReader:
+    stored = {k: size for k, (size, _) in _stored(folder).items()}
+    wanted = {k: tuple(t.shape) for k, t in tensors.items()}
+    if stored != wanted:
+        differ = sorted(set(stored.items()) ^ set(wanted.items()))
+        raise CheckpointError(f"{folder} does not fit this trainer: names or shapes differ {differ[:5]}")
+    return HuggingFaceStorageReader(str(folder))
+
+
+def _dcp_load(reader: HuggingFaceStorageReader, tensors: dict[str, Tensor], dist: Dist) -> None:
+    """Read into ``tensors`` in place, each rank its own shards (from whichever files hold them)."""
+    with torch.no_grad(), _one_process_quietly():
+        dcp.load(tensors, storage_reader=reader, no_dist=not dist.enabled)
+
+
+@contextlib.contextmanager
+def _one_process_quietly() -> Iterator[None]:
+    """DCP warns that it assumes one process whenever it runs without a process group: intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+# --- RNG -----------------------------------------------------------------------------------
+
+
+def _rng_name(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
+
+
+def _write_rng(path: Path) -> None:
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         state.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    return state
+    path.parent.mkdir(exist_ok=True)
+    save_file(state, str(path))
+    _fsync_file(path)
 
 
-def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+def _set_rng_state(state: dict[str, Tensor]) -> None:
     torch.set_rng_state(state["cpu"])
     cuda = [state[k] for k in sorted(state) if k.startswith("cuda")]
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda)
 
 
-def _hashes(folder: Path) -> dict[str, str]:
+# --- integrity -----------------------------------------------------------------------------
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def _hashes(folder: Path, names: list[str], dist: Dist) -> dict[str, str]:
+    """SHA-256 of the files ``names`` of ``folder`` ("" for a missing one), every rank hashing a
+    share of them; every rank gets all."""
+    table = torch.zeros(len(names), 33, dtype=torch.int64)  # digest bytes, then "present"
+    for i in range(dist.rank, len(names), dist.world):
+        path = folder / names[i]
+        if path.is_file():
+            with open(path, "rb") as f:
+                table[i, :32] = torch.tensor(list(hashlib.file_digest(f, "sha256").digest()))
+            table[i, 32] = 1
+    table = dist.sum(table)
     return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
+        name: bytes(row[:32].tolist()).hex() if row[32] else ""
+        for name, row in zip(names, table, strict=True)
     }
 
 
-def _verify(path: Path) -> None:
+def _verify(path: Path, dist: Dist) -> None:
     if not (path / MANIFEST).is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint: {MANIFEST} is missing")
     try:
         expected = json.loads((path / MANIFEST).read_text())
     except json.JSONDecodeError as error:
         raise CheckpointError(f"{path / MANIFEST} is corrupt: {error}") from None
-    actual = _hashes(path)
-    for name, digest in expected.items():
-        if name not in actual:
+    unlisted = sorted(set(_files(path)) - set(expected))
+    if unlisted:  # DCP reads every safetensors file of its folder
+        raise CheckpointError(f"{path / unlisted[0]} is not in {MANIFEST}; nothing was loaded")
+    actual = _hashes(path, sorted(expected), dist)
+    for name, digest in sorted(expected.items()):
+        if not actual[name]:
             raise CheckpointError(
                 f"{path / name} is missing: the checkpoint is incomplete; nothing was loaded"
             )
@@ -208,8 +360,35 @@ def _verify(path: Path) -> None:
             )
 
 
+def _check_shared(folder: Path, names: list[str], dist: Dist) -> None:
+    """Every rank must see every rank's files (one filesystem), or no rank goes on."""
+    seen = torch.tensor([zlib.crc32("\n".join(names).encode())], dtype=torch.int64)
+    if dist.enabled and int(dist.max(seen.clone())) != -int(dist.max(-seen)):
+        raise CheckpointError(
+            f"the ranks see different files in {folder}: checkpoint_dir must be one filesystem "
+            "that every rank shares"
+        )
+
+
+def _barrier(dist: Dist) -> None:
+    if dist.enabled:
+        torch_dist.barrier()
+
+
 def _fsync_tree(folder: Path) -> None:
     for p in folder.rglob("*"):
         if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
+            _fsync_file(p)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -12,18 +12,19 @@ from opentelemetry import trace
 
 from flowgrpo.bus import BusClient, TensorRef
 from flowgrpo.bus.torch_tensors import to_torch
-from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens
+from flowgrpo.models.bagel.checkpoint import load_special_tokens
 from flowgrpo.models.bagel.sampling import SamplerParams
 from flowgrpo.models.bagel.wire import sampler_params_from_proto
 from flowgrpo.runtime import InvalidArgument
 from flowgrpo.runtime.data import fetch_inputs
 from flowgrpo.services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from flowgrpo.services.trainer.config import TrainerServiceConfig
-from flowgrpo.services.trainer.distributed import Dist, shard_model
-from flowgrpo.services.trainer.policy import TrainablePolicy
+from flowgrpo.services.trainer.distributed import Dist
+from flowgrpo.services.trainer.load import load_policy
+from flowgrpo.services.trainer.publish import Publisher
 from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory
 from flowgrpo.telemetry import links_from
-from flowgrpo.v1 import trainer_pb2
+from flowgrpo.v1 import common_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -36,12 +37,22 @@ class TrainerCore:
         cfg = config.trainer
         self.config = config
         self.dist = dist
-        model = load_bagel_model(cfg.checkpoint, dtype=getattr(torch, cfg.dtype), device=cfg.device)
-        policy = TrainablePolicy(model, cfg.policy)
-        if dist.enabled:
-            shard_model(policy.model, cfg.device)
+        dtype = getattr(torch, cfg.dtype)
+        policy = load_policy(
+            cfg.checkpoint,
+            cfg.policy,
+            dist,
+            dtype=dtype,
+            device=cfg.device,
+            param_dtype=dtype if cfg.device.startswith("cuda") else None,  # FSDP's gathered compute dtype
+            keep_reference=cfg.loss.kl_beta > 0,
+            activation_checkpointing=cfg.activation_checkpointing,
+            compile=cfg.compile,
+        )
         self.trainer = FlowGRPOStep(policy, load_special_tokens(cfg.checkpoint), cfg.optim, cfg.loss, dist)
         self.client = BusClient(config.bus)
+        # the store is rank 0's bus server's, set by the service once it serves (None: a follower)
+        self.publisher = Publisher(policy, None, cfg.publish_dtype, cfg.publish_bus, cfg.publish_cuda_ipc)
 
     def resume(self) -> int | None:
         cfg = self.config.trainer
@@ -78,9 +89,10 @@ class TrainerCore:
         ):
             return self.trainer.run(batch, params)
 
-    def published(self) -> dict[str, torch.Tensor]:
-        """The trainable tensors, whole (a collective under FSDP: every rank calls it)."""
-        return {n: t.detach().contiguous() for n, t in self.trainer.policy.published().items()}
+    def publish(self) -> common_pb2.WeightUpdate:
+        """Publish the current version (a collective under FSDP: every rank calls it; rank 0's
+        publisher has the store and returns the update)."""
+        return self.publisher.publish(self.trainer.version)
 
     def save(self, folder: str, step: int) -> Path | None:
         return save_checkpoint(folder, self.trainer, step, self.config.trainer.keep_last)

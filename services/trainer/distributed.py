@@ -98,6 +98,12 @@ def full_tensor(value: Tensor) -> Tensor:
     return gather() if gather is not None else value
 
 
+def local_tensor(value: Tensor) -> Tensor:
+    """This rank's shard of a DTensor (a view: writes go to the parameter); ``value`` otherwise."""
+    to_local = getattr(value, "to_local", None)
+    return to_local() if to_local is not None else value
+
+
 def shard_like(param: Tensor, full: Tensor) -> Tensor:
     """``full`` laid out like ``param``: sharded the same way when ``param`` is a DTensor. Every
     rank holds ``full`` (read from the same file) and keeps its slice: no communication."""

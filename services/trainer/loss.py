@@ -42,8 +42,10 @@ def importance_weights(logp_prox: Tensor, logp_behaviour: Tensor, lag: Tensor, c
 
 
 def effective_sample_size(weights: Tensor) -> Tensor:
-    """(sum w)^2 / (n sum w^2) in (0, 1]: 1 when all weights are equal."""
-    return weights.sum() ** 2 / (weights.numel() * (weights**2).sum()).clamp(min=1e-12)
+    """(sum w)^2 / (n sum w^2) in (0, 1]: 1 when all weights are equal (in float64, capped at 1:
+    rounding would otherwise report 1 + 1e-7 for equal float32 weights)."""
+    w = weights.double()
+    return (w.sum() ** 2 / (w.numel() * (w**2).sum()).clamp(min=1e-12)).clamp(max=1.0)
 
 
 def kl_to_reference(mean: Tensor, mean_ref: Tensor, std: Tensor) -> Tensor:

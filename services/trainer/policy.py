@@ -4,12 +4,20 @@
 Trainable parameters are fp32 (master weights and optimizer state); the frozen weights stay in
 the load dtype. ``published`` gives what changed, in the policy-update naming that rollouts
 load; ``reference()`` runs a forward with the reference policy for the KL term (adapters
-disabled for LoRA, a frozen copy of the gen path for full training).
+disabled for LoRA, a frozen copy of the gen path for full training, kept only when asked for).
+
+The policy may be built on the meta device and sharded before any weight exists
+(``services/trainer/load.py``); ``init_adapters`` and ``keep_reference`` then run once the
+weights are loaded. LoRA A is drawn per tensor from a generator seeded by ``init_seed`` and the
+tensor's name, never from the global generator: the initial adapter is the same for any number
+of processes, any sharding and any target order.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import math
 from collections.abc import Iterator
 
 import torch
@@ -20,7 +28,7 @@ from torch import Tensor, nn
 from flowgrpo.models.bagel.config import is_gen_path
 from flowgrpo.models.bagel.policy import LORA_A, LORA_B
 from flowgrpo.services.trainer.config import PolicyConfig
-from flowgrpo.services.trainer.distributed import full_tensor, shard_like
+from flowgrpo.services.trainer.distributed import full_tensor, local_tensor, shard_like
 
 ADAPTER = "default"
 
@@ -28,31 +36,74 @@ ADAPTER = "default"
 class TrainablePolicy:
     """Wraps a loaded BAGEL model: marks what trains, names what is published."""
 
-    def __init__(self, model: nn.Module, config: PolicyConfig) -> None:
+    def __init__(self, model: nn.Module, config: PolicyConfig, keep_reference: bool = False) -> None:
         self.config = config
         self.kind = config.kind
         for p in model.parameters():
             p.requires_grad_(False)
         self.model = _add_lora(model, config) if config.kind == "lora" else _unfreeze_gen_path(model)
-        self._reference: dict[str, Tensor] = {}
-        if config.kind == "full":  # the KL reference: the gen path as loaded
-            self._reference = {n: p.detach().clone() for n, p in self.trainable().items()}
+        self._reference: dict[str, Tensor] | None = None
+        if not model.vae2llm.weight.is_meta:  # type: ignore[union-attr]
+            self.init_adapters()
+            if keep_reference:
+                self.keep_reference()
+
+    def init_adapters(self) -> None:
+        """LoRA: A drawn from (``init_seed``, its name) — gaussian std 1/r, or peft's default
+        uniform(+-1/sqrt(in)) for ``zero_b`` — and B = 0, so training starts at the base policy."""
+        if self.kind != "lora":
+            return
+        with torch.no_grad():
+            for name, param in self.trainable().items():
+                full = torch.zeros(param.shape, dtype=torch.float32)
+                if ".lora_A." in name:
+                    # the CPU generator keeps 32 bits of its seed: hash seed and name into them
+                    key = hashlib.sha256(f"{self.config.init_seed}/{name}".encode()).digest()
+                    generator = torch.Generator().manual_seed(int.from_bytes(key[:4], "little"))
+                    if self.config.lora_init == "gaussian":
+                        full.normal_(0.0, 1.0 / self.config.lora_rank, generator=generator)
+                    else:
+                        bound = 1.0 / math.sqrt(param.shape[1])
+                        full.uniform_(-bound, bound, generator=generator)
+                param.copy_(shard_like(param, full))
+
+    def keep_reference(self) -> None:
+        """Full training: keep the gen path as it is now (the loaded weights) for the KL term,
+        in the frozen weights' dtype (lossless: they were loaded in it) and sharded like the
+        parameters. LoRA needs no copy: its reference is the model with adapters disabled."""
+        if self.kind == "full":
+            dtype = self.model.vae2llm.weight.dtype  # type: ignore[union-attr]
+            self._reference = {
+                n: local_tensor(p).detach().to(dtype, copy=True) for n, p in self.trainable().items()
+            }
 
     def trainable(self) -> dict[str, nn.Parameter]:
+        """The trained parameters (sharded DTensors under FSDP2)."""
+        # FSDP2's root keeps its gathered parameters registered after a forward (no re-gather for
+        # the next one): reshard, so what is listed here is always the sharded state
+        self._reshard()
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
 
     def published(self) -> dict[str, Tensor]:
-        """The trainable tensors under their published names (LoRA: ``<module>.lora_A.weight``)."""
-        full = {n: full_tensor(p.detach()) for n, p in self.trainable().items()}  # gathers shards
-        if self.kind == "full":
-            return full
-        return {lora_published_name(n): t for n, t in full.items()}
+        """The trainable tensors, whole, under their published names (LoRA: ``<module>.lora_A.weight``)."""
+        return dict(self.iter_published())
+
+    def iter_published(self) -> Iterator[tuple[str, Tensor]]:
+        """``published()`` one tensor at a time: under FSDP each is gathered when reached (a
+        collective: every rank iterates), so one whole tensor exists at a time, not the gen path."""
+        for name, param in self.trainable().items():
+            yield self.published_name(name), full_tensor(param.detach())
+
+    def published_specs(self) -> list[tuple[str, torch.Size, torch.dtype]]:
+        """Names, whole shapes and dtypes of the published tensors, without gathering anything."""
+        return [(self.published_name(n), p.shape, p.dtype) for n, p in self.trainable().items()]
+
+    def published_name(self, param_name: str) -> str:
+        return lora_published_name(param_name) if self.kind == "lora" else param_name
 
     def load_published(self, tensors: dict[str, Tensor]) -> None:
         """Set the trainable tensors from their published form (checkpoint resume)."""
-        by_name = {
-            lora_published_name(n) if self.kind == "lora" else n: p for n, p in self.trainable().items()
-        }
+        by_name = {self.published_name(n): p for n, p in self.trainable().items()}
         missing, unknown = sorted(set(by_name) - set(tensors)), sorted(set(tensors) - set(by_name))
         if missing or unknown:
             raise ValueError(
@@ -75,7 +126,12 @@ class TrainablePolicy:
                 for layer in layers:
                     layer.enable_adapters(True)
             return
-        params = self.trainable()
+        if self._reference is None:
+            raise RuntimeError(
+                "full training has no KL reference: build the policy with keep_reference=True "
+                "(the trainer does when trainer.loss.kl_beta > 0)"
+            )
+        params = {n: local_tensor(p) for n, p in self.trainable().items()}  # this rank's shards
         current = {n: p.detach().clone() for n, p in params.items()}
         with torch.no_grad():
             for n, p in params.items():
@@ -86,6 +142,12 @@ class TrainablePolicy:
             with torch.no_grad():
                 for n, p in params.items():
                     p.copy_(current[n])
+            self._reshard()  # drop the root's gathered reference weights: the next forward regathers
+
+    def _reshard(self) -> None:
+        reshard = getattr(self.model, "reshard", None)  # an FSDP2 module
+        if reshard is not None:
+            reshard()
 
 
 def lora_published_name(param_name: str) -> str:
@@ -108,8 +170,7 @@ def _add_lora(model: nn.Module, config: PolicyConfig) -> nn.Module:
         lora_dropout=0.0,
         init_lora_weights="gaussian" if config.lora_init == "gaussian" else True,
     )
-    with torch.random.fork_rng(devices=[]):  # peft draws A from the global generator
-        torch.manual_seed(config.init_seed)
+    with torch.random.fork_rng(devices=[]):  # peft's own init draws from the global generator
         model = inject_adapter_in_model(lora, model, adapter_name=ADAPTER)
     for name, param in model.named_parameters():
         if ".lora_" in name:

@@ -19,7 +19,6 @@ from flowgrpo.services.trainer.config import TrainerServiceConfig
 from flowgrpo.services.trainer.core import INPUT_COLUMNS, TrainerCore
 from flowgrpo.services.trainer.distributed import Dist
 from flowgrpo.services.trainer.follow import SAVE, STOP, TRAIN, CommandChannel
-from flowgrpo.services.trainer.publish import publish
 from flowgrpo.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
 STAGE = common_pb2.StageSpec(stage="trainer", consumes=[*INPUT_COLUMNS, "advantages"], produces=["weights"])
@@ -43,6 +42,7 @@ class TrainerService(Actor, trainer_pb2_grpc.TrainerServicer):
         self.core = await self.compute(TrainerCore, self.config, self.dist)
         self.bus = serve_store(self.config.bus)
         self.bus_endpoint = self.bus.endpoint
+        self.core.publisher.store = self.bus.store
         resumed = await self.compute(self.core.resume)  # every rank resumes on its own
         if resumed is not None:
             self.step = resumed
@@ -101,16 +101,7 @@ class TrainerService(Actor, trainer_pb2_grpc.TrainerServicer):
     # --- helpers -------------------------------------------------------------------------------
 
     def _publish(self) -> common_pb2.WeightUpdate:
-        core = self._core()
-        assert self.bus is not None, "created in start(), before any message"
-        tensors = core.published()
-        return publish(
-            self.bus.store,
-            core.trainer.policy,
-            core.trainer.version,
-            self.config.trainer.publish_dtype,
-            tensors,
-        )
+        return self._core().publish()
 
     def _announce(self, op: int, payload: bytes) -> None:
         if self.channel is not None:
@@ -130,7 +121,7 @@ def follow(config: TrainerServiceConfig, dist: Dist) -> None:
     channel = CommandChannel.create()
     core = TrainerCore(config, dist)
     if core.resume() is not None:
-        core.published()  # rank 0 re-publishes after a resume: join its gather
+        core.publish()  # rank 0 re-publishes after a resume: join its gathers
     try:
         while True:
             op, payload = channel.receive()
@@ -138,7 +129,7 @@ def follow(config: TrainerServiceConfig, dist: Dist) -> None:
                 return
             if op == TRAIN:
                 core.train(trainer_pb2.TrainStepRequest.FromString(payload))
-                core.published()
+                core.publish()
             elif op == SAVE:
                 request = trainer_pb2.SaveCheckpointRequest.FromString(payload)
                 core.save(request.path, request.step)

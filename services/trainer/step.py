@@ -199,9 +199,16 @@ class FlowGRPOStep:
         sums = torch.zeros(5, dtype=torch.float64)  # loss, clipped, ratio, ppo_kl, kl: summed over entries
         for part in self._chunks(self.dist.share(mini)):
             rows = [r for r, _ in part]
+            # the reference forward first: full training swaps the reference weights in place,
+            # which must not happen while the policy forward's graph holds the parameters
+            reference = (
+                self._reference_means([batch[i] for i in rows], params) if self.loss.kl_beta > 0 else None
+            )
             result = self._window_log_probs([batch[i] for i in rows], params)
             index = torch.tensor(rows)
-            kl = self._kl([batch[i] for i in rows], params, result) if self.loss.kl_beta > 0 else None
+            kl = None
+            if reference is not None:
+                kl = kl_to_reference(result.mean.flatten(0, 1), reference, result.std.flatten())
             terms = flow_grpo_terms(
                 result.log_prob.flatten(),
                 logp_old[index].flatten().to(result.log_prob.device),
@@ -283,10 +290,10 @@ class FlowGRPOStep:
             log_prob=torch.stack([s.log_prob for s in steps], dim=1),
         )
 
-    def _kl(self, part: Sequence[Trajectory], params: SamplerParams, result: StepResult) -> Tensor:
+    def _reference_means(self, part: Sequence[Trajectory], params: SamplerParams) -> Tensor:
+        """The reference policy's step means of the stored window steps, flattened [B*W, ...]."""
         with torch.no_grad(), self.policy.reference():
-            ref = self._window_log_probs(part, params)
-        return kl_to_reference(result.mean.flatten(0, 1), ref.mean.flatten(0, 1), result.std.flatten())
+            return self._window_log_probs(part, params).mean.flatten(0, 1)
 
     def _chunks(self, rows: list[tuple[int, bool]]) -> list[list[tuple[int, bool]]]:
         size = self.loss.micro_batch_size

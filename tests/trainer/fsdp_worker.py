@@ -15,8 +15,8 @@ from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_toke
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, SamplerParams
 from flowgrpo.sampler_math import CfgParams, WindowParams
 from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig
-from flowgrpo.services.trainer.distributed import init_distributed, shard_model
-from flowgrpo.services.trainer.policy import TrainablePolicy
+from flowgrpo.services.trainer.distributed import init_distributed
+from flowgrpo.services.trainer.load import load_policy
 from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory
 
 PARAMS = SamplerParams(num_points=6, height=32, width=32, window=WindowParams(size=2, lo=0, hi=4),
@@ -44,10 +44,10 @@ def main(checkpoint: Path, kind: str, out: Path) -> None:
     torch.set_num_threads(1)
     dist = init_distributed("cpu")
     config = PolicyConfig(kind=kind, lora_rank=4, lora_alpha=8.0)  # type: ignore[arg-type]
-    policy = TrainablePolicy(load_bagel_model(checkpoint, dtype=torch.float32), config)
-    if dist.enabled:
-        shard_model(policy.model, "cpu")
-    loss = LossConfig(mini_batches=2, micro_batch_size=1)
+    # meta-device construction, FSDP2 sharding, then each rank reads its own rows of the file
+    policy = load_policy(checkpoint, config, dist, dtype=torch.float32, device="cpu", keep_reference=True)
+    # KL on: the second mini-batch's policy differs from the reference (sharded for full training)
+    loss = LossConfig(mini_batches=2, micro_batch_size=1, kl_beta=0.5)
     step = FlowGRPOStep(policy, load_special_tokens(checkpoint), OptimConfig(lr=1e-3), loss, dist)
     metrics = step.run(trajectories(checkpoint), PARAMS)
     published = {n: t.contiguous() for n, t in policy.published().items()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,11 @@ def test_damaged_checkpoints_are_refused_and_nothing_is_loaded(tiny: Path, tmp_p
     fresh = trainer(tiny)
     before = state(fresh)
 
+    stray = path / "optimizer" / "shard-00009-model-00001-of-00001.safetensors"
+    shutil.copy(next((path / "optimizer").iterdir()), stray)  # DCP would read it: refused
+    with pytest.raises(CheckpointError, match=r"shard-00009-model-00001-of-00001.safetensors is not in"):
+        load_checkpoint(path, fresh)
+    stray.unlink()
     weights = path / "adapter" / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])  # truncated
     with pytest.raises(CheckpointError, match=r"adapter_model.safetensors is corrupt or truncated"):

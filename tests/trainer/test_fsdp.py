@@ -47,6 +47,13 @@ def test_two_fsdp_processes_give_the_update_of_one(tmp_path: Path, kind: str) ->
     # tolerance: FSDP reduces gradients in another order than one process accumulates them
     for name in one:
         torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6, msg=name)
-    for key in ("actor/loss", "actor/ratio_mean", "actor/pg_clipfrac", "actor/rollout_logp_gap/max"):
+    assert m1["actor/kl_loss"] > 0
+    for key in (
+        "actor/loss",
+        "actor/ratio_mean",
+        "actor/pg_clipfrac",
+        "actor/rollout_logp_gap/max",
+        "actor/kl_loss",
+    ):
         assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
     assert m2["actor/grad_norm"] == pytest.approx(m1["actor/grad_norm"], rel=1e-4)

@@ -1,0 +1,155 @@
+"""The same-host fast path for weights: tensors packed back to back into one GPU allocation (a
+bucket) that another process on the host opens through CUDA IPC and copies from device to
+device — no host copy, no socket. The bucket travels as ``flowgrpo.v1.CudaIpcBucket``: the raw
+``cudaIpcMemHandle`` bytes and a table of tensors (never pickle).
+
+Rules of use: the producer keeps its ``Bucket`` alive while consumers may open it (the trainer
+keeps the same two versions the bus keeps); a consumer copies what it needs and drops the views
+(``open_bucket``'s tensors alias the producer's memory). ``host_id`` and the GPU's UUID decide
+whether a consumer can use a bucket at all; when it cannot, it takes the bus path.
+
+Built on torch's own IPC primitives (``UntypedStorage._share_cuda_`` / ``_new_shared_cuda``,
+what ``torch.multiprocessing`` uses under its pickling), which keep the allocation mapped with a
+shared reference counter and order the consumer's reads after the producer's writes with an
+IPC event.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from flowgrpo.v1 import common_pb2
+
+ALIGN = 256  # bytes: every tensor starts aligned for vectorised copies
+
+
+@cache
+def host_id() -> str:
+    """This boot of this host: two processes see the same value iff they share the host."""
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    return boot.read_text().strip() if boot.is_file() else socket.gethostname()
+
+
+def device_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+class CudaIpcError(RuntimeError):
+    """A bucket this process cannot open (another host, an invisible GPU, a malformed table)."""
+
+
+@dataclass
+class Bucket:
+    """Producer side: the allocation and its exported description."""
+
+    buffer: Tensor  # uint8 on the GPU
+    proto: common_pb2.CudaIpcBucket
+
+
+class BucketWriter:
+    """Fills one new allocation of ``total_bytes`` (see ``bucket_bytes``) on ``device`` with
+    tensors added one at a time — a gather loop needs only one whole tensor alive at once —
+    then exports it."""
+
+    def __init__(self, total_bytes: int, device: torch.device) -> None:
+        self.buffer = torch.empty(total_bytes, dtype=torch.uint8, device=device)
+        self.entries: list[common_pb2.BucketTensor] = []
+        self.offset = 0
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.offset + nbytes > self.buffer.numel():
+            raise ValueError(f"a bucket of {self.buffer.numel()} bytes is too small for {name}")
+        view = self.buffer[self.offset : self.offset + nbytes].view(tensor.dtype).view(tensor.shape)
+        view.copy_(tensor)
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        self.entries.append(
+            common_pb2.BucketTensor(name=name, dtype=dtype, shape=tensor.shape, offset=self.offset)
+        )
+        self.offset = _aligned(self.offset + nbytes)
+
+    def finish(self) -> Bucket:
+        device = self.buffer.device
+        torch.cuda.current_stream(device).synchronize()  # the copies are done before anyone reads
+        (_, handle, size, storage_offset, counter, counter_offset, event, event_sync) = (
+            self.buffer.untyped_storage()._share_cuda_()  # type: ignore[no-untyped-call]
+        )
+        proto = common_pb2.CudaIpcBucket(
+            host_id=host_id(),
+            device_uuid=device_uuid(device),
+            handle=handle,
+            storage_bytes=size,
+            storage_offset=storage_offset,
+            ref_counter_handle=counter,
+            ref_counter_offset=counter_offset,
+            event_handle=event or b"",
+            event_sync_required=event_sync,
+            tensors=self.entries,
+        )
+        return Bucket(self.buffer, proto)
+
+
+def bucket_bytes(tensors: Iterable[tuple[str, torch.Size, torch.dtype]]) -> int:
+    """The size of a bucket holding tensors of these shapes and dtypes."""
+    offset = 0
+    for _, shape, dtype in tensors:
+        offset = _aligned(offset + shape.numel() * dtype.itemsize)
+    return max(offset, ALIGN)
+
+
+def can_open(bucket: common_pb2.CudaIpcBucket) -> bool:
+    """Whether this process can open ``bucket``: same host, the producer's GPU visible here."""
+    return bucket.host_id == host_id() and _local_index(bucket.device_uuid) is not None
+
+
+def open_bucket(bucket: common_pb2.CudaIpcBucket) -> dict[str, Tensor]:
+    """Views of the producer's tensors (on the producer's GPU, as seen from here)."""
+    if bucket.host_id != host_id():
+        raise CudaIpcError(f"the bucket lives on host {bucket.host_id}, this is {host_id()}: use the bus")
+    index = _local_index(bucket.device_uuid)
+    if index is None:
+        raise CudaIpcError(
+            f"GPU {bucket.device_uuid} holds the bucket but is not visible to this process "
+            "(CUDA_VISIBLE_DEVICES): make it visible or use the bus"
+        )
+    storage = torch.UntypedStorage._new_shared_cuda(
+        index,
+        bucket.handle,
+        bucket.storage_bytes,
+        bucket.storage_offset,
+        bucket.ref_counter_handle,
+        bucket.ref_counter_offset,
+        bucket.event_handle or None,
+        bucket.event_sync_required,
+    )
+    flat = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index)).set_(storage)
+    out = {}
+    for entry in bucket.tensors:
+        dtype = getattr(torch, entry.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise CudaIpcError(f"bucket tensor {entry.name}: unknown dtype {entry.dtype!r}")
+        nbytes = torch.Size(entry.shape).numel() * dtype.itemsize
+        if entry.offset < 0 or entry.offset + nbytes > flat.numel():
+            raise CudaIpcError(f"bucket tensor {entry.name} lies outside the bucket's {flat.numel()} bytes")
+        out[entry.name] = flat[entry.offset : entry.offset + nbytes].view(dtype).view(tuple(entry.shape))
+    return out
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // ALIGN) * ALIGN
+
+
+def _local_index(uuid: str) -> int | None:
+    if not torch.cuda.is_available():
+        return None
+    for index in range(torch.cuda.device_count()):
+        if device_uuid(torch.device("cuda", index)) == uuid:
+            return index
+    return None

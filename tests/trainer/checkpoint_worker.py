@@ -1,0 +1,117 @@
+"""Full gen-path checkpoints in every process of a torchrun job (FSDP2 over gloo when WORLD_SIZE > 1).
+
+``save``: train step 1, save the checkpoint of step 1 under CKPT_DIR, train step 2. ``resume``: try
+to load DAMAGED (when given), which must be refused, then resume from the newest checkpoint under
+CKPT_DIR and train step 2. ``load``: resume only. Rank 0 writes the whole weights and AdamW moments
+as saved or loaded, with every rank's next CPU draws (``state.safetensors``), the weights after
+step 2 (``after.safetensors``) and step 2's metrics; every rank writes the error it got for DAMAGED
+(``refused_<rank>.txt``). Used by test_checkpoint_fsdp.py: ``python -m torch.distributed.run
+--nproc_per_node N checkpoint_worker.py CHECKPOINT CKPT_DIR MODE OUT [DAMAGED]``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens
+from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, SamplerParams
+from flowgrpo.sampler_math import CfgParams, WindowParams
+from flowgrpo.services.trainer.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig
+from flowgrpo.services.trainer.distributed import Dist, full_tensor, init_distributed
+from flowgrpo.services.trainer.load import load_policy
+from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory
+
+PARAMS = SamplerParams(num_points=6, height=32, width=32, window=WindowParams(size=2, lo=0, hi=4),
+                       deterministic=True, decode_images=False, cfg=CfgParams(text_scale=2.0))  # fmt: skip
+PROMPTS = {"p0": [384, 5, 6, 7, 385], "p1": [384, 9, 10, 385]}
+ADVANTAGES = {1: [1.0, -1.0, 0.5, -0.5], 2: [0.3, -0.2, 1.0, -1.1]}  # per training step
+
+
+def trajectories(checkpoint: Path, step: int) -> list[Trajectory]:
+    """The batch of training step ``step`` (1 or 2), sampled by policy version ``step - 1``."""
+    sampler = BagelSampler(
+        load_bagel_model(checkpoint, dtype=torch.float32), None, load_special_tokens(checkpoint)
+    )
+    requests = [SampleRequest(uid, i, torch.tensor(ids)) for uid, ids in PROMPTS.items() for i in range(2)]
+    out = sampler.generate(requests, PARAMS, seed=3, step=step)
+    return [
+        Trajectory(
+            r.prompt_uid,
+            r.sample_index,
+            step - 1,
+            a,
+            r.prompt_ids,
+            out.latents[i],
+            out.log_probs[i],
+            out.sigmas[i],
+        )
+        for i, (r, a) in enumerate(zip(requests, ADVANTAGES[step], strict=True))
+    ]
+
+
+def build(checkpoint: Path, dist: Dist) -> FlowGRPOStep:
+    policy = load_policy(checkpoint, PolicyConfig(kind="full"), dist, dtype=torch.float32, device="cpu")
+    loss = LossConfig(mini_batches=2, micro_batch_size=1)
+    return FlowGRPOStep(policy, load_special_tokens(checkpoint), OptimConfig(lr=1e-3), loss, dist)
+
+
+def whole_state(step: FlowGRPOStep) -> dict[str, torch.Tensor]:
+    """``weight/<name>`` and ``<moment>/<name>``, whole (a collective under FSDP)."""
+    state = {f"weight/{n}": t.contiguous() for n, t in step.policy.published().items()}
+    for name, param in step.policy.trainable().items():
+        for key, value in step.optimizer.state.get(param, {}).items():
+            state[f"{key}/{name}"] = full_tensor(value).contiguous()
+    return state
+
+
+def draws(dist: Dist) -> torch.Tensor:
+    """[ranks, 3]: each rank's next draws from its CPU generator."""
+    table = torch.zeros(dist.world, 3)
+    table[dist.rank] = torch.rand(3)
+    return dist.sum(table)
+
+
+def main(checkpoint: Path, ckpt_dir: Path, mode: str, out: Path, damaged: Path | None) -> None:
+    torch.set_num_threads(1)
+    dist = init_distributed("cpu")
+    step = build(checkpoint, dist)
+    out.mkdir(parents=True, exist_ok=True)
+    if mode == "save":
+        torch.manual_seed(dist.rank)  # a generator state of its own on each rank
+        step.run(trajectories(checkpoint, 1), PARAMS)
+        save_checkpoint(ckpt_dir, step, step=1)
+    else:
+        if damaged is not None:
+            try:
+                load_checkpoint(damaged, step)
+                raise AssertionError(f"{damaged} was loaded")
+            except CheckpointError as error:
+                (out / f"refused_{dist.rank}.txt").write_text(str(error))
+        path = latest_checkpoint(ckpt_dir)
+        assert path is not None and load_checkpoint(path, step) == 1
+    state = {**whole_state(step), "rng": draws(dist)}
+    if dist.rank == 0:
+        save_file(state, str(out / "state.safetensors"))
+    if mode == "load":
+        return
+    metrics = step.run(trajectories(checkpoint, 2), PARAMS)
+    published = {n: t.contiguous() for n, t in step.policy.published().items()}
+    if dist.rank == 0:
+        save_file(published, str(out / "after.safetensors"))
+        (out / "metrics.json").write_text(json.dumps(metrics))
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    main(Path(args[0]), Path(args[1]), args[2], Path(args[3]), Path(args[4]) if len(args) > 4 else None)

@@ -1,0 +1,142 @@
+"""Full gen-path checkpoints under FSDP2 (2 gloo processes): every rank writes its shards; resume
+reproduces the next step bitwise; a checkpoint reshards between 2 ranks and 1 process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from flowgrpo.services.trainer import checkpoint as checkpoint_module
+from flowgrpo.services.trainer.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from flowgrpo.services.trainer.config import PolicyConfig
+
+from .checkpoint_worker import PARAMS, trajectories, whole_state
+from .test_step import tiny, trainer
+
+__all__ = ["tiny"]  # the module-scoped checkpoint fixture
+
+WORKER = Path(__file__).with_name("checkpoint_worker.py")
+FULL = PolicyConfig(kind="full")
+
+
+def run(nproc: int, checkpoint: Path, ckpt_dir: Path, mode: str, out: Path, *damaged: Path) -> None:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]  # fmt: skip
+    cmd = [*launcher, str(WORKER), str(checkpoint), str(ckpt_dir), mode, str(out), *map(str, damaged)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # its own process group: a hang ends torchrun AND its workers, not only torchrun
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    try:
+        _, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, stderr[-3000:]
+
+
+def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    different = [n for n in expected if not torch.equal(actual[n], expected[n])]
+    assert not different, f"not bitwise equal: {different[:5]}"
+
+
+def numbers(metrics: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if not k.startswith("timing_s/")}
+
+
+@pytest.fixture(scope="module")
+def saved_by_two(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2 ranks: step 1, checkpoint (``ckpt/``), step 2; the worker's outputs."""
+    out = tmp_path_factory.mktemp("two")
+    run(2, tiny, out / "ckpt", "save", out)
+    return out
+
+
+def test_two_ranks_resume_the_next_step_bitwise(tiny: Path, saved_by_two: Path, tmp_path: Path) -> None:
+    checkpoint = latest_checkpoint(saved_by_two / "ckpt")
+    assert checkpoint is not None
+    shards = sorted(p.name for p in (checkpoint / "gen_path").iterdir())
+    assert shards == [f"shard-0000{r}-model-00001-of-00001.safetensors" for r in (1, 2)], "one file a rank"
+    damaged = tmp_path / "damaged"
+    shutil.copytree(checkpoint, damaged)
+    shard = damaged / "gen_path" / shards[1]  # hashed by rank 1: the refusal reaches rank 0 too
+    shard.write_bytes(shard.read_bytes()[:-64])
+
+    run(2, tiny, saved_by_two / "ckpt", "resume", tmp_path / "out", damaged)
+    for rank in (0, 1):
+        refused = (tmp_path / "out" / f"refused_{rank}.txt").read_text()
+        assert f"{shards[1]} is corrupt or truncated" in refused, refused
+    for name in ("state.safetensors", "after.safetensors"):  # as loaded, and after the next step
+        assert_same(load_file(tmp_path / "out" / name), load_file(saved_by_two / name))
+    resumed, straight = (
+        json.loads((p / "metrics.json").read_text()) for p in (tmp_path / "out", saved_by_two)
+    )
+    assert numbers(resumed) == numbers(straight), "every metric of the resumed step, bitwise"
+
+
+def test_a_two_rank_checkpoint_loads_into_one_process(tiny: Path, saved_by_two: Path) -> None:
+    checkpoint = latest_checkpoint(saved_by_two / "ckpt")
+    assert checkpoint is not None
+    one = trainer(tiny, FULL)
+    assert load_checkpoint(checkpoint, one) == 1 and one.version == 1
+    saved = load_file(saved_by_two / "state.safetensors")
+    assert {k.split("/")[0] for k in saved} == {"weight", "step", "exp_avg", "exp_avg_sq", "rng"}
+    assert not torch.equal(*saved.pop("rng")), "each rank had a generator state of its own"
+    assert_same(whole_state(one), saved)
+    # nothing pickled: JSON and safetensors only (DCP's default writer would add a pickled .metadata)
+    for path in (p for p in checkpoint.rglob("*") if p.is_file()):
+        if path.suffix == ".json":
+            json.loads(path.read_text())
+        else:
+            assert path.suffix == ".safetensors", path
+            with safe_open(str(path), framework="pt") as f:
+                assert f.keys() is not None
+
+
+def test_a_one_process_checkpoint_loads_on_two_ranks(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    one = trainer(tiny, FULL)
+    one.run(trajectories(tiny, 1), PARAMS)
+    monkeypatch.setattr(checkpoint_module, "FILE_BYTES", 32 << 10)  # several files to read from
+    path = save_checkpoint(tmp_path / "ckpt", one, step=1)
+    assert path is not None and len(list((path / "gen_path").iterdir())) > 2
+    expected = {**whole_state(one), "rng": torch.rand(3).expand(2, 3)}  # a rank without its own: rank 0's
+    run(2, tiny, tmp_path / "ckpt", "load", tmp_path / "out")
+    assert_same(load_file(tmp_path / "out" / "state.safetensors"), expected)
+
+
+def test_a_truncated_shard_is_refused_and_nothing_is_loaded(
+    tiny: Path, saved_by_two: Path, tmp_path: Path
+) -> None:
+    checkpoint = latest_checkpoint(saved_by_two / "ckpt")
+    assert checkpoint is not None
+    damaged = tmp_path / checkpoint.name
+    shutil.copytree(checkpoint, damaged)
+    shard = damaged / "optimizer" / "shard-00001-model-00001-of-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    fresh = trainer(tiny, FULL)
+    before = whole_state(fresh)
+    with pytest.raises(
+        CheckpointError, match=r"optimizer/shard-00001-model-00001-of-00001\.safetensors is corrupt"
+    ):
+        load_checkpoint(damaged, fresh)
+    assert_same(whole_state(fresh), before)
+    assert fresh.version == 0 and not fresh.optimizer.state
