@@ -20,8 +20,6 @@ class EngineConfig:
     compile: bool = True  # CUDA only: torch.compile the query path's per-layer halves (~20 s once)
 
     def validate(self) -> None:
-        if not self.checkpoint:
-            raise ValueError("rollout.checkpoint is empty: set it to a BAGEL checkpoint folder")
         if self.max_batch_samples < 1:
             raise ValueError(f"rollout.max_batch_samples={self.max_batch_samples} must be >= 1")
 
@@ -29,3 +27,7 @@ class EngineConfig:
 @dataclass
 class RolloutServiceConfig(ServiceProcessConfig):
     rollout: EngineConfig = field(default_factory=EngineConfig)
+
+    def validate(self) -> None:  # here, not in EngineConfig: in a run config "" follows model.checkpoint
+        if not self.rollout.checkpoint:
+            raise ValueError("rollout.checkpoint is empty: set it to a BAGEL checkpoint folder")

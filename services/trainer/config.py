@@ -5,18 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from flowgrpo.models.bagel.config import is_gen_path
+from flowgrpo.models.bagel.config import GEN_PATH_LINEARS, is_gen_path
 from flowgrpo.runtime.config import ServiceProcessConfig
 
-DEFAULT_LORA_TARGETS = [
-    "self_attn.q_proj_moe_gen",
-    "self_attn.k_proj_moe_gen",
-    "self_attn.v_proj_moe_gen",
-    "self_attn.o_proj_moe_gen",
-    "mlp_moe_gen.gate_proj",
-    "mlp_moe_gen.up_proj",
-    "mlp_moe_gen.down_proj",
-]
+DEFAULT_LORA_TARGETS = list(GEN_PATH_LINEARS)  # SPEC section 3: q/k/v/o and the MLP of the gen path
 
 
 @dataclass
@@ -90,8 +82,6 @@ class TrainerConfig:
     publish_cuda_ipc: bool = False
 
     def validate(self) -> None:
-        if not self.checkpoint:
-            raise ValueError("trainer.checkpoint is empty: set it to a BAGEL checkpoint folder")
         if not (self.publish_bus or self.publish_cuda_ipc):
             raise ValueError(
                 "trainer.publish_bus and trainer.publish_cuda_ipc are both false: nothing publishes"
@@ -108,3 +98,7 @@ class TrainerConfig:
 @dataclass
 class TrainerServiceConfig(ServiceProcessConfig):
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def validate(self) -> None:  # here, not in TrainerConfig: in a run config "" follows model.checkpoint
+        if not self.trainer.checkpoint:
+            raise ValueError("trainer.checkpoint is empty: set it to a BAGEL checkpoint folder")

@@ -174,3 +174,16 @@ GEN_PATH_MARKER = "moe_gen"
 def is_gen_path(name: str) -> bool:
     """A parameter or module of the generation expert (the path FlowGRPO trains; und is frozen)."""
     return GEN_PATH_MARKER in name
+
+
+# The gen path's linear modules inside each decoder layer (LoRA targets are suffixes of these);
+# a test checks the list against the model's modules.
+GEN_PATH_LINEARS = (
+    "self_attn.q_proj_moe_gen",
+    "self_attn.k_proj_moe_gen",
+    "self_attn.v_proj_moe_gen",
+    "self_attn.o_proj_moe_gen",
+    "mlp_moe_gen.gate_proj",
+    "mlp_moe_gen.up_proj",
+    "mlp_moe_gen.down_proj",
+)

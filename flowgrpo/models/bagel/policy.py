@@ -123,8 +123,7 @@ class PolicyApplier:
         _fail_if(frozen, "LoRA modules outside the gen path")
         pairs = {m: (update.tensors[m + LORA_A], update.tensors[m + LORA_B]) for m in modules}
         errors = (
-            _lora_shape_error(m, a, b, params[m + ".weight"].shape, update.lora_rank)
-            for m, (a, b) in pairs.items()
+            _lora_shape_error(m, a, b, _shape(m, params), update.lora_rank) for m, (a, b) in pairs.items()
         )
         shapes = sorted(e for e in errors if e)
         _fail_if(shapes, "mis-shaped LoRA tensors")

@@ -1,0 +1,268 @@
+"""The run configuration: one typed config for a whole training job, split into the part each
+service reads (``rollout``, ``reward``, ``trainer`` — the same sections ``flowgrpo serve ROLE``
+takes) and the coordinator's own (data, sampling, advantages, schedule, launch).
+
+Loaded from a recipe (``examples/*.yaml``) with dotted overrides
+(``flowgrpo train RECIPE trainer.optim.lr=1e-4``), validated before anything starts; the resolved
+config is written to ``<run_dir>/config.yaml``. Torch-free: the coordinator imports no torch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+from flowgrpo.config import load_config
+from flowgrpo.models.bagel.config import GEN_PATH_LINEARS
+from flowgrpo.rewards.config import RewardConfig
+from flowgrpo.services.reward.config import StreamConfig
+from flowgrpo.services.rollout.config import EngineConfig
+from flowgrpo.services.trainer.config import TrainerConfig
+from flowgrpo.v1 import common_pb2
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")  # a torch device string as the services take it
+
+
+@dataclass
+class ModelConfig:
+    # BAGEL folder in the published layout; empty: a tiny random BAGEL is made in <run_dir>/model
+    checkpoint: str = ""
+    tiny_seed: int = 0  # the tiny model's weights
+
+
+@dataclass
+class DataConfig:
+    dataset: str = ""  # folder written by `flowgrpo data prepare` (train.parquet, test.parquet, meta.json)
+    # or: a folder of train.txt / test.txt, prepared into <run_dir>/data with the run's tokenizer
+    prompts: str = ""
+    kind: Literal["pickscore", "ocr"] = "pickscore"  # how `prompts` are prepared (ocr: quoted targets)
+    prompts_per_step: int = 48  # prompt groups per training step
+    group_size: int = 16  # G: samples per prompt
+    val_prompts: int = 16  # a fixed subset of the test split, scored at every validation
+
+    def validate(self) -> None:
+        if bool(self.dataset) == bool(self.prompts):
+            raise ValueError(
+                "set exactly one of data.dataset (a folder from `flowgrpo data prepare`) and data.prompts "
+                "(a folder of train.txt / test.txt, prepared when the run starts)"
+            )
+        if self.prompts_per_step < 1:
+            raise ValueError(f"data.prompts_per_step={self.prompts_per_step} must be >= 1")
+        if self.group_size < 2:
+            raise ValueError(
+                f"data.group_size={self.group_size}: group advantages need >= 2 samples per prompt "
+                "(a group of one always gets advantage 0 and trains nothing)"
+            )
+        if self.val_prompts < 0:
+            raise ValueError(f"data.val_prompts={self.val_prompts} must be >= 0")
+
+
+@dataclass
+class SamplingConfig:
+    """The sampler settings of training rollouts (SPEC sections 2-3); validation samples with
+    the ODE (noise 0) on ``eval_num_points``."""
+
+    num_points: int = 15  # schedule points: num_points - 1 denoising steps
+    eval_num_points: int = 50
+    resolution: int = 512  # pixels, square; a multiple of 16
+    timestep_shift: float = 3.0
+    cfg_text_scale: float = 4.0
+    cfg_img_scale: float = 1.0
+    cfg_interval: tuple[float, float] = (0.0, 1.0)
+    cfg_renorm_type: Literal["global", "channel", "text_channel"] = "global"
+    cfg_renorm_min: float = 0.0
+    sde_type: Literal["sde", "cps"] = "sde"
+    noise_level: float = 1.3
+    window_size: int = 2  # consecutive stochastic (trained) steps
+    window_range: tuple[int, int] = (0, 7)  # the window begins in [lo, hi - size]
+    window_strategy: Literal["random", "fixed", "progressive"] = "random"
+    deterministic: bool = False  # deterministic kernels (CPU: bitwise-reproducible runs)
+
+    def validate(self) -> None:
+        steps = self.num_points - 1
+        lo, hi = self.window_range
+        if self.num_points < 2 or self.eval_num_points < 2:
+            raise ValueError("sampling.num_points and sampling.eval_num_points must be >= 2")
+        if self.resolution <= 0 or self.resolution % 16:
+            raise ValueError(f"sampling.resolution={self.resolution} must be a positive multiple of 16")
+        if self.window_size < 1 or lo < 0 or lo + self.window_size > hi or hi > steps:
+            raise ValueError(
+                f"sampling.window_size={self.window_size} in sampling.window_range=[{lo}, {hi}] does not fit "
+                f"a schedule of {steps} steps (num_points={self.num_points}): need "
+                f"0 <= lo, lo + window_size <= hi <= {steps}"
+            )
+        if self.noise_level < 0:
+            raise ValueError(f"sampling.noise_level={self.noise_level} must be >= 0")
+
+    def to_proto(self, evaluation: bool = False) -> common_pb2.SamplerParams:
+        """Training rollouts, or validation ones (ODE, ``eval_num_points``, no window)."""
+        points = self.eval_num_points if evaluation else self.num_points
+        lo, hi = (0, points - 1) if evaluation else self.window_range
+        return common_pb2.SamplerParams(
+            num_points=points,
+            timestep_shift=self.timestep_shift,
+            cfg_text_scale=self.cfg_text_scale,
+            cfg_img_scale=self.cfg_img_scale,
+            cfg_interval_lo=self.cfg_interval[0],
+            cfg_interval_hi=self.cfg_interval[1],
+            cfg_renorm_type=self.cfg_renorm_type,
+            cfg_renorm_min=self.cfg_renorm_min,
+            sde_type=self.sde_type,
+            noise_level=0.0 if evaluation else self.noise_level,
+            sde_window_size=1 if evaluation else self.window_size,
+            sde_window_lo=lo,
+            sde_window_hi=hi,
+            window_strategy="fixed" if evaluation else self.window_strategy,
+            height=self.resolution,
+            width=self.resolution,
+            deterministic=self.deterministic,
+            decode_images=True,
+        )
+
+
+@dataclass
+class AdvantageConfig:
+    """Group advantages A = (r - mean_group) / (std_group + eps), clipped (SPEC section 3)."""
+
+    std_ddof: Literal[0, 1] = 1  # 1: torch.std as verl-omni; 0: np.std as flow_grpo
+    eps: float = 1e-4
+    clip: float = 5.0
+    global_std: bool = False  # the std of the whole step's rewards instead of each group's
+
+    def validate(self) -> None:
+        if self.eps <= 0 or self.clip <= 0:
+            raise ValueError("advantages.eps and advantages.clip must be > 0")
+
+
+@dataclass
+class ScheduleConfig:
+    mode: Literal["sync", "async"] = "sync"
+    staleness: int = 1  # async: eta, the largest policy lag a trained sample may have
+    steps: int = 300
+    save_every: int = 30  # trainer + run-state checkpoints; 0: only at the end
+    eval_every: int = 30  # validation on the fixed subset; 0: never
+    seed: int = 0  # the run seed: noise, windows and the dataset order are functions of it
+
+    def validate(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"schedule.steps={self.steps} must be >= 1")
+        if self.staleness < 0:
+            raise ValueError(f"schedule.staleness={self.staleness} must be >= 0 (0 reproduces sync)")
+        if self.save_every < 0 or self.eval_every < 0:
+            raise ValueError("schedule.save_every and schedule.eval_every must be >= 0")
+
+
+@dataclass
+class LaunchConfig:
+    """How the services run. ``local``: each its own process on loopback (free ports);
+    ``inprocess``: all four as actors in this process, no sockets; ``remote``: already running
+    (``flowgrpo serve ROLE``, compose, Kubernetes) at the given addresses."""
+
+    launcher: Literal["local", "inprocess", "remote"] = "local"
+    rollout_replicas: int = 1
+    reward_replicas: int = 1
+    trainer_nproc: int = 1  # local: > 1 starts the trainer under torchrun (FSDP2)
+    rollout_devices: list[str] = field(default_factory=list)  # local: one per replica ("cuda:0", ...)
+    rollout_addresses: list[str] = field(default_factory=list)  # remote
+    reward_addresses: list[str] = field(default_factory=list)  # remote
+    trainer_address: str = ""  # remote
+    start_timeout_s: float = 300.0  # how long a service may take to answer READY
+    request_timeout_s: float = 600.0  # one Generate / TrainStep / LoadWeights call
+    reward_timeout_s: float = 120.0  # one image's score; a timed-out image is retried elsewhere
+
+    def validate(self) -> None:
+        if self.rollout_replicas < 1 or self.reward_replicas < 1 or self.trainer_nproc < 1:
+            raise ValueError("launch.rollout_replicas, reward_replicas and trainer_nproc must be >= 1")
+        bad = [d for d in self.rollout_devices if not _DEVICE.fullmatch(d)]
+        if bad:
+            raise ValueError(
+                f"launch.rollout_devices {bad} are not devices: write 'cpu', 'cuda' or 'cuda:N' "
+                "(one per replica, e.g. launch.rollout_devices=[cuda:2,cuda:3])"
+            )
+        if self.rollout_devices and len(self.rollout_devices) != self.rollout_replicas:
+            raise ValueError(
+                f"launch.rollout_devices has {len(self.rollout_devices)} entries for "
+                f"launch.rollout_replicas={self.rollout_replicas}: give one device per replica"
+            )
+        if self.launcher == "remote" and not (
+            self.rollout_addresses and self.reward_addresses and self.trainer_address
+        ):
+            raise ValueError(
+                "launch.launcher=remote needs launch.rollout_addresses, launch.reward_addresses and "
+                "launch.trainer_address (host:port of running `flowgrpo serve` services)"
+            )
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    run_dir: str = ""  # default: runs/<name>
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    advantages: AdvantageConfig = field(default_factory=AdvantageConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    # the services' own sections; an empty `checkpoint` follows model.checkpoint
+    rollout: EngineConfig = field(default_factory=EngineConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_stream: StreamConfig = field(default_factory=StreamConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.data.prompts_per_step * self.data.group_size
+
+    def validate(self) -> None:
+        loss = self.trainer.loss
+        if self.data.prompts_per_step % loss.mini_batches:
+            raise ValueError(
+                f"data.prompts_per_step={self.data.prompts_per_step} is not divisible by "
+                f"trainer.loss.mini_batches={loss.mini_batches}: each optimizer step takes whole "
+                "prompt groups; change one of them"
+            )
+        if self.trainer.policy.kind == "lora":
+            unknown = [t for t in self.trainer.policy.lora_targets if not _names_a_gen_linear(t)]
+            if unknown:
+                raise ValueError(
+                    f"trainer.policy.lora_targets {unknown} match no module of BAGEL's gen path "
+                    f"(linear modules: {', '.join(GEN_PATH_LINEARS)})"
+                )
+        if self.launch.trainer_nproc > 1 and self.trainer.device.startswith("cuda:"):
+            raise ValueError(
+                f"launch.trainer_nproc={self.launch.trainer_nproc} runs the trainer under torchrun, where "
+                f"each rank takes the GPU of its LOCAL_RANK (cuda:0..{self.launch.trainer_nproc - 1}): "
+                f"set trainer.device=cuda, not {self.trainer.device!r}"
+            )
+        if self.schedule.eval_every > 0 and self.data.val_prompts == 0:
+            raise ValueError(
+                f"schedule.eval_every={self.schedule.eval_every} validates on data.val_prompts=0 prompts: "
+                "set data.val_prompts > 0, or schedule.eval_every=0 for no validation"
+            )
+        if self.schedule.mode == "async" and self.trainer.loss.logp_old == "bypass":
+            raise ValueError(
+                "schedule.mode=async needs trainer.loss.logp_old=recompute: the decoupled loss "
+                "clips around the recomputed proximal policy"
+            )
+
+
+def _names_a_gen_linear(target: str) -> bool:
+    """Whether a LoRA target (a module-name suffix, as peft matches them) names a gen-path linear."""
+    return any(name == target or name.endswith("." + target) for name in GEN_PATH_LINEARS)
+
+
+def load_run_config(recipe: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """A recipe plus ``section.key=value`` overrides, validated (``ConfigError`` names the key)."""
+    cfg = load_config(RunConfig, recipe, overrides)
+    if not cfg.run_dir:
+        cfg = replace(cfg, run_dir=str(Path("runs") / cfg.name))
+    return cfg
+
+
+def with_checkpoint(cfg: RunConfig, checkpoint: str) -> RunConfig:
+    """``cfg`` with ``checkpoint`` as the model, and as each service's checkpoint that follows it."""
+    rollout = cfg.rollout if cfg.rollout.checkpoint else replace(cfg.rollout, checkpoint=checkpoint)
+    trainer = cfg.trainer if cfg.trainer.checkpoint else replace(cfg.trainer, checkpoint=checkpoint)
+    return replace(cfg, model=replace(cfg.model, checkpoint=checkpoint), rollout=rollout, trainer=trainer)

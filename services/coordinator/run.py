@@ -1,0 +1,367 @@
+"""The coordinator's run loop (torch-free): prompt groups -> rollout replicas -> reward replicas
+(each rollout answer is scored as soon as it arrives) -> group advantages -> a trainer step ->
+the new weights on every rollout replica -> the next step.
+
+One step's work is keyed by prompt group. A replica that fails (or stops answering within the
+deadline) is marked unhealthy and its groups go to another replica: no group is lost or counted
+twice, because a group's samples are only used once all of them are back and scored, and a
+regenerated group replaces the failed attempt (noise is a function of (seed, step, uid, index),
+so any replica draws the same samples). A trainer failure stops the run; the run resumes from
+its last checkpoint (``run_state.json`` + the trainer's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from flowgrpo.bus import TensorStore
+from flowgrpo.data import PromptRow, PromptSplit
+from flowgrpo.services.coordinator.advantages import group_advantages
+from flowgrpo.services.coordinator.config import RunConfig
+from flowgrpo.services.coordinator.handles import Replica, ReplicaError
+from flowgrpo.services.coordinator.outputs import RunOutputs, RunState
+from flowgrpo.v1 import common_pb2, reward_pb2, rollout_pb2, trainer_pb2
+
+log = logging.getLogger(__name__)
+
+TRAIN_COLUMNS = ("latents", "log_probs", "sigmas")  # + prompt_ids, from the coordinator's store
+
+
+class RunError(RuntimeError):
+    """The run cannot go on (no healthy replica left, the trainer failed); it resumes from its
+    last checkpoint."""
+
+
+class PromptOrder:
+    """The training order: epoch e is a permutation of the split drawn from (seed, e) alone, so
+    the prompt at any cursor is known without replaying the run."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size, self.seed = size, seed
+        self._epoch, self._perm = -1, np.arange(0)
+
+    def __getitem__(self, cursor: int) -> int:
+        epoch = cursor // self.size
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.size)
+        return int(self._perm[cursor % self.size])
+
+
+@dataclass
+class Group:
+    """One prompt's G samples through one step."""
+
+    row: PromptRow
+    ids_ref: common_pb2.TensorRef
+    samples: list[rollout_pb2.Sample] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    scores: list[dict[str, float]] = field(default_factory=list)
+
+
+class Coordinator:
+    """Owns the run: the replicas it drives, the dataset order, the run state and outputs."""
+
+    def __init__(  # noqa: PLR0917 (the run's parts, each named)
+        self,
+        config: RunConfig,
+        train: PromptSplit,
+        rollouts: Sequence[Replica],
+        rewards: Sequence[Replica],
+        trainer: Replica,
+        store: TensorStore,
+        outputs: RunOutputs,
+    ) -> None:
+        self.config = config
+        self.train = train
+        self.order = PromptOrder(len(train), config.schedule.seed)
+        self.rollouts = list(rollouts)
+        self.rewards = list(rewards)
+        self.trainer = trainer
+        self.store = store  # prompt ids, put once per prompt, fetched by rollouts and the trainer
+        self.outputs = outputs
+        self.state = RunState()
+        self.counters = {"retries": 0, "dropped_groups": 0}
+        self._next_reward = 0
+        self._zero_std = 0.0
+        self._prompt_refs: dict[str, common_pb2.TensorRef] = {}
+
+    # --- the run -----------------------------------------------------------------------------
+
+    async def run(self) -> list[dict[str, float]]:
+        """Train ``schedule.steps`` steps (from the resumed state); returns each step's metrics."""
+        await self._resume()
+        history = []
+        sched = self.config.schedule
+        while self.state.step < sched.steps:
+            metrics = await self.step(self.state.step + 1)
+            history.append(metrics)
+            last = self.state.step == sched.steps
+            if last or (sched.save_every and self.state.step % sched.save_every == 0):
+                await self.save()
+        return history
+
+    async def step(self, step: int) -> dict[str, float]:
+        started = time.perf_counter()
+        groups = [
+            self._group(self.order[self.state.cursor + i]) for i in range(self.config.data.prompts_per_step)
+        ]
+        timing: dict[str, float] = {}
+        groups = await self._rollout_and_score(step, groups, timing)
+        train_started = time.perf_counter()
+        response = await self._train(step, groups)
+        timing["timing_s/train"] = time.perf_counter() - train_started
+        load_started = time.perf_counter()
+        await self._load_weights(response.update)
+        timing["timing_s/load_weights"] = time.perf_counter() - load_started
+        await self._release(f"step{step}")
+        self.state.step, self.state.cursor = step, self.state.cursor + self.config.data.prompts_per_step
+        self.state.policy_version = response.update.policy_version
+        metrics = self._step_metrics(groups, response, timing, time.perf_counter() - started)
+        self.outputs.log("train", step, metrics)
+        self.outputs.say(_progress_line(step, self.config.schedule.steps, metrics))
+        return metrics
+
+    async def save(self) -> None:
+        """A trainer checkpoint, then the run state that matches it (written atomically last)."""
+        request = trainer_pb2.SaveCheckpointRequest(step=self.state.step)
+        response = await self.trainer.unary("SaveCheckpoint", request, self.config.launch.request_timeout_s)
+        self.state.trainer_checkpoint = response.path
+        self.outputs.save_state(self.state)
+
+    # --- rollout and reward --------------------------------------------------------------------
+
+    async def _rollout_and_score(
+        self, step: int, groups: list[Group], timing: dict[str, float]
+    ) -> list[Group]:
+        """Every group generated and scored; groups that failed for good are dropped (counted)."""
+        begin = time.perf_counter()
+        chunks = _split(groups, len(self._healthy(self.rollouts)))
+        done = await asyncio.gather(*(self._generate_and_score(step, chunk) for chunk in chunks))
+        timing["timing_s/gen_and_reward"] = time.perf_counter() - begin
+        kept = [g for chunk in done for g in chunk]
+        self.counters["dropped_groups"] += len(groups) - len(kept)
+        return kept
+
+    async def _generate_and_score(self, step: int, chunk: list[Group]) -> list[Group]:
+        request = rollout_pb2.GenerateRequest(
+            step=step,
+            seed=self.config.schedule.seed,
+            groups=[
+                rollout_pb2.PromptGroup(
+                    prompt_uid=g.row.prompt_uid,
+                    prompt_ids=g.ids_ref,
+                    sample_indices=range(self.config.data.group_size),
+                )
+                for g in chunk
+            ],
+            params=self.config.sampling.to_proto(),
+            min_policy_version=self.state.policy_version,
+            release_tag=f"step{step}",
+        )
+        response = await self._on_some_replica(self.rollouts, "Generate", request)
+        by_uid = {g.row.prompt_uid: g for g in chunk}
+        for sample in response.samples:
+            by_uid[sample.prompt_uid].samples.append(sample)
+        failed = [g for g in chunk if any(s.HasField("error") for s in g.samples)]
+        for group in failed:
+            log.warning("group %s: a sample failed in rollout (%s); dropped", group.row.prompt_uid,
+                        next(s.error.message for s in group.samples if s.HasField("error")))  # fmt: skip
+        ok = [g for g in chunk if g not in failed]
+        await self._score(ok)
+        return [g for g in ok if len(g.rewards) == len(g.samples) == self.config.data.group_size]
+
+    async def _score(self, groups: list[Group]) -> None:
+        requests = [
+            reward_pb2.ScoreRequest(
+                sample_id=f"{g.row.prompt_uid}/{s.sample_index}",
+                image=s.outputs["images"],
+                prompt=g.row.prompt,
+                ground_truth=g.row.ground_truth,
+            )
+            for g in groups
+            for s in g.samples
+        ]
+        if not requests:
+            return
+        results = await self._score_somewhere(requests)
+        by_id = {r.sample_id: r for r in results}
+        for group in groups:
+            for sample in sorted(group.samples, key=lambda s: s.sample_index):
+                result = by_id.get(f"{group.row.prompt_uid}/{sample.sample_index}")
+                if result is None or result.HasField("error"):
+                    why = result.error.message if result is not None else "no result"
+                    log.warning("sample %s/%d: no reward (%s); group dropped", group.row.prompt_uid,
+                                sample.sample_index, why)  # fmt: skip
+                    group.rewards.clear()
+                    break
+                group.rewards.append(result.reward)
+                group.scores.append(dict(result.scores))
+            group.samples.sort(key=lambda s: s.sample_index)
+
+    async def _score_somewhere(self, requests: list[reward_pb2.ScoreRequest]) -> list[reward_pb2.ScoreResult]:
+        timeout = self.config.launch.reward_timeout_s * max(1, len(requests))
+        while True:
+            healthy = self._healthy(self.rewards)
+            replica = healthy[self._next_reward % len(healthy)]
+            self._next_reward += 1
+            try:
+                return await replica.score(requests, timeout)
+            except ReplicaError as error:
+                self._failed(replica, error)
+
+    async def _on_some_replica(self, replicas: list[Replica], method: str, request: object) -> object:
+        """``method`` on the least busy healthy replica; on a replica failure, on another."""
+        while True:
+            replica = min(self._healthy(replicas), key=lambda r: r.busy)
+            replica.busy += 1
+            try:
+                return await replica.unary(method, request, self.config.launch.request_timeout_s)
+            except ReplicaError as error:
+                self._failed(replica, error)
+            finally:
+                replica.busy -= 1
+
+    def _failed(self, replica: Replica, error: ReplicaError) -> None:
+        if not error.retryable:
+            raise RunError(str(error)) from error
+        replica.healthy = False
+        self.counters["retries"] += 1
+        log.warning("%s; its work goes to another replica", error)
+
+    def _healthy(self, replicas: list[Replica]) -> list[Replica]:
+        healthy = [r for r in replicas if r.healthy]
+        if not healthy:
+            role = replicas[0].role if replicas else "?"
+            raise RunError(
+                f"no healthy {role} replica left ({', '.join(r.replica_id for r in replicas)} failed)"
+            )
+        return healthy
+
+    # --- training and weights ------------------------------------------------------------------
+
+    async def _train(self, step: int, groups: list[Group]) -> trainer_pb2.TrainStepResponse:
+        if not groups:
+            raise RunError(f"step {step}: every prompt group failed; nothing to train on")
+        advantages, self._zero_std = group_advantages(
+            {g.row.prompt_uid: g.rewards for g in groups}, self.config.advantages
+        )
+        samples = [
+            trainer_pb2.TrainSample(
+                prompt_uid=g.row.prompt_uid,
+                sample_index=s.sample_index,
+                policy_version=s.policy_version,
+                advantage=a,
+                inputs={"prompt_ids": g.ids_ref, **{c: s.outputs[c] for c in TRAIN_COLUMNS}},
+                window_begin=s.window_begin,
+            )
+            for g in groups
+            for s, a in zip(g.samples, advantages[g.row.prompt_uid], strict=True)
+        ]
+        request = trainer_pb2.TrainStepRequest(
+            step=step, samples=samples, params=self.config.sampling.to_proto(), seed=self.config.schedule.seed
+        )
+        try:
+            return await self.trainer.unary("TrainStep", request, self.config.launch.request_timeout_s)
+        except ReplicaError as error:
+            raise RunError(
+                f"the trainer failed at step {step}: {error}; resume from the last checkpoint"
+            ) from error
+
+    async def _load_weights(self, update: common_pb2.WeightUpdate) -> None:
+        request = rollout_pb2.LoadWeightsRequest(update=update)
+        timeout = self.config.launch.request_timeout_s
+        results = await asyncio.gather(
+            *(r.unary("LoadWeights", request, timeout) for r in self._healthy(self.rollouts)),
+            return_exceptions=True,
+        )
+        for replica, result in zip(self._healthy(self.rollouts), results, strict=True):
+            if isinstance(result, ReplicaError):
+                self._failed(replica, result)
+            elif isinstance(result, BaseException):
+                raise result
+
+    async def _release(self, tag: str) -> None:
+        request = rollout_pb2.ReleaseRequest(tags=[tag])
+        for replica in self._healthy(self.rollouts):
+            try:
+                await replica.unary("Release", request, self.config.launch.request_timeout_s)
+            except ReplicaError as error:
+                self._failed(replica, error)
+
+    async def _resume(self) -> None:
+        state = self.outputs.load_state()
+        trainer = await self.trainer.unary("State", trainer_pb2.TrainerStateRequest(), 60.0)
+        if state is None:
+            if trainer.step:
+                raise RunError(
+                    f"the trainer resumed at step {trainer.step} but {self.outputs.dir} has no run state: "
+                    "point trainer.checkpoint_dir at this run's checkpoints or use a fresh run_dir"
+                )
+            return
+        if trainer.step != state.step:
+            raise RunError(
+                f"run state at step {state.step} but the trainer resumed at step {trainer.step}: "
+                f"both must come from the same save (see {state.trainer_checkpoint})"
+            )
+        self.state = state
+        if trainer.current.policy_version:
+            await self._load_weights(trainer.current)
+        self.outputs.say(f"resumed at step {state.step} (policy version {state.policy_version})")
+
+    # --- bookkeeping ---------------------------------------------------------------------------
+
+    def _group(self, index: int) -> Group:
+        row = self.train[index]
+        if row.prompt_uid not in self._prompt_refs:  # put once, kept for the run (a few KB each)
+            ref = self.store.put(f"prompts/{row.prompt_uid}", "prompt_ids", row.prompt_ids)
+            self._prompt_refs[row.prompt_uid] = ref.to_proto()
+        return Group(row, self._prompt_refs[row.prompt_uid])
+
+    def _step_metrics(
+        self,
+        groups: list[Group],
+        response: trainer_pb2.TrainStepResponse,
+        timing: dict[str, float],
+        wall: float,
+    ) -> dict[str, float]:
+        rewards = np.array([r for g in groups for r in g.rewards])
+        metrics = dict(response.metrics.values)
+        metrics |= {
+            "critic/rewards/mean": float(rewards.mean()),
+            "critic/rewards/max": float(rewards.max()),
+            "critic/rewards/min": float(rewards.min()),
+            "critic/rewards/zero_std_ratio": self._zero_std,
+            "coordinator/dropped_groups": float(self.counters["dropped_groups"]),
+            "coordinator/retries": float(self.counters["retries"]),
+            "policy_version": float(response.update.policy_version),
+            "timing_s/step": wall,
+            "perf/images_per_s": len(rewards) / wall,
+            **timing,
+        }
+        names = {n for g in groups for s in g.scores for n in s}
+        for name in sorted(names):
+            values = [s[name] for g in groups for s in g.scores if name in s]
+            metrics[f"critic/{name}/mean"] = float(np.mean(values))
+        return metrics
+
+
+def _split(groups: list[Group], parts: int) -> list[list[Group]]:
+    """Contiguous, near-equal chunks (empty chunks dropped)."""
+    size = -(-len(groups) // parts)
+    return [groups[i : i + size] for i in range(0, len(groups), size)]
+
+
+def _progress_line(step: int, steps: int, m: dict[str, float]) -> str:
+    return (
+        f"step {step}/{steps}  reward {m['critic/rewards/mean']:+.4f}  "
+        f"loss {m.get('actor/loss', math.nan):+.4f}  clipfrac {m.get('actor/pg_clipfrac', math.nan):.2f}  "
+        f"v{int(m['policy_version'])}  {m['timing_s/step']:.1f} s"
+    )

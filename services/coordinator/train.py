@@ -1,0 +1,84 @@
+"""``flowgrpo train RECIPE [key=value ...]``: one training run, start to end.
+
+Resolve the model (a tiny random BAGEL is made in ``<run_dir>/model`` when the recipe names no
+checkpoint), check the dataset against the checkpoint's tokenizer, write the resolved config,
+start the services with the configured launcher, check the pipeline, run the schedule, stop the
+services. Torch is never imported here (the tiny model is made by a ``flowgrpo`` subprocess).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from flowgrpo.bus import BusConfig, serve_store
+from flowgrpo.data import load_split
+from flowgrpo.data.prepare import PrepareOptions, prepare_dataset
+from flowgrpo.services.coordinator.config import RunConfig, with_checkpoint
+from flowgrpo.services.coordinator.launch import launch
+from flowgrpo.services.coordinator.outputs import RunOutputs
+from flowgrpo.services.coordinator.run import Coordinator
+
+log = logging.getLogger(__name__)
+
+
+def prepare_model(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with a checkpoint: the recipe's, or a tiny random BAGEL made once per run folder."""
+    if cfg.model.checkpoint:
+        return with_checkpoint(cfg, cfg.model.checkpoint)
+    folder = Path(cfg.run_dir).resolve() / "model"
+    if not (folder / "ema.safetensors").is_file():
+        cmd = [
+            sys.executable,
+            "-m",
+            "flowgrpo.cli",
+            "make-tiny-bagel",
+            str(folder),
+            "--seed",
+            str(cfg.model.tiny_seed),
+        ]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return with_checkpoint(cfg, str(folder))
+
+
+def train(cfg: RunConfig, progress: Any = sys.stderr) -> list[dict[str, float]]:
+    return asyncio.run(train_async(cfg, progress))
+
+
+def prepare_data(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with a prepared dataset: the recipe's, or its prompt files prepared once per run
+    folder with the run's tokenizer."""
+    if cfg.data.dataset:
+        return cfg
+    folder = Path(cfg.run_dir).resolve() / "data"
+    if not (folder / "meta.json").is_file():
+        options = PrepareOptions(kind=cfg.data.kind, progress=False)
+        prepare_dataset(cfg.model.checkpoint, cfg.data.prompts, folder, options)
+    return replace(cfg, data=replace(cfg.data, dataset=str(folder), prompts=""))
+
+
+async def train_async(cfg: RunConfig, progress: Any = sys.stderr) -> list[dict[str, float]]:
+    cfg = prepare_data(prepare_model(cfg))
+    split = load_split(cfg.data.dataset, "train", model_path=cfg.model.checkpoint)
+    outputs = RunOutputs(cfg.run_dir, progress)
+    outputs.write_config(cfg)
+    outputs.say(
+        f"run {cfg.name}: {len(split)} training prompts, {cfg.launch.launcher} launcher, {cfg.run_dir}"
+    )
+    store = serve_store(BusConfig())
+    try:
+        services = await launch(cfg)
+        try:
+            coordinator = Coordinator(cfg, split, services.rollouts, services.rewards, services.trainer,
+                                      store.store, outputs)  # fmt: skip
+            return await coordinator.run()
+        finally:
+            await services.shutdown()
+    finally:
+        store.close()
+        outputs.close()
