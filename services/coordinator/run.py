@@ -88,46 +88,84 @@ class Coordinator:
         self.store = store  # prompt ids, put once per prompt, fetched by rollouts and the trainer
         self.outputs = outputs
         self.state = RunState()
-        self.counters = {"retries": 0, "dropped_groups": 0}
+        self.counters = {"retries": 0, "dropped_groups": 0, "stale_groups": 0}
         self._next_reward = 0
         self._zero_std = 0.0
+        self._last_step_end = time.perf_counter()
         self._prompt_refs: dict[str, common_pb2.TensorRef] = {}
 
     # --- the run -----------------------------------------------------------------------------
 
     async def run(self) -> list[dict[str, float]]:
-        """Train ``schedule.steps`` steps (from the resumed state); returns each step's metrics."""
+        """Train ``schedule.steps`` steps (from the resumed state); returns each step's metrics.
+
+        One step code for both schedules; only admission differs. ``sync``: the samples of step
+        k are drawn after the weights of step k - 1 are loaded (lag 0). ``async``: the samples of
+        steps k + 1 .. k + eta are drawn while step k trains, with whatever weights the rollouts
+        hold (lag <= eta; a group above it is dropped and counted). eta = 0 is sync exactly."""
         await self._resume()
         history = []
         sched = self.config.schedule
-        while self.state.step < sched.steps:
-            metrics = await self.step(self.state.step + 1)
-            history.append(metrics)
-            last = self.state.step == sched.steps
-            if last or (sched.save_every and self.state.step % sched.save_every == 0):
-                await self.save()
+        self._last_step_end = time.perf_counter()
+        ahead = sched.staleness if sched.mode == "async" else 0
+        drawing: dict[int, asyncio.Task[tuple[list[Group], dict[str, float]]]] = {}
+        try:
+            while self.state.step < sched.steps:
+                step = self.state.step + 1
+                for k in range(step, min(step + ahead, sched.steps) + 1):
+                    if k not in drawing:
+                        drawing[k] = asyncio.create_task(self._draw(k))
+                groups, timing = await drawing.pop(step)
+                history.append(await self._train_on(step, groups, timing))
+                last = self.state.step == sched.steps
+                if last or (sched.save_every and self.state.step % sched.save_every == 0):
+                    await self.save()
+        finally:
+            for task in drawing.values():
+                task.cancel()
         return history
 
-    async def step(self, step: int) -> dict[str, float]:
+    async def _draw(self, step: int) -> tuple[list[Group], dict[str, float]]:
+        """The prompt groups of ``step``, generated and scored (the prompts at cursor
+        (step - 1) x prompts_per_step of the training order)."""
         started = time.perf_counter()
-        groups = [
-            self._group(self.order[self.state.cursor + i]) for i in range(self.config.data.prompts_per_step)
-        ]
-        timing: dict[str, float] = {}
+        first = (step - 1) * self.config.data.prompts_per_step
+        groups = [self._group(self.order[first + i]) for i in range(self.config.data.prompts_per_step)]
+        timing: dict[str, float] = {"time/drawn_from": started}
         groups = await self._rollout_and_score(step, groups, timing)
-        train_started = time.perf_counter()
+        timing["time/drawn_until"] = time.perf_counter()
+        return groups, timing
+
+    async def _train_on(self, step: int, groups: list[Group], timing: dict[str, float]) -> dict[str, float]:
+        started = time.perf_counter()
+        groups = self._admit(step, groups)
         response = await self._train(step, groups)
-        timing["timing_s/train"] = time.perf_counter() - train_started
-        load_started = time.perf_counter()
+        trained = time.perf_counter()
         await self._load_weights(response.update)
-        timing["timing_s/load_weights"] = time.perf_counter() - load_started
+        timing["timing_s/load_weights"] = time.perf_counter() - trained
+        timing["timing_s/train"] = trained - started
+        timing["time/trained_from"], timing["time/trained_until"] = started, trained
         await self._release(f"step{step}")
-        self.state.step, self.state.cursor = step, self.state.cursor + self.config.data.prompts_per_step
+        self.state.step, self.state.cursor = step, step * self.config.data.prompts_per_step
         self.state.policy_version = response.update.policy_version
-        metrics = self._step_metrics(groups, response, timing, time.perf_counter() - started)
+        metrics = self._step_metrics(groups, response, timing, self._since_last_step())
         self.outputs.log("train", step, metrics)
         self.outputs.say(_progress_line(step, self.config.schedule.steps, metrics))
         return metrics
+
+    def _since_last_step(self) -> float:
+        """Wall time per step: from the end of the previous one (async overlaps the next draw)."""
+        now = time.perf_counter()
+        wall, self._last_step_end = now - self._last_step_end, now
+        return wall
+
+    def _admit(self, step: int, groups: list[Group]) -> list[Group]:
+        """Drop groups drawn with weights more than eta versions behind the trainer's."""
+        eta = self.config.schedule.staleness if self.config.schedule.mode == "async" else 0
+        version = self.state.policy_version
+        fresh = [g for g in groups if all(version - s.policy_version <= eta for s in g.samples)]
+        self.counters["stale_groups"] += len(groups) - len(fresh)
+        return fresh
 
     async def save(self) -> None:
         """A trainer checkpoint, then the run state that matches it (written atomically last)."""
@@ -341,6 +379,7 @@ class Coordinator:
             "critic/rewards/zero_std_ratio": self._zero_std,
             "coordinator/dropped_groups": float(self.counters["dropped_groups"]),
             "coordinator/retries": float(self.counters["retries"]),
+            "coordinator/stale_groups": float(self.counters["stale_groups"]),
             "policy_version": float(response.update.policy_version),
             "timing_s/step": wall,
             "perf/images_per_s": len(rewards) / wall,

@@ -11,6 +11,7 @@ as a user runs them. The runs are shared between asserts to keep CI short:
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -22,11 +23,13 @@ from pathlib import Path
 import pytest
 
 from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
+from flowgrpo.services.coordinator.config import load_run_config
 from flowgrpo.services.coordinator.outputs import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "tiny_demo.yaml"
 STEPS = 4
+SAMPLES = load_run_config(RECIPE).samples_per_step
 SHORT = [f"schedule.steps={STEPS}", "schedule.save_every=2"]
 EXACT = ("critic/rewards/mean", "actor/loss", "actor/grad_norm", "actor/ratio_mean", "critic/advantages/max")
 
@@ -86,10 +89,9 @@ def reference(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict
 
 def test_a_run_writes_its_outputs(reference: list[dict[str, float]], tiny: Path) -> None:
     assert [r["step"] for r in reference] == list(range(1, STEPS + 1))
-    samples = 4 * 4  # prompts_per_step x group_size of the recipe
     for record in reference:
-        assert record["trainer/samples"] == samples
-        assert record["actor/rollout_logp_gap/max"] == 0.0  # sync, deterministic, LoRA in peft mode
+        assert record["trainer/samples"] == SAMPLES
+        assert record["actor/rollout_logp_gap/max"] == 0.0  # sync, deterministic: the same function
         assert record["policy_version"] == record["step"]
         assert record["coordinator/dropped_groups"] == 0
 
@@ -117,7 +119,7 @@ def test_a_killed_rollout_replica_loses_no_group(
     finish(proc)
     metrics = read_metrics(tmp_path)
     assert [r["step"] for r in metrics] == list(range(1, STEPS + 1))
-    assert all(r["trainer/samples"] == 16 and r["coordinator/dropped_groups"] == 0 for r in metrics)
+    assert all(r["trainer/samples"] == SAMPLES and r["coordinator/dropped_groups"] == 0 for r in metrics)
     assert metrics[-1]["coordinator/retries"] >= 1  # the dead replica's work went to the other
     for ours, theirs in zip(metrics, reference, strict=True):  # the same samples, wherever drawn
         assert ours["critic/rewards/mean"] == theirs["critic/rewards/mean"]
@@ -137,3 +139,21 @@ def test_a_killed_trainer_stops_the_run_and_the_same_command_resumes(
     resumed = read_metrics(tmp_path)  # the last record of each step: steps 3 and 4 again
     for key in EXACT:
         assert resumed[-1][key] == reference[-1][key], key
+
+
+def test_async_with_eta_0_is_sync(reference: list[dict[str, float]], tiny: Path, tmp_path: Path) -> None:
+    train(tmp_path, tiny, "launch.launcher=inprocess", "schedule.mode=async", "schedule.staleness=0")
+    for ours, theirs in zip(read_metrics(tmp_path), reference, strict=True):
+        for key in EXACT:
+            assert ours[key] == theirs[key], (ours["step"], key)
+        assert ours["trainer/lag/max"] == 0
+
+
+def test_async_with_eta_1_trains_at_lag_1_while_the_next_batch_is_drawn(tiny: Path, tmp_path: Path) -> None:
+    train(tmp_path, tiny, "launch.launcher=inprocess", "schedule.mode=async", "schedule.staleness=1")
+    metrics = read_metrics(tmp_path)
+    assert [r["trainer/lag/max"] for r in metrics] == [0.0] + [1.0] * (STEPS - 1)  # never above eta
+    assert all(r["coordinator/stale_groups"] == 0 for r in metrics)
+    assert all(0 < r["actor/is_ess"] <= 1 for r in metrics[1:])  # off-policy: importance weights
+    for done, nxt in itertools.pairwise(metrics):  # step k+1 drawn while step k trains
+        assert nxt["time/drawn_from"] < done["time/trained_until"]

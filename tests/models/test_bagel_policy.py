@@ -58,6 +58,18 @@ def test_lora_update_equals_the_same_change_in_process() -> None:
     assert not torch.equal(sample(target), sample(model())), "the update changed the samples"
 
 
+def test_peft_mode_takes_version_after_version_like_merge_mode() -> None:
+    """The second update in peft mode meets peft's wrapped modules (``base_layer``)."""
+    merged, unmerged = model(), model()
+    merge, peft = PolicyApplier(merged), PolicyApplier(unmerged, lora_mode="peft")
+    for version, seed in ((1, 1), (2, 2)):
+        update = PolicyUpdate(version, "lora", lora(seed=seed), lora_rank=4, lora_alpha=8.0)
+        merge.apply(update)
+        peft.apply(update)
+        torch.testing.assert_close(sample(unmerged), sample(merged), atol=1e-5, rtol=1e-5)
+    assert peft.version == 2
+
+
 def test_each_lora_version_merges_onto_the_base() -> None:
     target = model()
     applier = PolicyApplier(target)
