@@ -107,6 +107,28 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    from flowgrpo.services.coordinator.status import status  # type: ignore[import-not-found]
+
+    try:
+        print(status(args.run_dir))
+    except FileNotFoundError as error:
+        print(f"flowgrpo status: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from flowgrpo.services.coordinator.trace import step_spans, waterfall  # type: ignore[import-not-found]
+
+    spans = step_spans(args.run_dir, args.step)
+    if not spans:
+        print(f"flowgrpo trace: no spans of step {args.step} under {args.run_dir}/traces", file=sys.stderr)
+        return 1
+    print(waterfall(spans))
+    return 0
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from flowgrpo.generate import GenerateOptions, generate_images
 
@@ -312,6 +334,11 @@ def build_parser() -> argparse.ArgumentParser:
         "running the same command again resumes from the last checkpoint there."
     )
     train.set_defaults(takes_overrides=True)
+    st = add("status", "where a run stands: run state, last metrics, its service processes", _cmd_status)
+    st.add_argument("run_dir", help="the run folder (run_dir of the recipe, e.g. runs/tiny-demo)")
+    tr = add("trace", "one training step as a waterfall of spans across the services", _cmd_trace)
+    tr.add_argument("run_dir", help="the run folder (its traces/ holds every process's spans)")
+    tr.add_argument("--step", type=int, required=True, help="the training step to show")
     tiny = add(
         "make-tiny-bagel",
         "write a tiny random BAGEL checkpoint in the published layout (ema.safetensors, ae.safetensors, "

@@ -20,8 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from opentelemetry import trace
 
-from flowgrpo.bus import TensorStore
+from flowgrpo.bus import BusClient, BusConfig, TensorRef, TensorStore
 from flowgrpo.data import PromptRow, PromptSplit
 from flowgrpo.services.coordinator.advantages import group_advantages
 from flowgrpo.services.coordinator.config import RunConfig
@@ -30,6 +31,7 @@ from flowgrpo.services.coordinator.outputs import RunOutputs, RunState
 from flowgrpo.v1 import common_pb2, reward_pb2, rollout_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
 
 TRAIN_COLUMNS = ("latents", "log_probs", "sigmas")  # + prompt_ids, from the coordinator's store
 
@@ -78,15 +80,19 @@ class Coordinator:
         trainer: Replica,
         store: TensorStore,
         outputs: RunOutputs,
+        test: PromptSplit | None = None,
     ) -> None:
         self.config = config
         self.train = train
+        # validation: a fixed subset (the first val_prompts of the test split), ODE, fixed noise
+        self.val_rows = list(test.rows[: config.data.val_prompts]) if test is not None else []
         self.order = PromptOrder(len(train), config.schedule.seed)
         self.rollouts = list(rollouts)
         self.rewards = list(rewards)
         self.trainer = trainer
         self.store = store  # prompt ids, put once per prompt, fetched by rollouts and the trainer
         self.outputs = outputs
+        self.client = BusClient(BusConfig())  # sampled images for the outputs' grids
         self.state = RunState()
         self.counters = {"retries": 0, "dropped_groups": 0, "stale_groups": 0}
         self._next_reward = 0
@@ -118,16 +124,69 @@ class Coordinator:
                 groups, timing = await drawing.pop(step)
                 history.append(await self._train_on(step, groups, timing))
                 last = self.state.step == sched.steps
+                if self.val_rows and sched.eval_every and (last or self.state.step % sched.eval_every == 0):
+                    await self.validate()
                 if last or (sched.save_every and self.state.step % sched.save_every == 0):
                     await self.save()
         finally:
             for task in drawing.values():
                 task.cancel()
+            self.client.close()
         return history
+
+    async def validate(self) -> dict[str, float]:
+        """Sample the fixed validation prompts once each with the ODE (noise 0,
+        ``eval_num_points``) and the same noise every time, score them, log ``val-core/...``."""
+        with tracer.start_as_current_span("coordinator.validate", attributes={"step": self.state.step}):
+            return await self._validate_now()
+
+    async def _validate_now(self) -> dict[str, float]:
+        started = time.perf_counter()
+        groups = [self._group_of(row) for row in self.val_rows]
+        tag = f"val{self.state.step}"
+        requests = [
+            rollout_pb2.GenerateRequest(
+                step=0,  # fixed noise coordinates: every validation draws the same initial noise
+                seed=self.config.schedule.seed,
+                groups=[
+                    rollout_pb2.PromptGroup(
+                        prompt_uid=g.row.prompt_uid, prompt_ids=g.ids_ref, sample_indices=[0]
+                    )
+                    for g in chunk
+                ],
+                params=self.config.sampling.to_proto(evaluation=True),
+                min_policy_version=self.state.policy_version,
+                release_tag=tag,
+            )
+            for chunk in _split(groups, len(self._healthy(self.rollouts)))
+        ]
+        answers = await asyncio.gather(
+            *(self._on_some_replica(self.rollouts, "Generate", r) for r in requests)
+        )
+        by_uid = {g.row.prompt_uid: g for g in groups}
+        for answer in answers:
+            for sample in answer.samples:  # type: ignore[attr-defined]
+                by_uid[sample.prompt_uid].samples.append(sample)
+        await self._score(groups)
+        await self._log_images("val", self.state.step, groups)
+        await self._release(tag)
+        metrics: dict[str, float] = {"timing_s/testing": time.perf_counter() - started}
+        for source in sorted({g.row.data_source for g in groups}):
+            rewards = [r for g in groups if g.row.data_source == source for r in g.rewards]
+            metrics[f"val-core/{source}/reward/mean@1"] = float(np.mean(rewards)) if rewards else math.nan
+        self.outputs.log("val", self.state.step, metrics)
+        self.outputs.say(
+            "  validation: " + "  ".join(f"{k} {v:+.5f}" for k, v in metrics.items() if k.startswith("val"))
+        )
+        return metrics
 
     async def _draw(self, step: int) -> tuple[list[Group], dict[str, float]]:
         """The prompt groups of ``step``, generated and scored (the prompts at cursor
         (step - 1) x prompts_per_step of the training order)."""
+        with tracer.start_as_current_span("coordinator.draw", attributes={"step": step}):
+            return await self._draw_now(step)
+
+    async def _draw_now(self, step: int) -> tuple[list[Group], dict[str, float]]:
         started = time.perf_counter()
         first = (step - 1) * self.config.data.prompts_per_step
         groups = [self._group(self.order[first + i]) for i in range(self.config.data.prompts_per_step)]
@@ -137,6 +196,12 @@ class Coordinator:
         return groups, timing
 
     async def _train_on(self, step: int, groups: list[Group], timing: dict[str, float]) -> dict[str, float]:
+        with tracer.start_as_current_span("coordinator.train", attributes={"step": step}):
+            return await self._train_on_now(step, groups, timing)
+
+    async def _train_on_now(
+        self, step: int, groups: list[Group], timing: dict[str, float]
+    ) -> dict[str, float]:
         started = time.perf_counter()
         groups = self._admit(step, groups)
         response = await self._train(step, groups)
@@ -145,6 +210,7 @@ class Coordinator:
         timing["timing_s/load_weights"] = time.perf_counter() - trained
         timing["timing_s/train"] = trained - started
         timing["time/trained_from"], timing["time/trained_until"] = started, trained
+        await self._log_images("train", step, groups)
         await self._release(f"step{step}")
         self.state.step, self.state.cursor = step, step * self.config.data.prompts_per_step
         self.state.policy_version = response.update.policy_version
@@ -152,6 +218,13 @@ class Coordinator:
         self.outputs.log("train", step, metrics)
         self.outputs.say(_progress_line(step, self.config.schedule.steps, metrics))
         return metrics
+
+    async def _log_images(self, tag: str, step: int, groups: list[Group], most: int = 16) -> None:
+        """The first sample of up to ``most`` groups, as a grid in the run's outputs."""
+        refs = [TensorRef.from_proto(g.samples[0].outputs["images"]) for g in groups[:most] if g.samples]
+        if refs:
+            fetched = await asyncio.to_thread(self.client.fetch, refs, timeout_s=60.0)
+            self.outputs.images(tag, step, [f.array for f in fetched])
 
     def _since_last_step(self) -> float:
         """Wall time per step: from the end of the previous one (async overlaps the next draw)."""
@@ -357,7 +430,9 @@ class Coordinator:
     # --- bookkeeping ---------------------------------------------------------------------------
 
     def _group(self, index: int) -> Group:
-        row = self.train[index]
+        return self._group_of(self.train[index])
+
+    def _group_of(self, row: PromptRow) -> Group:
         if row.prompt_uid not in self._prompt_refs:  # put once, kept for the run (a few KB each)
             ref = self.store.put(f"prompts/{row.prompt_uid}", "prompt_ids", row.prompt_ids)
             self._prompt_refs[row.prompt_uid] = ref.to_proto()

@@ -23,6 +23,7 @@ from flowgrpo.services.coordinator.config import RunConfig, with_checkpoint
 from flowgrpo.services.coordinator.launch import launch
 from flowgrpo.services.coordinator.outputs import RunOutputs
 from flowgrpo.services.coordinator.run import Coordinator
+from flowgrpo.telemetry import setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,13 @@ def prepare_data(cfg: RunConfig) -> RunConfig:
 async def train_async(cfg: RunConfig, progress: Any = sys.stderr) -> list[dict[str, float]]:
     cfg = prepare_data(prepare_model(cfg))
     split = load_split(cfg.data.dataset, "train", model_path=cfg.model.checkpoint)
+    test = None
+    if cfg.schedule.eval_every and cfg.data.val_prompts:
+        test = load_split(cfg.data.dataset, "test", model_path=cfg.model.checkpoint)
     outputs = RunOutputs(cfg.run_dir, progress)
     outputs.write_config(cfg)
+    # spans to <run_dir>/traces (or an OTLP collector); the services' processes write theirs there too
+    setup_tracing("coordinator", replica_id="coordinator", run_dir=str(Path(cfg.run_dir).resolve()))
     outputs.say(
         f"run {cfg.name}: {len(split)} training prompts, {cfg.launch.launcher} launcher, {cfg.run_dir}"
     )
@@ -75,10 +81,11 @@ async def train_async(cfg: RunConfig, progress: Any = sys.stderr) -> list[dict[s
         services = await launch(cfg)
         try:
             coordinator = Coordinator(cfg, split, services.rollouts, services.rewards, services.trainer,
-                                      store.store, outputs)  # fmt: skip
+                                      store.store, outputs, test)  # fmt: skip
             return await coordinator.run()
         finally:
             await services.shutdown()
     finally:
         store.close()
         outputs.close()
+        shutdown_tracing()

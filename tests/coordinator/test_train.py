@@ -4,7 +4,8 @@ as a user runs them. The runs are shared between asserts to keep CI short:
 - ``reference``: the ``inprocess`` launcher (one process, no sockets), 4 steps;
 - ``two_rollouts``: the ``local`` launcher (every service its own process), 2 rollout replicas,
   the same recipe: must equal the reference bitwise (deterministic mode);
-- ``rollout_killed``: ``local``, 2 rollout replicas, one killed with SIGKILL after step 1;
+- ``rollout_killed`` / ``reward_killed``: ``local``, 2 replicas of the role, one killed with
+  SIGKILL after step 1;
 - ``resumed``: ``local``, the trainer killed with SIGKILL after step 3, then the same command
   again: resumes from the step-2 checkpoint and ends where the reference ends.
 """
@@ -21,16 +22,19 @@ import time
 from pathlib import Path
 
 import pytest
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
 from flowgrpo.services.coordinator.config import load_run_config
 from flowgrpo.services.coordinator.outputs import read_metrics
+from flowgrpo.services.coordinator.status import status
+from flowgrpo.services.coordinator.trace import step_spans
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "tiny_demo.yaml"
 STEPS = 4
 SAMPLES = load_run_config(RECIPE).samples_per_step
-SHORT = [f"schedule.steps={STEPS}", "schedule.save_every=2"]
+SHORT = [f"schedule.steps={STEPS}", "schedule.save_every=2", "schedule.eval_every=2"]
 EXACT = ("critic/rewards/mean", "actor/loss", "actor/grad_norm", "actor/ratio_mean", "critic/advantages/max")
 
 
@@ -81,14 +85,31 @@ def finish(proc: subprocess.Popen[str], expect: int = 0) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, float]]:
+def reference_dir(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("reference")
     train(run_dir, tiny, "launch.launcher=inprocess")
-    return read_metrics(run_dir)
+    return run_dir
 
 
-def test_a_run_writes_its_outputs(reference: list[dict[str, float]], tiny: Path) -> None:
+@pytest.fixture(scope="module")
+def reference(reference_dir: Path) -> list[dict[str, float]]:
+    return read_metrics(reference_dir)
+
+
+def test_a_run_writes_its_outputs(reference_dir: Path, reference: list[dict[str, float]]) -> None:
     assert [r["step"] for r in reference] == list(range(1, STEPS + 1))
+    validations = read_metrics(reference_dir, kind="val")
+    assert [r["step"] for r in validations] == [2, 4]
+    assert all(r["val-core/pickscore/reward/mean@1"] < 0 and r["timing_s/testing"] > 0 for r in validations)
+    images = sorted(p.name for p in (reference_dir / "images").iterdir())
+    assert images == [f"train_{s:06d}.png" for s in range(1, STEPS + 1)] + [
+        "val_000002.png",
+        "val_000004.png",
+    ]
+    [events] = (reference_dir / "tensorboard").iterdir()
+    tags = {(e.step, v.tag) for e in EventFileLoader(str(events)).Load() for v in e.summary.value}
+    assert {(s, "critic/rewards/mean") for s in range(1, STEPS + 1)} <= tags
+    assert {(2, "images/val"), (4, "val-core/pickscore/reward/mean@1"), (1, "images/train")} <= tags
     for record in reference:
         assert record["trainer/samples"] == SAMPLES
         assert record["actor/rollout_logp_gap/max"] == 0.0  # sync, deterministic: the same function
@@ -108,6 +129,17 @@ def test_local_processes_with_two_rollouts_equal_the_inprocess_run(
     assert (tmp_path / "config.yaml").is_file() and (tmp_path / "run_state.json").is_file()
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
         "reward-0.log", "rollout-0.log", "rollout-1.log", "trainer.log"]  # fmt: skip
+    # `flowgrpo trace --step 2`: spans of all four services, the services' under the coordinator's
+    spans = step_spans(str(tmp_path), 2)
+    assert {s["service.name"] for s in spans} == {"coordinator", "rollout", "reward", "trainer"}
+    assert {"coordinator.draw", "rollout.generate", "reward.score", "trainer.step"} <= {
+        s["name"] for s in spans
+    }
+    shown = subprocess.run([sys.executable, "-m", "flowgrpo.cli", "trace", str(tmp_path), "--step", "2"],
+                           capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert "trainer.step" in shown and "rollout.generate" in shown
+    report = status(tmp_path)  # `flowgrpo status`: the services have stopped with the run
+    assert f"checkpointed at step {STEPS}" in report and "rollout-1" in report and "not running" in report
 
 
 def test_a_killed_rollout_replica_loses_no_group(
@@ -123,6 +155,21 @@ def test_a_killed_rollout_replica_loses_no_group(
     assert metrics[-1]["coordinator/retries"] >= 1  # the dead replica's work went to the other
     for ours, theirs in zip(metrics, reference, strict=True):  # the same samples, wherever drawn
         assert ours["critic/rewards/mean"] == theirs["critic/rewards/mean"]
+
+
+def test_a_killed_reward_replica_loses_no_group(
+    reference: list[dict[str, float]], tiny: Path, tmp_path: Path
+) -> None:
+    proc = start(tmp_path, tiny, "launch.launcher=local", "launch.reward_replicas=2")
+    wait_for_step(tmp_path, 1, proc)
+    kill(tmp_path, "reward-1")  # the replica the next step's scores go to (round robin)
+    finish(proc)
+    metrics = read_metrics(tmp_path)
+    assert all(r["trainer/samples"] == SAMPLES and r["coordinator/dropped_groups"] == 0 for r in metrics)
+    assert metrics[-1]["coordinator/retries"] >= 1
+    for ours, theirs in zip(metrics, reference, strict=True):
+        for key in EXACT:
+            assert ours[key] == theirs[key], (ours["step"], key)
 
 
 def test_a_killed_trainer_stops_the_run_and_the_same_command_resumes(

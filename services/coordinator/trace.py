@@ -1,0 +1,41 @@
+"""``flowgrpo trace RUN_DIR --step N``: one training step as a waterfall across the services,
+from the span files of the run (``<run_dir>/traces/*.jsonl``; every process writes its own).
+
+A step is the coordinator's ``coordinator.draw`` (rollouts and rewards of its samples) and
+``coordinator.train`` (the trainer step, the weight loads) spans with that step, plus every span
+of their traces: the services' server spans are children through the gRPC trace context.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flowgrpo.telemetry import read_spans
+
+ROOTS = ("coordinator.draw", "coordinator.train", "coordinator.validate")
+WIDTH = 50  # characters of the bar column
+
+
+def step_spans(run_dir: str, step: int) -> list[dict[str, Any]]:
+    spans = read_spans(run_dir)
+    roots = [s for s in spans if s["name"] in ROOTS and s["attributes"].get("step") == step]
+    traces = {s["trace_id"] for s in roots}
+    return [s for s in spans if s["trace_id"] in traces]
+
+
+def waterfall(spans: list[dict[str, Any]]) -> str:
+    """One line per span: start offset, duration, service, name, and a bar on the step's timeline."""
+    if not spans:
+        return "no spans"
+    begin = min(s["start_ns"] for s in spans)
+    total = max(max(s["end_ns"] for s in spans) - begin, 1)
+    lines = [f"{'start ms':>9} {'dur ms':>9}  {'service':<12} {'span':<44} timeline"]
+    for s in sorted(spans, key=lambda s: s["start_ns"]):
+        left = int((s["start_ns"] - begin) / total * WIDTH)
+        width = max(1, int((s["end_ns"] - s["start_ns"]) / total * WIDTH))
+        bar = " " * left + "#" * min(width, WIDTH - left)
+        lines.append(
+            f"{(s['start_ns'] - begin) / 1e6:9.1f} {(s['end_ns'] - s['start_ns']) / 1e6:9.1f}  "
+            f"{s.get('service.name')!s:<12} {s['name'][:44]:<44} |{bar:<{WIDTH}}|"
+        )
+    return "\n".join(lines)
