@@ -475,7 +475,20 @@ def _split(groups: list[Group], parts: int) -> list[list[Group]]:
 
 def _progress_line(step: int, steps: int, m: dict[str, float]) -> str:
     return (
-        f"step {step}/{steps}  reward {m['critic/rewards/mean']:+.4f}  "
-        f"loss {m.get('actor/loss', math.nan):+.4f}  clipfrac {m.get('actor/pg_clipfrac', math.nan):.2f}  "
-        f"v{int(m['policy_version'])}  {m['timing_s/step']:.1f} s"
+        f"step {step}/{steps}  reward {m['critic/rewards/mean']:+.6f}  "
+        f"loss {m.get('actor/loss', math.nan):+.5f}  clipfrac {m.get('actor/pg_clipfrac', math.nan):.2f}  "
+        f"lag {m.get('trainer/lag/max', 0):.0f}  v{int(m['policy_version'])}  {m['timing_s/step']:.1f} s"
+    )
+
+
+def reward_summary(history: list[dict[str, float]], window: int = 4) -> str:
+    """The mean reward of the first and of the last ``window`` steps of a run."""
+    rewards = [m["critic/rewards/mean"] for m in history]
+    if len(rewards) < 2 * window:
+        return ""
+    first, last = float(np.mean(rewards[:window])), float(np.mean(rewards[-window:]))
+    change = (last - first) / abs(first) * 100 if first else math.nan
+    return (
+        f"mean reward of the first {window} steps {first:+.6f}, "
+        f"of the last {window} {last:+.6f} ({change:+.1f}%)"
     )

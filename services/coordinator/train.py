@@ -22,7 +22,7 @@ from flowgrpo.data.prepare import PrepareOptions, prepare_dataset
 from flowgrpo.services.coordinator.config import RunConfig, with_checkpoint
 from flowgrpo.services.coordinator.launch import launch
 from flowgrpo.services.coordinator.outputs import RunOutputs
-from flowgrpo.services.coordinator.run import Coordinator
+from flowgrpo.services.coordinator.run import Coordinator, reward_summary
 from flowgrpo.telemetry import setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,10 @@ async def train_async(cfg: RunConfig, progress: Any = sys.stderr) -> list[dict[s
         try:
             coordinator = Coordinator(cfg, split, services.rollouts, services.rewards, services.trainer,
                                       store.store, outputs, test)  # fmt: skip
-            return await coordinator.run()
+            history = await coordinator.run()
+            if summary := reward_summary(history):
+                outputs.say(summary)
+            return history
         finally:
             await services.shutdown()
     finally:
