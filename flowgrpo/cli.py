@@ -375,10 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "target",
-        choices=["bus", "reward", "rollout", "trainer"],
+        choices=["bus", "reward", "rollout", "schedule", "trainer"],
         help="bus: the ZeroMQ data bus against memcpy; reward: images/s per scorer; rollout: BAGEL "
         "sampling images/s and MFU against the matmul peak (GPU); trainer: FlowGRPO training "
-        "throughput and MFU (GPU)",
+        "throughput and MFU (GPU); schedule: async vs sync images/s and their overlap (the CPU demo)",
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options of the benchmark (see --help)")
     return parser

@@ -29,6 +29,13 @@ TORCH_FREE = [
     "flowgrpo.services.reward.config",
     "flowgrpo.services.reward.main",
     "flowgrpo.services.trainer.main",
+    "flowgrpo.data",
+    "flowgrpo.services.coordinator.config",
+    "flowgrpo.services.coordinator.launch",
+    "flowgrpo.services.coordinator.run",
+    "flowgrpo.services.coordinator.train",
+    "flowgrpo.services.coordinator.status",
+    "flowgrpo.services.coordinator.trace",
 ]
 
 
@@ -46,3 +53,4 @@ def test_cli_help_explains_itself() -> None:
     )
     assert out.returncode == 0
     assert "rollout" in out.stdout and "bench" in out.stdout and "examples:" in out.stdout
+    assert all(command in out.stdout for command in ("train", "status", "trace", "data"))

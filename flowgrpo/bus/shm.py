@@ -128,7 +128,7 @@ def remove_stale(folder: str) -> int:
     removed = 0
     for name in names:
         pid = int(name[len(mine) :].split("-", 1)[0])
-        if not _alive(pid):
+        if not pid_alive(pid):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(folder, name))
                 removed += 1
@@ -137,7 +137,8 @@ def remove_stale(folder: str) -> int:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (signal 0 delivers nothing)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -45,6 +45,8 @@ class Replica:
     in_process: bool = False
     healthy: bool = True
     busy: int = 0  # calls in flight from the coordinator (load balancing)
+    failures: int = 0  # consecutive failed calls (reward replicas: the back-off grows with them)
+    retry_at: float = 0.0  # time.monotonic() before which a failed reward replica is not tried
 
     async def unary(self, method: str, request: Any, timeout_s: float) -> Any:
         try:

@@ -2,11 +2,12 @@
 (each rollout answer is scored as soon as it arrives) -> group advantages -> a trainer step ->
 the new weights on every rollout replica -> the next step.
 
-One step's work is keyed by prompt group. A replica that fails (or stops answering within the
-deadline) is marked unhealthy and its groups go to another replica: no group is lost or counted
-twice, because a group's samples are only used once all of them are back and scored, and a
-regenerated group replaces the failed attempt (noise is a function of (seed, step, uid, index),
-so any replica draws the same samples). A trainer failure stops the run; the run resumes from
+One step's work is keyed by prompt group. A rollout replica that fails (or stops answering
+within the deadline) is given up (it might hold stale weights) and its groups go to another
+replica; a reward replica is tried again after a back-off (scoring holds no state). No group is
+lost or counted twice, because a group's samples are only used once all of them are back and
+scored, and a regenerated group replaces the failed attempt (noise is a function of (seed, step,
+uid, index), so any replica draws the same samples). A trainer failure stops the run; the run resumes from
 its last checkpoint (``run_state.json`` + the trainer's).
 """
 
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
 TRAIN_COLUMNS = ("latents", "log_probs", "sigmas")  # + prompt_ids, from the coordinator's store
+BACKOFF_S, BACKOFF_MAX_S = 1.0, 60.0  # a failed reward replica's first and longest pause
 
 
 class RunError(RuntimeError):
@@ -318,15 +320,47 @@ class Coordinator:
             group.samples.sort(key=lambda s: s.sample_index)
 
     async def _score_somewhere(self, requests: list[reward_pb2.ScoreRequest]) -> list[reward_pb2.ScoreResult]:
+        """Round robin over the reward replicas. Scoring holds no state, so a replica that failed
+        (a timeout, a restart) is tried again after a back-off (1 s, doubling, at most 60 s)
+        instead of being given up; the call fails the run only when no replica has answered for
+        ``launch.request_timeout_s``."""
         timeout = self.config.launch.reward_timeout_s * max(1, len(requests))
+        give_up = time.monotonic() + self.config.launch.request_timeout_s
         while True:
-            healthy = self._healthy(self.rewards)
-            replica = healthy[self._next_reward % len(healthy)]
-            self._next_reward += 1
+            replica = await self._next_reward_replica(give_up)
             try:
-                return await replica.score(requests, timeout)
+                results = await replica.score(requests, timeout)
             except ReplicaError as error:
-                self._failed(replica, error)
+                if not error.retryable:
+                    raise RunError(str(error)) from error
+                replica.failures += 1
+                replica.retry_at = time.monotonic() + min(
+                    BACKOFF_MAX_S, BACKOFF_S * 2 ** (replica.failures - 1)
+                )
+                self.counters["retries"] += 1
+                log.warning("%s; retried on another reward replica (this one again in %.0f s)", error,
+                            replica.retry_at - time.monotonic())  # fmt: skip
+                continue
+            replica.failures = 0
+            return results
+
+    async def _next_reward_replica(self, give_up: float) -> Replica:
+        while True:
+            now = time.monotonic()
+            ready = [r for r in self.rewards if r.retry_at <= now]
+            if ready:
+                replica = ready[self._next_reward % len(ready)]
+                self._next_reward += 1
+                return replica
+            wake = min(r.retry_at for r in self.rewards)
+            if wake > give_up:
+                failed = ", ".join(f"{r.replica_id} ({r.failures} failures)" for r in self.rewards)
+                raise RunError(
+                    f"no reward replica answered within launch.request_timeout_s="
+                    f"{self.config.launch.request_timeout_s:.0f} s: {failed}; see their logs"
+                )
+            log.warning("every reward replica failed recently; waiting %.1f s for the next retry", wake - now)
+            await asyncio.sleep(wake - now)
 
     async def _on_some_replica(self, replicas: list[Replica], method: str, request: object) -> object:
         """``method`` on the least busy healthy replica; on a replica failure, on another."""

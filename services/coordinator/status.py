@@ -4,9 +4,9 @@ step's key metrics, and each service process of the ``local`` launcher (alive or
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from flowgrpo.bus.shm import pid_alive
 from flowgrpo.services.coordinator.outputs import read_metrics
 
 KEYS = ("critic/rewards/mean", "actor/loss", "actor/pg_clipfrac", "trainer/lag/max", "timing_s/step",
@@ -33,17 +33,7 @@ def status(run_dir: str | Path) -> str:
         lines.append(f"  last validation (step {val[-1]['step']}): {scores}")
     for ready in sorted((run_dir / "services").glob("*.ready.json")):
         info = json.loads(ready.read_text())
-        alive = _alive(int(info["pid"]))
+        alive = pid_alive(int(info["pid"]))
         lines.append(f"  {info['replica_id']:<12} {info['grpc_address']:<22} pid {info['pid']:<8} "
                      f"{'running' if alive else 'not running'}")  # fmt: skip
     return "\n".join(lines)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -4,11 +4,7 @@ reproduces the next step bitwise; a checkpoint reshards between 2 ranks and 1 pr
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +23,7 @@ from flowgrpo.services.trainer.config import PolicyConfig
 
 from .checkpoint_worker import PARAMS, trajectories, whole_state
 from .test_step import tiny, trainer
+from .torchrun import torchrun
 
 __all__ = ["tiny"]  # the module-scoped checkpoint fixture
 
@@ -35,20 +32,7 @@ FULL = PolicyConfig(kind="full")
 
 
 def run(nproc: int, checkpoint: Path, ckpt_dir: Path, mode: str, out: Path, *damaged: Path) -> None:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]  # fmt: skip
-    cmd = [*launcher, str(WORKER), str(checkpoint), str(ckpt_dir), mode, str(out), *map(str, damaged)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # its own process group: a hang ends torchrun AND its workers, not only torchrun
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)  # fmt: skip
-    try:
-        _, stderr = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, stderr[-3000:]
+    torchrun(nproc, WORKER, str(checkpoint), str(ckpt_dir), mode, str(out), *map(str, damaged))
 
 
 def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:

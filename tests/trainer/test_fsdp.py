@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,26 +11,15 @@ from safetensors.torch import load_file
 
 from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
 
+from .torchrun import torchrun
+
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 
 
 def run(
     nproc: int, checkpoint: Path, kind: str, out: Path
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]  # fmt: skip
-    cmd = [*launcher, str(WORKER), str(checkpoint), kind, str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # its own process group: a hang ends torchrun AND its workers, not only torchrun
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)  # fmt: skip
-    try:
-        _, stderr = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, stderr[-3000:]
+    torchrun(nproc, WORKER, str(checkpoint), kind, str(out))
     return load_file(str(out / "published.safetensors")), json.loads((out / "metrics.json").read_text())
 
 
