@@ -21,25 +21,11 @@
 # Writes $OUT/trainer_lora.json, $OUT/trainer_full_fsdp2.json, their logs and $OUT/gpu.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/trainer-bench}
 mkdir -p "$OUT"
-PY=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
 LORA_DEADLINE=${LORA_DEADLINE:-300}  # seconds: LoRA variants that would start later are skipped
-site=""
-if compgen -G ".whl/*.whl" >/dev/null && ! $PY -c "import zmq, opentelemetry" 2>/dev/null; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl && site=/tmp/site
-fi
-src=$PWD
-if ! PYTHONPATH="$PWD" $PY -c "import flowgrpo.services.trainer" 2>/dev/null; then
-    # not installed here: pyproject maps flowgrpo.services to services/; lay the two out together
-    rm -rf /tmp/fgsrc && mkdir -p /tmp/fgsrc && cp -r flowgrpo /tmp/fgsrc/ && cp -r services /tmp/fgsrc/flowgrpo/
-    src=/tmp/fgsrc
-    export PYTHONSAFEPATH=1  # python -m would put the working directory (flowgrpo without services) first
-fi
-export PYTHONPATH="${site:+$site:}$src${PYTHONPATH:+:$PYTHONPATH}"
+source bench/gpu_env.sh
 
 if [[ $DEVICE == cuda* ]]; then
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"

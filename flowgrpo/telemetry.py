@@ -37,33 +37,56 @@ TRACES_DIR = "traces"
 _provider: TracerProvider | None = None
 
 
+class _Destination(SpanExporter):
+    """Where the process's spans go now. The OpenTelemetry provider is set once per process,
+    but one process may hold several runs in turn (a benchmark, the tests): each run points
+    this at its own traces file."""
+
+    def __init__(self) -> None:
+        self.target: SpanExporter | None = None
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        target = self.target
+        return target.export(spans) if target is not None else SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        if self.target is not None:
+            self.target.shutdown()
+            self.target = None
+
+
+_destination = _Destination()
+
+
 def setup_tracing(
     service_name: str, *, replica_id: str = "", run_dir: str | Path | None = None
 ) -> TracerProvider:
-    """Install the process's tracer provider (once: later calls return the first one).
+    """Install the process's tracer provider (once: the service name of the first call stays)
+    and send spans to ``run_dir``'s traces file (or an OTLP collector when configured).
 
     Without an OTLP endpoint and without ``run_dir`` spans are recorded (logs still carry trace
     ids) but exported nowhere.
     """
     global _provider
-    if _provider is not None:
-        return _provider
-    instance = replica_id or f"{socket.gethostname()}-{os.getpid()}"
-    provider = TracerProvider(
-        resource=Resource.create({SERVICE_NAME: service_name, SERVICE_INSTANCE_ID: instance})
-    )
-    exporter = _exporter(service_name, run_dir)
-    if exporter is not None:
-        provider.add_span_processor(BatchSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
-    _provider = provider
-    return provider
+    if _provider is None:
+        instance = replica_id or f"{socket.gethostname()}-{os.getpid()}"
+        _provider = TracerProvider(
+            resource=Resource.create({SERVICE_NAME: service_name, SERVICE_INSTANCE_ID: instance})
+        )
+        _provider.add_span_processor(BatchSpanProcessor(_destination))
+        trace.set_tracer_provider(_provider)
+    _provider.force_flush()  # what an earlier run recorded goes to that run's file
+    _destination.shutdown()
+    _destination.target = _exporter(service_name, run_dir)
+    return _provider
 
 
 def shutdown_tracing() -> None:
-    """Export the spans still buffered and close the exporter; call it before the process ends."""
+    """Export the spans still buffered and close the exporter; call it at the end of a run (the
+    provider stays, for a next run in this process)."""
     if _provider is not None:
-        _provider.shutdown()
+        _provider.force_flush()
+        _destination.shutdown()
 
 
 def _exporter(service_name: str, run_dir: str | Path | None) -> SpanExporter | None:

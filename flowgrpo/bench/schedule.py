@@ -2,7 +2,9 @@
 one call, ``schedule.mode=sync`` and ``schedule.mode=async`` (staleness eta), reporting each
 run's images/s (samples trained per second of step wall time, the first step left out as
 warm-up), the async/sync ratio, and the overlap fraction: the share of the trainer's busy time
-during which the next step's samples were being drawn (0 for sync by construction).
+during which the next step's samples were being drawn (0 for sync by construction), and per
+step: each service's busy seconds (the union of its server spans in the run's traces), the
+coordinator's phases and the rollout/trainer log-prob gap.
 
 Default: the tiny CPU demo recipe with the ``local`` launcher (every service its own process, so
 rollout and trainer can use different cores). On a GPU host, point ``--recipe`` at a real one.
@@ -13,13 +15,20 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
+import sys
 import tempfile
 from pathlib import Path
+from statistics import mean
 from typing import Any
 
 # mypy cannot follow pyproject's package-dir mapping of flowgrpo.services (services/)
 from flowgrpo.services.coordinator.config import load_run_config  # type: ignore[import-not-found]
+from flowgrpo.services.coordinator.trace import busy_by_service, step_spans  # type: ignore[import-not-found]
 from flowgrpo.services.coordinator.train import train  # type: ignore[import-not-found]
+
+PHASES = ("timing_s/step", "timing_s/gen_and_reward", "timing_s/train", "timing_s/load_weights")
+GAP = "actor/rollout_logp_gap/max"
 
 
 def overlap_fraction(history: list[dict[str, float]]) -> float:
@@ -41,9 +50,19 @@ def run(recipe: str, mode: str, args: argparse.Namespace, folder: Path) -> dict[
     overrides = [f"run_dir={folder / mode}", f"schedule.mode={mode}", f"schedule.staleness={args.staleness}",
                  f"schedule.steps={args.steps}", "schedule.eval_every=0", "schedule.save_every=0",
                  f"launch.launcher={args.launcher}", *args.overrides]  # fmt: skip
-    history = train(load_run_config(recipe, overrides), progress=None)
-    return {"images_per_s": images_per_s(history), "overlap": overlap_fraction(history),
-            "max_lag": max(m["trainer/lag/max"] for m in history)}  # fmt: skip
+    history = train(load_run_config(recipe, overrides), progress=args.progress)
+    steady = history[1:] or history
+    busy = [busy_by_service(step_spans(str(folder / mode), k)) for k in range(2, len(history) + 1)]
+    services = sorted({name for b in busy for name in b})
+    return {
+        "images_per_s": images_per_s(history),
+        "overlap": overlap_fraction(history),
+        "max_lag": max(m["trainer/lag/max"] for m in history),
+        "mean_s": {key: mean(m[key] for m in steady) for key in PHASES},
+        "busy_s": {name: mean(b.get(name, 0.0) for b in busy) for name in services} if busy else {},
+        "logp_gap_max": max((m[GAP] for m in history if GAP in m), default=math.nan),
+        "steps": history,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,16 +73,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--staleness", type=int, default=1, help="eta of the async run")
     parser.add_argument("--launcher", default="local", choices=["local", "inprocess"])
-    parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--json", help="also write the figures (and every step's metrics) here")
+    parser.add_argument("--keep", metavar="DIR", help="keep the two run folders under DIR (default: removed)")
+    parser.add_argument("--progress", action="store_const", const=sys.stderr, default=None,
+                        help="print each step's line")  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE overrides of the recipe")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-schedule-") as tmp:
-        report = {mode: run(args.recipe, mode, args, Path(tmp)) for mode in ("sync", "async")}
+        folder = Path(args.keep) if args.keep else Path(tmp)
+        report: dict[str, Any] = {mode: run(args.recipe, mode, args, folder) for mode in ("sync", "async")}
     report["async_over_sync"] = report["async"]["images_per_s"] / report["sync"]["images_per_s"]
     for mode in ("sync", "async"):
         r = report[mode]
         rate, overlap, lag = r["images_per_s"], r["overlap"], r["max_lag"]
-        print(f"{mode:<6} {rate:7.2f} images/s  overlap {overlap:5.1%}  lag <= {lag:.0f}")
+        print(f"{mode:<6} {rate:7.2f} images/s  overlap {overlap:5.1%}  lag <= {lag:.0f}  "
+              f"log-prob gap <= {r['logp_gap_max']:.2g}")  # fmt: skip
+        print(
+            "       per step (s): " + "  ".join(f"{k.split('/')[-1]} {v:.2f}" for k, v in r["mean_s"].items())
+        )
+        print("       busy per service (s): " + "  ".join(f"{k} {v:.2f}" for k, v in r["busy_s"].items()))
     print(
         f"async (eta={args.staleness}) / sync: {report['async_over_sync']:.2f}x  ({args.launcher} launcher)"
     )

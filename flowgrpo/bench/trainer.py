@@ -66,10 +66,11 @@ from flowgrpo.bench.rollout import (
     random_bagel,
     sync,
 )
-from flowgrpo.models.bagel.checkpoint import EMA_FILE, save_bagel_checkpoint
-from flowgrpo.models.bagel.config import BagelConfig, SpecialTokens, bagel_7b, tiny
+from flowgrpo.models.bagel.checkpoint import EMA_FILE, save_bagel_checkpoint, tiny_tokenizer
+from flowgrpo.models.bagel.config import BagelConfig, SpecialTokens, bagel_7b, flux_vae, tiny, tiny_vae
 from flowgrpo.models.bagel.parallelize import compile_query_layers, uncompile_query_layers
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, SamplerParams
+from flowgrpo.models.bagel.vae import AutoEncoder
 from flowgrpo.sampler_math import CfgParams, WindowParams, shifted_schedule
 
 # mypy cannot follow pyproject's package-dir mapping of flowgrpo.services (services/)
@@ -545,14 +546,17 @@ def _load_figures(dist: Dist, device: torch.device, seconds: float) -> dict[str,
 
 
 def write_random_checkpoint(args: argparse.Namespace) -> int:
-    """A random checkpoint of the geometry in the published layout (ema.safetensors +
-    llm_config.json + config.json), for the loader's figures."""
+    """A complete random checkpoint of the geometry in the published layout (ema.safetensors, a
+    FLUX-geometry ae.safetensors, configs and the tiny tokenizer, whose ids every vocabulary
+    holds), for the loader's figures and for whole runs of the services (bench/coordinator_gpu.sh)."""
     cfg = bagel_7b() if args.model == "7b" else tiny()
-    special = SPECIAL_7B if args.model == "7b" else SPECIAL_TINY
     device = torch.device(args.device)
     begin = time.perf_counter()
     model = random_bagel(cfg, {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype], device)
-    save_bagel_checkpoint(model, None, args.write_checkpoint, special_tokens=special)
+    torch.manual_seed(0)
+    vae = AutoEncoder(flux_vae() if args.model == "7b" else tiny_vae())
+    tokenizer, special = tiny_tokenizer()
+    save_bagel_checkpoint(model, vae, args.write_checkpoint, tokenizer=tokenizer, special_tokens=special)
     size = (Path(args.write_checkpoint) / EMA_FILE).stat().st_size
     print(json.dumps({"checkpoint": args.write_checkpoint, "ema_gib": size / GiB,
                       "write_s": time.perf_counter() - begin}), flush=True)  # fmt: skip

@@ -39,3 +39,21 @@ def waterfall(spans: list[dict[str, Any]]) -> str:
             f"{s.get('service.name')!s:<12} {s['name'][:44]:<44} |{bar:<{WIDTH}}|"
         )
     return "\n".join(lines)
+
+
+def busy_by_service(spans: list[dict[str, Any]]) -> dict[str, float]:
+    """Seconds each service spent serving: the union of its server spans' intervals (calls that
+    overlap, e.g. two rollout replicas of one service name, count once)."""
+    intervals: dict[str, list[tuple[int, int]]] = {}
+    for s in spans:
+        if s.get("kind") == "SERVER":
+            intervals.setdefault(str(s.get("service.name")), []).append((s["start_ns"], s["end_ns"]))
+    busy = {}
+    for service, spans_of in intervals.items():
+        total, end = 0, -1
+        for a, b in sorted(spans_of):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        busy[service] = total / 1e9
+    return busy

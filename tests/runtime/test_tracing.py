@@ -151,3 +151,17 @@ def test_links_from_links_each_producer_once() -> None:
         (p.trace_id, p.span_id) for p in producers
     ]
     assert trace.get_current_span().get_span_context().is_valid is False  # nothing leaked into this context
+
+
+def test_runs_in_turn_in_one_process_each_get_their_spans(tmp_path: Path) -> None:
+    """The provider is set once per process; each run's spans still land in that run's folder
+    (a benchmark or a test that trains twice in one process)."""
+    from flowgrpo.telemetry import setup_tracing, shutdown_tracing
+
+    for run in ("first", "second"):
+        setup_tracing("coordinator", run_dir=tmp_path / run)
+        with trace.get_tracer("t").start_as_current_span(f"{run}.span"):
+            pass
+        shutdown_tracing()
+    assert [s["name"] for s in read_spans(tmp_path / "first")] == ["first.span"]
+    assert [s["name"] for s in read_spans(tmp_path / "second")] == ["second.span"]

@@ -349,15 +349,19 @@ def build_tiny_tokenizer(vocab_size: int = 384) -> Tokenizer:
     return tokenizer
 
 
+def tiny_tokenizer() -> tuple[Tokenizer, SpecialTokens]:
+    """The tiny tokenizer and the ids of its markers (any checkpoint with a vocabulary of at least
+    388 can use it: the random-7B benchmarks do)."""
+    tokenizer = build_tiny_tokenizer()
+    ids = {field: tokenizer.token_to_id(name) for field, name in SPECIAL_TOKEN_NAMES.items()}
+    return tokenizer, SpecialTokens(**{field: int(i) for field, i in ids.items() if i is not None})
+
+
 def make_tiny_bagel(folder: str | Path, seed: int = 0) -> Path:
     """Write a complete tiny checkpoint (weights, VAE, configs, tokenizer) to ``folder``; the same
     seed gives the same bytes. Returns the folder."""
     cfg = tiny()
-    tokenizer = build_tiny_tokenizer()
-    ids = {field: tokenizer.token_to_id(name) for field, name in SPECIAL_TOKEN_NAMES.items()}
-    specials = SpecialTokens(
-        **{field: int(token_id) for field, token_id in ids.items() if token_id is not None}
-    )
+    tokenizer, specials = tiny_tokenizer()
     if tokenizer.get_vocab_size(with_added_tokens=True) > cfg.vocab:
         raise RuntimeError(f"the tiny tokenizer outgrew the tiny vocabulary of {cfg.vocab}")
     with torch.random.fork_rng(devices=[]):  # seed the default init without touching the caller's RNG

@@ -1,0 +1,22 @@
+# Sourced by the bench/*_gpu.sh scripts: make this checkout importable on the lent GPU machines
+# (Python 3.12, torch, no pyzmq / OpenTelemetry / protobuf 7) without installing it.
+#  - the wheels of bench/fetch_gpu_wheels.sh (carried as .whl) go to /tmp/site when the bus's
+#    imports are missing;
+#  - pyproject maps flowgrpo.services to services/: when that import fails, the two are laid out
+#    together in /tmp/fgsrc (and PYTHONSAFEPATH keeps `python -m` from putting the checkout's
+#    flowgrpo/, which lacks services/, first).
+# Sets PY (the interpreter) and PYTHONPATH; subprocesses (the services, torchrun) inherit both.
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+_site=""
+if compgen -G ".whl/*.whl" >/dev/null && ! $PY -c "import zmq, opentelemetry" 2>/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl && _site=/tmp/site
+fi
+_src=$PWD
+if ! PYTHONPATH="$PWD" $PY -c "import flowgrpo.services.trainer" 2>/dev/null; then
+    rm -rf /tmp/fgsrc && mkdir -p /tmp/fgsrc && cp -r flowgrpo /tmp/fgsrc/ && cp -r services /tmp/fgsrc/flowgrpo/
+    _src=/tmp/fgsrc
+    export PYTHONSAFEPATH=1
+fi
+export PYTHONPATH="${_site:+$_site:}$_src${PYTHONPATH:+:$PYTHONPATH}"
