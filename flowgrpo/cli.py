@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from flowgrpo import PROTOCOL_VERSION, __version__
 
@@ -56,12 +57,15 @@ SERVICE_MAINS = {
 def _cmd_serve(args: argparse.Namespace) -> int:
     import importlib
 
-    from flowgrpo.config import ConfigError, load_config
+    from flowgrpo.config import ConfigError, apply_overrides, load_config
 
     main_module = importlib.import_module(SERVICE_MAINS[args.role])
     try:
-        config = load_config(main_module.CONFIG, args.config, args.overrides)
-    except ConfigError as error:
+        if args.recipe:
+            config = apply_overrides(_recipe_role_config(args.recipe, args.role), args.overrides)
+        else:
+            config = load_config(main_module.CONFIG, args.config, args.overrides)
+    except (ConfigError, OSError) as error:
         print(f"flowgrpo serve {args.role}: {error}", file=sys.stderr)
         return 2
     if args.print_config:
@@ -73,6 +77,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 0
     main_module.run(config)
     return 0
+
+
+def _recipe_role_config(recipe: str, role: str) -> Any:
+    """``role``'s service config from a run recipe (the section the coordinator would give it)."""
+    # mypy cannot follow pyproject's package-dir mapping of flowgrpo.services (services/)
+    from flowgrpo.services.coordinator.config import read_recipe_sections  # type: ignore[import-not-found]
+    from flowgrpo.services.coordinator.launch import role_config  # type: ignore[import-not-found]
+
+    return role_config(read_recipe_sections(recipe), role)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -314,7 +327,13 @@ def build_parser() -> argparse.ArgumentParser:
         _cmd_serve,
     )
     serve.add_argument("role", choices=sorted(SERVICE_MAINS), help="the service to run")
-    serve.add_argument("--config", help="YAML file with the service's config (overrides apply on top)")
+    source = serve.add_mutually_exclusive_group()
+    source.add_argument("--config", help="YAML file with the service's config (overrides apply on top)")
+    source.add_argument(
+        "--recipe",
+        help="a run recipe (flowgrpo train's): this role's section of it, with model.checkpoint "
+        "(overrides apply on top: coordinator=HOST:PORT server.port=N ...)",
+    )
     serve.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     serve.epilog = (
         "Every config key can be overridden as KEY=VALUE, e.g. rollout.checkpoint=/ckpt server.port=50051"

@@ -57,4 +57,7 @@ class ServiceProcessConfig:
     bus: BusConfig = field(default_factory=BusConfig)
     replica_id: str = ""  # default: <role>-<random>
     run_dir: str = ""  # traces go to <run_dir>/traces when no OTLP endpoint is set
+    # host:port of the run's coordinator: register there, send heartbeats, leave on drain
+    # (how replicas started by compose or Kubernetes join a run); empty: the coordinator dials us
+    coordinator: str = ""
     log_format: Literal["json", "text"] = "json"

@@ -16,6 +16,6 @@ def run_service(actor: Actor, config: ServiceProcessConfig, services: Sequence[S
     setup_logging(actor.role, actor.replica_id, fmt=config.log_format)
     setup_tracing(actor.role, replica_id=actor.replica_id, run_dir=config.run_dir or None)
     try:
-        asyncio.run(serve(actor, config.server, services))
+        asyncio.run(serve(actor, config.server, services, coordinator=config.coordinator))
     finally:
         shutdown_tracing()

@@ -13,12 +13,13 @@ handler raises comes back as a status whose details say where and what went wron
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
 import signal
 import socket
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from flowgrpo.runtime.actor import Actor
 from flowgrpo.runtime.config import ServerConfig
 from flowgrpo.runtime.errors import ServiceError, Unavailable
 from flowgrpo.runtime.interceptors import GuardInterceptor, MethodGuard
+from flowgrpo.runtime.membership import Membership
 from flowgrpo.runtime.security import resolve_token, server_credentials, token_server_interceptor
 from flowgrpo.telemetry import grpc_server_interceptor
 from flowgrpo.v1 import common_pb2, common_pb2_grpc
@@ -74,6 +76,7 @@ class ServiceServer:
         self._drain_wait: asyncio.Task[bool] | None = None
         self._serving = False  # the actor started: messages are accepted (until a drain)
         self._stopped = asyncio.Event()
+        self.on_drain: list[Callable[[], Awaitable[None]]] = []  # run first when a drain begins
 
     async def start(self) -> str:
         """Bind, write the ready file, start the actor and report SERVING; return the address."""
@@ -145,6 +148,8 @@ class ServiceServer:
 
     async def _finish_drain(self, grace_s: float) -> None:
         assert self._server is not None  # drain() needs a started server
+        for hook in self.on_drain:
+            await hook()
         await self._health.enter_graceful_shutdown()
         self._drain_wait = asyncio.create_task(self.actor.wait_idle(grace_s))
         await asyncio.wait([self._drain_wait])
@@ -287,12 +292,20 @@ def call_policy(where: str) -> MethodGuard:
     return guard
 
 
-async def serve(actor: Actor, config: ServerConfig, services: Sequence[Service] = ()) -> None:
+async def serve(
+    actor: Actor, config: ServerConfig, services: Sequence[Service] = (), coordinator: str = ""
+) -> None:
     """Run ``actor`` until SIGTERM, SIGINT or Drain has drained it: the body of a service main.
+    With ``coordinator`` (host:port) the replica registers there once started, sends heartbeats,
+    and leaves when the drain begins.
 
     Signals are handled once the actor has started; one during start-up ends the process.
     """
     server = ServiceServer(actor, config, services)
     await server.start()
+    if coordinator:
+        membership = Membership(actor, coordinator)
+        membership.start()
+        server.on_drain.append(functools.partial(membership.leave, "draining"))
     server.install_signal_handlers()
     await server.wait_stopped()

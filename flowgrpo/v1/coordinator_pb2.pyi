@@ -165,6 +165,46 @@ class RunStatusRequest(_message.Message):
 Global___RunStatusRequest: _TypeAlias = RunStatusRequest  # noqa: Y015
 
 @_typing.final
+class ReplicaStatus(_message.Message):
+    """One registered replica as the coordinator sees it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INFO_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    LAST_SEEN_S_FIELD_NUMBER: _builtins.int
+    JOINS_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    state: _builtins.str
+    """"up", "lost" (heartbeats stopped), "left" (said goodbye)"""
+    last_seen_s: _builtins.float
+    """seconds since its last register or heartbeat"""
+    joins: _builtins.int
+    """registrations under this replica id (> 1: it came back)"""
+    in_flight: _builtins.int
+    """messages it reported running at its last heartbeat"""
+    @_builtins.property
+    def info(self) -> _common_pb2.ServiceInfo:
+        """as registered (its policy_version: the last heartbeat's)"""
+
+    def __init__(
+        self,
+        *,
+        info: _common_pb2.ServiceInfo | None = ...,
+        state: _builtins.str = ...,
+        last_seen_s: _builtins.float = ...,
+        joins: _builtins.int = ...,
+        in_flight: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["info", b"info"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["in_flight", b"in_flight", "info", b"info", "joins", b"joins", "last_seen_s", b"last_seen_s", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaStatus: _TypeAlias = ReplicaStatus  # noqa: Y015
+
+@_typing.final
 class RunStatusResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -173,13 +213,29 @@ class RunStatusResponse(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
     LAST_METRICS_FIELD_NUMBER: _builtins.int
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
+    SCHEDULE_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     step: _builtins.int
+    """the last step trained"""
     policy_version: _builtins.int
+    steps: _builtins.int
+    """the run's length (schedule.steps)"""
+    schedule: _builtins.str
+    """"sync" or "async" """
     @_builtins.property
-    def replicas(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ServiceInfo]: ...
+    def replicas(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ServiceInfo]:
+        """the replicas in state "up" """
+
     @_builtins.property
-    def last_metrics(self) -> _common_pb2.Metrics: ...
+    def last_metrics(self) -> _common_pb2.Metrics:
+        """the last step's metrics"""
+
+    @_builtins.property
+    def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReplicaStatus]:
+        """every replica that ever registered"""
+
     def __init__(
         self,
         *,
@@ -188,10 +244,13 @@ class RunStatusResponse(_message.Message):
         policy_version: _builtins.int = ...,
         replicas: _abc.Iterable[_common_pb2.ServiceInfo] | None = ...,
         last_metrics: _common_pb2.Metrics | None = ...,
+        members: _abc.Iterable[Global___ReplicaStatus] | None = ...,
+        steps: _builtins.int = ...,
+        schedule: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_metrics", b"last_metrics"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["last_metrics", b"last_metrics", "policy_version", b"policy_version", "replicas", b"replicas", "run_id", b"run_id", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["last_metrics", b"last_metrics", "members", b"members", "policy_version", b"policy_version", "replicas", b"replicas", "run_id", b"run_id", "schedule", b"schedule", "step", b"step", "steps", b"steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -14,9 +14,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-from flowgrpo.config import load_config
+import yaml
+
+from flowgrpo.config import ConfigError, from_dict, load_config
 from flowgrpo.models.bagel.config import GEN_PATH_LINEARS
 from flowgrpo.rewards.config import RewardConfig
+from flowgrpo.runtime.config import ServerConfig
 from flowgrpo.services.reward.config import StreamConfig
 from flowgrpo.services.rollout.config import EngineConfig
 from flowgrpo.services.trainer.config import TrainerConfig
@@ -158,17 +161,21 @@ class ScheduleConfig:
 class LaunchConfig:
     """How the services run. ``local``: each its own process on loopback (free ports);
     ``inprocess``: all four as actors in this process, no sockets; ``remote``: already running
-    (``flowgrpo serve ROLE``, compose, Kubernetes) at the given addresses."""
+    (``flowgrpo serve ROLE``, compose, Kubernetes), at the given addresses or, without addresses,
+    as they register with this coordinator (``coordinator=HOST:PORT`` in their configs)."""
 
     launcher: Literal["local", "inprocess", "remote"] = "local"
     rollout_replicas: int = 1
     reward_replicas: int = 1
     trainer_nproc: int = 1  # local: > 1 starts the trainer under torchrun (FSDP2)
     rollout_devices: list[str] = field(default_factory=list)  # local: one per replica ("cuda:0", ...)
-    rollout_addresses: list[str] = field(default_factory=list)  # remote
+    rollout_addresses: list[str] = field(default_factory=list)  # remote; empty: wait for registrations
     reward_addresses: list[str] = field(default_factory=list)  # remote
     trainer_address: str = ""  # remote
-    start_timeout_s: float = 300.0  # how long a service may take to answer READY
+    restarts: int = 3  # local: times a rollout or reward replica process that died is started again
+    heartbeat_interval_s: float = 2.0  # how often registered replicas send a heartbeat
+    lost_after_s: float = 20.0  # no heartbeat for this long: the replica is lost, its work goes elsewhere
+    start_timeout_s: float = 300.0  # how long a service may take to answer READY (or to register)
     request_timeout_s: float = 600.0  # one Generate / TrainStep / LoadWeights call
     reward_timeout_s: float = 120.0  # one image's score; a timed-out image is retried elsewhere
 
@@ -186,12 +193,22 @@ class LaunchConfig:
                 f"launch.rollout_devices has {len(self.rollout_devices)} entries for "
                 f"launch.rollout_replicas={self.rollout_replicas}: give one device per replica"
             )
-        if self.launcher == "remote" and not (
-            self.rollout_addresses and self.reward_addresses and self.trainer_address
+        given = [bool(self.rollout_addresses), bool(self.reward_addresses), bool(self.trainer_address)]
+        if self.launcher == "remote" and any(given) and not all(given):
+            raise ValueError(
+                "launch.launcher=remote takes either all of launch.rollout_addresses, "
+                "launch.reward_addresses and launch.trainer_address (host:port of running `flowgrpo "
+                "serve` services) or none of them (the services register: start them with "
+                "coordinator=HOST:PORT of this coordinator's server)"
+            )
+        if (
+            self.restarts < 0
+            or self.heartbeat_interval_s <= 0
+            or self.lost_after_s < 2 * self.heartbeat_interval_s
         ):
             raise ValueError(
-                "launch.launcher=remote needs launch.rollout_addresses, launch.reward_addresses and "
-                "launch.trainer_address (host:port of running `flowgrpo serve` services)"
+                f"launch.restarts={self.restarts} must be >= 0 and launch.lost_after_s={self.lost_after_s:g} "
+                f"at least twice launch.heartbeat_interval_s={self.heartbeat_interval_s:g} (> 0)"
             )
 
 
@@ -205,6 +222,9 @@ class RunConfig:
     advantages: AdvantageConfig = field(default_factory=AdvantageConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    # the coordinator's own gRPC server (registry, run status): server.host=0.0.0.0 server.port=50050
+    # in a container; the default, loopback on a free port, suits the local launcher
+    server: ServerConfig = field(default_factory=ServerConfig)
     # the services' own sections; an empty `checkpoint` follows model.checkpoint
     rollout: EngineConfig = field(default_factory=EngineConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -259,6 +279,17 @@ def load_run_config(recipe: str | Path | None, overrides: list[str] | tuple[str,
     if not cfg.run_dir:
         cfg = replace(cfg, run_dir=str(Path("runs") / cfg.name))
     return cfg
+
+
+def read_recipe_sections(recipe: str | Path) -> RunConfig:
+    """A recipe without the run-level checks (``flowgrpo serve ROLE --recipe``: a service takes
+    only its own section, validated as that service's config)."""
+    try:
+        data = yaml.safe_load(Path(recipe).read_text()) or {}
+        cfg = from_dict(RunConfig, data)
+    except (yaml.YAMLError, ConfigError) as error:
+        raise ConfigError(f"{recipe}: {error}") from None
+    return cfg if cfg.run_dir else replace(cfg, run_dir=str(Path("runs") / cfg.name))
 
 
 def with_checkpoint(cfg: RunConfig, checkpoint: str) -> RunConfig:

@@ -5,14 +5,17 @@ says whether another replica may take the work."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
 
 from flowgrpo.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2_grpc, trainer_pb2_grpc
+
+T = TypeVar("T")
 
 # Statuses after which the same request may succeed on another replica (or later on this one).
 RETRYABLE = {
@@ -47,16 +50,44 @@ class Replica:
     busy: int = 0  # calls in flight from the coordinator (load balancing)
     failures: int = 0  # consecutive failed calls (reward replicas: the back-off grows with them)
     retry_at: float = 0.0  # time.monotonic() before which a failed reward replica is not tried
+    policy_version: int = -1  # rollouts: the weights it holds, as far as the coordinator knows
+    lost: asyncio.Event = field(default_factory=asyncio.Event)  # set: its calls end now
+    lost_reason: str = ""
+
+    def lose(self, reason: str) -> None:
+        """The registry lost it (heartbeats stopped, or it left): its calls in flight fail now as
+        retryable, and it gets no more work."""
+        self.healthy = False
+        self.lost_reason = reason
+        self.lost.set()
+
+    async def _unless_lost(self, what: str, call: Awaitable[T]) -> T:
+        """``call``, or a retryable :class:`ReplicaError` as soon as the replica is lost."""
+        task = asyncio.ensure_future(call)
+        lost = asyncio.ensure_future(self.lost.wait())
+        try:
+            await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            lost.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        raise ReplicaError(self.replica_id, what, self.lost_reason, retryable=True)
 
     async def unary(self, method: str, request: Any, timeout_s: float) -> Any:
         try:
             if self.in_process:
                 return await getattr(self.target, method)(request, None)
-            return await getattr(self.target, method)(request, timeout=timeout_s)
+            return await self._unless_lost(method, getattr(self.target, method)(request, timeout=timeout_s))
         except grpc.aio.AioRpcError as error:
             raise ReplicaError(
                 self.replica_id, method, f"{error.code().name}: {error.details()}", error.code() in RETRYABLE
             ) from None
+        except ReplicaError:
+            raise
         except Exception as error:  # in process: the service's own exception
             code = getattr(error, "code", None)
             retryable = code in RETRYABLE if isinstance(code, grpc.StatusCode) else False
@@ -73,15 +104,19 @@ class Replica:
             for request in requests:
                 yield request
 
+        async def collect(stream: AsyncIterator[reward_pb2.ScoreResult]) -> list[reward_pb2.ScoreResult]:
+            return [r async for r in stream]
+
         try:
             if self.in_process:
-                return [r async for r in self.target.Score(feed(), None)]
-            call = self.target.Score(feed(), timeout=timeout_s)
-            return [r async for r in call]
+                return await collect(self.target.Score(feed(), None))
+            return await self._unless_lost("Score", collect(self.target.Score(feed(), timeout=timeout_s)))
         except grpc.aio.AioRpcError as error:
             raise ReplicaError(
                 self.replica_id, "Score", f"{error.code().name}: {error.details()}", error.code() in RETRYABLE
             ) from None
+        except ReplicaError:
+            raise
         except Exception as error:
             raise ReplicaError(self.replica_id, "Score", f"{type(error).__name__}: {error}", False) from error
 

@@ -6,14 +6,21 @@
 - ``inprocess``: the four roles as actors in this process, called through their mailboxes (no
   sockets between them; the bus short-cuts to the local stores). The reference the distributed
   run must match.
-- ``remote``: services already running (``flowgrpo serve``, compose, Kubernetes) at the given
-  addresses; only handshakes.
+- ``remote``: services already running (``flowgrpo serve``, compose, Kubernetes): at the given
+  addresses, or, without addresses, those that register with this coordinator (their
+  ``coordinator=HOST:PORT``) until the configured replica counts are there; only handshakes.
+
+In ``local`` the replicas also register with the coordinator and send heartbeats (a hung replica
+is found without waiting for a call's deadline), and a rollout or reward process that dies is
+started again (``launch.restarts`` times): it registers and rejoins the run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -28,12 +35,15 @@ from flowgrpo.columns import COLUMNS, StageSpec, check_pipeline
 from flowgrpo.config import dump_yaml
 from flowgrpo.runtime import open_channel, wait_ready
 from flowgrpo.runtime.config import ServerConfig
-from flowgrpo.services.coordinator.config import RunConfig
+from flowgrpo.services.coordinator.config import RunConfig, with_checkpoint
 from flowgrpo.services.coordinator.handles import STUBS, Replica
+from flowgrpo.services.coordinator.registry import CoordinatorService
 from flowgrpo.services.reward.config import RewardServiceConfig
 from flowgrpo.services.rollout.config import RolloutServiceConfig
 from flowgrpo.services.trainer.config import TrainerServiceConfig
 from flowgrpo.v1 import common_pb2
+
+log = logging.getLogger(__name__)
 
 # What the coordinator itself puts in (prompt ids) and produces (advantages), around the services.
 COORDINATOR_INPUTS = ("prompt_ids",)
@@ -54,43 +64,58 @@ class Services:
         self._stop.clear()
 
 
-def service_configs(cfg: RunConfig) -> dict[str, Any]:
-    """Each replica's service config (replica id -> config), from the run config."""
-    run_dir = Path(cfg.run_dir).resolve()
-    trainer = cfg.trainer
-    if not trainer.checkpoint_dir:
-        trainer = replace(trainer, checkpoint_dir=str(run_dir / "checkpoints"))
-    common: dict[str, Any] = {"run_dir": str(run_dir), "log_format": "text"}
+def role_config(cfg: RunConfig, role: str, **process: Any) -> Any:
+    """The service config of one ``role`` replica from the run config: its section of the recipe
+    (``rollout``, ``reward`` + ``reward_stream``, ``trainer``) with ``model.checkpoint`` where the
+    section names none. ``process``: the ServiceProcessConfig fields (server, replica_id, run_dir,
+    coordinator, ...). What ``flowgrpo serve ROLE --recipe RECIPE`` runs, and each ``local`` replica."""
+    if cfg.model.checkpoint:
+        cfg = with_checkpoint(cfg, cfg.model.checkpoint)
+    if role == "rollout":
+        return RolloutServiceConfig(rollout=cfg.rollout, **process)
+    if role == "reward":
+        return RewardServiceConfig(reward=cfg.reward, stream=cfg.reward_stream, **process)
+    if role == "trainer":
+        trainer = cfg.trainer
+        if not trainer.checkpoint_dir:  # beside the run's other outputs
+            trainer = replace(trainer, checkpoint_dir=str(Path(cfg.run_dir).resolve() / "checkpoints"))
+        return TrainerServiceConfig(trainer=trainer, **process)
+    raise ValueError(f"no service role {role!r}: one of rollout, reward, trainer")
 
-    def server(replica: str) -> ServerConfig:
-        return ServerConfig(port=0, ready_file=str(run_dir / "services" / f"{replica}.ready.json"))
+
+def service_configs(cfg: RunConfig, coordinator: str = "") -> dict[str, Any]:
+    """Each replica's service config (replica id -> config) for the ``local`` and ``inprocess``
+    launchers; ``coordinator``: the address they register with."""
+    run_dir = Path(cfg.run_dir).resolve()
+
+    def process(replica: str) -> dict[str, Any]:
+        ready = str(run_dir / "services" / f"{replica}.ready.json")
+        return {"server": ServerConfig(port=0, ready_file=ready), "replica_id": replica,
+                "run_dir": str(run_dir), "log_format": "text", "coordinator": coordinator}  # fmt: skip
 
     out: dict[str, Any] = {}
     for i in range(cfg.launch.rollout_replicas):
-        rid = f"rollout-{i}"
-        engine = cfg.rollout
+        config = role_config(cfg, "rollout", **process(f"rollout-{i}"))
         if cfg.launch.rollout_devices:
-            engine = replace(engine, device=cfg.launch.rollout_devices[i])
-        out[rid] = RolloutServiceConfig(server=server(rid), replica_id=rid, rollout=engine, **common)
+            config = replace(config, rollout=replace(config.rollout, device=cfg.launch.rollout_devices[i]))
+        out[f"rollout-{i}"] = config
     for i in range(cfg.launch.reward_replicas):
-        rid = f"reward-{i}"
-        out[rid] = RewardServiceConfig(
-            server=server(rid), replica_id=rid, reward=cfg.reward, stream=cfg.reward_stream, **common
-        )
-    out["trainer"] = TrainerServiceConfig(
-        server=server("trainer"), replica_id="trainer", trainer=trainer, **common
-    )
+        out[f"reward-{i}"] = role_config(cfg, "reward", **process(f"reward-{i}"))
+    out["trainer"] = role_config(cfg, "trainer", **process("trainer"))
     return out
 
 
-async def launch(cfg: RunConfig) -> Services:
+async def launch(cfg: RunConfig, registry: CoordinatorService) -> Services:
+    """Start (or find) the run's services; ``registry`` is the coordinator's, already serving."""
     if cfg.launch.launcher == "inprocess":
-        services = await _launch_inprocess(cfg)
+        services = await _launch_inprocess(cfg, registry)
     elif cfg.launch.launcher == "local":
-        services = await _launch_local(cfg)
-    else:
+        services = await _launch_local(cfg, registry.grpc_address)
+    elif cfg.launch.trainer_address:
         services = await _connect(cfg, cfg.launch.rollout_addresses, cfg.launch.reward_addresses,
                                   cfg.launch.trainer_address)  # fmt: skip
+    else:
+        services = await _connect(cfg, *await _registered(cfg, registry))
     try:
         check_services(services)
     except BaseException:
@@ -119,7 +144,7 @@ def check_services(services: Services) -> None:
 # --- in process ---------------------------------------------------------------------------------
 
 
-async def _launch_inprocess(cfg: RunConfig) -> Services:
+async def _launch_inprocess(cfg: RunConfig, registry: CoordinatorService) -> Services:
     from flowgrpo.services.reward.service import RewardService
     from flowgrpo.services.rollout.service import RolloutService
     from flowgrpo.services.trainer.service import TrainerService
@@ -133,7 +158,10 @@ async def _launch_inprocess(cfg: RunConfig) -> Services:
             await actor.launch()
             services._stop.append(actor.shutdown)
             replica = Replica(role, rid, "inprocess", actor, in_process=True)
-            services.infos.append(actor.info())
+            info = actor.info()
+            services.infos.append(info)
+            info.grpc_address = "inprocess"
+            registry.join(info, beats=False)  # listed by RunStatus; actors here send no heartbeats
             _place(services, replica)
     except BaseException:
         await services.shutdown()
@@ -153,12 +181,12 @@ def _place(services: Services, replica: Replica) -> None:
 # --- local processes ----------------------------------------------------------------------------
 
 
-async def _launch_local(cfg: RunConfig) -> Services:
+async def _launch_local(cfg: RunConfig, coordinator: str) -> Services:
     run_dir = Path(cfg.run_dir).resolve()
     (run_dir / "services").mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     procs: dict[str, subprocess.Popen[bytes]] = {}
-    configs = service_configs(cfg)
+    configs = service_configs(cfg, coordinator)
     timeout = cfg.launch.start_timeout_s
     try:
         for rid, config in configs.items():
@@ -171,12 +199,33 @@ async def _launch_local(cfg: RunConfig) -> Services:
     rollouts = [a for r, a in by_id.items() if r.startswith("rollout")]
     rewards = [a for r, a in by_id.items() if r.startswith("reward")]
     services = await _connect(cfg, rollouts, rewards, by_id["trainer"])
+    supervisor = asyncio.create_task(_supervise(procs, configs, run_dir, cfg.launch.restarts))
 
     async def stop_processes() -> None:
-        await asyncio.to_thread(_terminate, procs.values(), 60.0)
+        supervisor.cancel()
+        await asyncio.gather(supervisor, return_exceptions=True)
+        await asyncio.to_thread(_terminate, list(procs.values()), 60.0)
 
     services._stop.insert(0, stop_processes)
     return services
+
+
+async def _supervise(
+    procs: dict[str, subprocess.Popen[bytes]], configs: dict[str, Any], run_dir: Path, restarts: int
+) -> None:
+    """Start a rollout or reward process that died again (``restarts`` times each); the new one
+    registers with the coordinator and rejoins. A dead trainer is not restarted: the run stops
+    and resumes from its checkpoint."""
+    started = dict.fromkeys(procs, 0)
+    while True:
+        await asyncio.sleep(0.5)
+        for rid, proc in list(procs.items()):
+            if rid == "trainer" or proc.poll() is None or started[rid] >= restarts:
+                continue
+            started[rid] += 1
+            log.warning("%s exited with status %s; starting it again (%d of launch.restarts=%d); see %s", rid,
+                        proc.returncode, started[rid], restarts, run_dir / "logs" / f"{rid}.log")  # fmt: skip
+            procs[rid] = _spawn(rid, configs[rid], run_dir, 1)
 
 
 def _spawn(rid: str, config: Any, run_dir: Path, nproc: int) -> subprocess.Popen[bytes]:
@@ -239,6 +288,41 @@ def _tail(path: Path, lines: int = 30) -> str:
 
 
 # --- already running ----------------------------------------------------------------------------
+
+
+async def _registered(cfg: RunConfig, registry: CoordinatorService) -> tuple[list[str], list[str], str]:
+    """The addresses of the replicas that registered, once ``launch.rollout_replicas`` rollouts,
+    ``launch.reward_replicas`` rewards and a trainer have (more may join later)."""
+    want = {"rollout": cfg.launch.rollout_replicas, "reward": cfg.launch.reward_replicas, "trainer": 1}
+    deadline = time.monotonic() + cfg.launch.start_timeout_s
+    log.info("waiting for %s to register at %s", _counts(want), registry.grpc_address)
+    while True:
+        have = {role: registry.up(role) for role in want}
+        if all(len(have[role]) >= n for role, n in want.items()):
+            break
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            got = "; ".join(
+                f"{role}: {', '.join(i.replica_id for i in have[role]) or 'none'}" for role in want
+            )
+            raise TimeoutError(
+                f"launch.launcher=remote waited launch.start_timeout_s={cfg.launch.start_timeout_s:.0f} s "
+                f"for {_counts(want)} to register at {registry.grpc_address}; registered: {got}. Start the "
+                "services with coordinator=<this address>, or lower launch.rollout_replicas / reward_replicas"
+            )
+        registry.changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(registry.changed.wait(), timeout=min(remaining, 1.0))
+    if len(have["trainer"]) > 1:
+        raise RuntimeError(
+            f"more than one trainer registered: {', '.join(i.replica_id for i in have['trainer'])}"
+        )
+    return ([i.grpc_address for i in have["rollout"]], [i.grpc_address for i in have["reward"]],
+            have["trainer"][0].grpc_address)  # fmt: skip
+
+
+def _counts(want: dict[str, int]) -> str:
+    return ", ".join(f"{n} {role}{'s' if n > 1 else ''}" for role, n in want.items())
 
 
 async def _connect(cfg: RunConfig, rollouts: Sequence[str], rewards: Sequence[str], trainer: str) -> Services:

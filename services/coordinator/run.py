@@ -3,8 +3,11 @@
 the new weights on every rollout replica -> the next step.
 
 One step's work is keyed by prompt group. A rollout replica that fails (or stops answering
-within the deadline) is given up (it might hold stale weights) and its groups go to another
-replica; a reward replica is tried again after a back-off (scoring holds no state). No group is
+within the deadline, or stops sending heartbeats to the registry) is taken out of the pool and
+its groups go to another replica; when it registers again (restarted by the launcher, compose or
+Kubernetes) its weights are brought up to date before it gets work. A reward replica is tried
+again after a back-off (scoring holds no state). Replicas that register mid-run join the pool
+(scaling up). No group is
 lost or counted twice, because a group's samples are only used once all of them are back and
 scored, and a regenerated group replaces the failed attempt (noise is a function of (seed, step,
 uid, index), so any replica draws the same samples). A trainer failure stops the run; the run resumes from
@@ -20,15 +23,18 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import grpc.aio
 import numpy as np
 from opentelemetry import trace
 
 from flowgrpo.bus import BusClient, BusConfig, TensorRef, TensorStore
 from flowgrpo.data import PromptRow, PromptSplit
+from flowgrpo.runtime import open_channel, wait_ready
 from flowgrpo.services.coordinator.advantages import group_advantages
 from flowgrpo.services.coordinator.config import RunConfig
-from flowgrpo.services.coordinator.handles import Replica, ReplicaError
+from flowgrpo.services.coordinator.handles import STUBS, Replica, ReplicaError
 from flowgrpo.services.coordinator.outputs import RunOutputs, RunState
+from flowgrpo.services.coordinator.registry import CoordinatorService
 from flowgrpo.v1 import common_pb2, reward_pb2, rollout_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)
@@ -82,6 +88,7 @@ class Coordinator:
         trainer: Replica,
         store: TensorStore,
         outputs: RunOutputs,
+        registry: CoordinatorService,
         test: PromptSplit | None = None,
     ) -> None:
         self.config = config
@@ -96,7 +103,11 @@ class Coordinator:
         self.outputs = outputs
         self.client = BusClient(BusConfig())  # sampled images for the outputs' grids
         self.state = RunState()
-        self.counters = {"retries": 0, "dropped_groups": 0, "stale_groups": 0}
+        self.registry = registry  # replicas register, beat and leave there; events come to _follow_members
+        self.counters = {"retries": 0, "dropped_groups": 0, "stale_groups": 0, "rejoins": 0}
+        self.current_update: common_pb2.WeightUpdate | None = None  # what a (re)joining rollout loads
+        self._weights = asyncio.Lock()  # one weight load at a time: no replica ends on an older version
+        self._channels: list[grpc.aio.Channel] = []  # to replicas that joined during the run
         self._next_reward = 0
         self._zero_std = 0.0
         self._last_step_end = time.perf_counter()
@@ -114,6 +125,9 @@ class Coordinator:
         await self._resume()
         history = []
         sched = self.config.schedule
+        self.registry.steps, self.registry.schedule = sched.steps, sched.mode
+        self.registry.report(self.state.step, self.state.policy_version, {})
+        follow = asyncio.create_task(self._follow_members(), name="registry events")
         self._last_step_end = time.perf_counter()
         ahead = sched.staleness if sched.mode == "async" else 0
         drawing: dict[int, asyncio.Task[tuple[list[Group], dict[str, float]]]] = {}
@@ -131,8 +145,11 @@ class Coordinator:
                 if last or (sched.save_every and self.state.step % sched.save_every == 0):
                     await self.save()
         finally:
-            for task in drawing.values():
+            for task in [*drawing.values(), follow]:
                 task.cancel()
+            await asyncio.gather(follow, return_exceptions=True)
+            for channel in self._channels:
+                await channel.close()
             self.client.close()
         return history
 
@@ -217,6 +234,7 @@ class Coordinator:
         self.state.step, self.state.cursor = step, step * self.config.data.prompts_per_step
         self.state.policy_version = response.update.policy_version
         metrics = self._step_metrics(groups, response, timing, self._since_last_step())
+        self.registry.report(step, self.state.policy_version, metrics)
         self.outputs.log("train", step, metrics)
         self.outputs.say(_progress_line(step, self.config.schedule.steps, metrics))
         return metrics
@@ -347,25 +365,26 @@ class Coordinator:
     async def _next_reward_replica(self, give_up: float) -> Replica:
         while True:
             now = time.monotonic()
-            ready = [r for r in self.rewards if r.retry_at <= now]
+            live = self._healthy(self.rewards)  # lost or left ones are out until they register again
+            ready = [r for r in live if r.retry_at <= now]
             if ready:
                 replica = ready[self._next_reward % len(ready)]
                 self._next_reward += 1
                 return replica
-            wake = min(r.retry_at for r in self.rewards)
+            wake = min((r.retry_at for r in live), default=now + 1.0)  # none live: one may register
             if wake > give_up:
-                failed = ", ".join(f"{r.replica_id} ({r.failures} failures)" for r in self.rewards)
+                failed = ", ".join(_describe(r) for r in self.rewards)
                 raise RunError(
                     f"no reward replica answered within launch.request_timeout_s="
                     f"{self.config.launch.request_timeout_s:.0f} s: {failed}; see their logs"
                 )
-            log.warning("every reward replica failed recently; waiting %.1f s for the next retry", wake - now)
+            log.warning("no reward replica can take work now; looking again in %.1f s", wake - now)
             await asyncio.sleep(wake - now)
 
     async def _on_some_replica(self, replicas: list[Replica], method: str, request: object) -> object:
         """``method`` on the least busy healthy replica; on a replica failure, on another."""
         while True:
-            replica = min(self._healthy(replicas), key=lambda r: r.busy)
+            replica = await self._pick(replicas)
             replica.busy += 1
             try:
                 return await replica.unary(method, request, self.config.launch.request_timeout_s)
@@ -377,18 +396,28 @@ class Coordinator:
     def _failed(self, replica: Replica, error: ReplicaError) -> None:
         if not error.retryable:
             raise RunError(str(error)) from error
-        replica.healthy = False
+        replica.lose(f"failed: {error}")
         self.counters["retries"] += 1
         log.warning("%s; its work goes to another replica", error)
 
-    def _healthy(self, replicas: list[Replica]) -> list[Replica]:
-        healthy = [r for r in replicas if r.healthy]
-        if not healthy:
-            role = replicas[0].role if replicas else "?"
-            raise RunError(
-                f"no healthy {role} replica left ({', '.join(r.replica_id for r in replicas)} failed)"
-            )
-        return healthy
+    @staticmethod
+    def _healthy(replicas: list[Replica]) -> list[Replica]:
+        return [r for r in replicas if r.healthy]
+
+    async def _pick(self, replicas: list[Replica]) -> Replica:
+        """The least busy healthy replica. When none is left, one may still register again (a
+        restarted process, a rescheduled pod): wait up to ``launch.start_timeout_s`` for it."""
+        wait_s = self.config.launch.start_timeout_s
+        deadline = time.monotonic() + wait_s
+        while not (healthy := self._healthy(replicas)):
+            if time.monotonic() > deadline:
+                role = replicas[0].role if replicas else "?"
+                raise RunError(
+                    f"no healthy {role} replica left ({', '.join(_describe(r) for r in replicas)}) and "
+                    f"none registered again within launch.start_timeout_s={wait_s:.0f} s; see their logs"
+                )
+            await asyncio.sleep(0.2)
+        return min(healthy, key=lambda r: r.busy)
 
     # --- training and weights ------------------------------------------------------------------
 
@@ -421,17 +450,85 @@ class Coordinator:
             ) from error
 
     async def _load_weights(self, update: common_pb2.WeightUpdate) -> None:
-        request = rollout_pb2.LoadWeightsRequest(update=update)
-        timeout = self.config.launch.request_timeout_s
-        results = await asyncio.gather(
-            *(r.unary("LoadWeights", request, timeout) for r in self._healthy(self.rollouts)),
-            return_exceptions=True,
-        )
-        for replica, result in zip(self._healthy(self.rollouts), results, strict=True):
+        async with self._weights:
+            self.current_update = update
+            replicas = self._healthy(self.rollouts)
+            results = await asyncio.gather(
+                *(self._load_into(r, update) for r in replicas), return_exceptions=True
+            )
+        for replica, result in zip(replicas, results, strict=True):
             if isinstance(result, ReplicaError):
                 self._failed(replica, result)
             elif isinstance(result, BaseException):
                 raise result
+
+    async def _load_into(self, replica: Replica, update: common_pb2.WeightUpdate) -> None:
+        request = rollout_pb2.LoadWeightsRequest(update=update)
+        await replica.unary("LoadWeights", request, self.config.launch.request_timeout_s)
+        replica.policy_version = update.policy_version
+
+    # --- the registry's events -----------------------------------------------------------------
+
+    async def _follow_members(self) -> None:
+        """Apply what the registry saw: lost or departed replicas leave the pool (their calls in
+        flight fail now and are re-dispatched), registered ones (back, or new) join it."""
+        while True:
+            event = await self.registry.events.get()
+            try:
+                if event.kind == "joined":
+                    await self._join(event.info)
+                else:
+                    self._lose(
+                        event.info, "stopped sending heartbeats" if event.kind == "lost" else "left the run"
+                    )
+            except Exception as error:  # one replica's trouble must not stop the others' events
+                log.warning("%s %s: could not take it into the run: %s", event.info.role,
+                            event.info.replica_id, error)  # fmt: skip
+
+    def _pool(self, role: str) -> list[Replica]:
+        return {"rollout": self.rollouts, "reward": self.rewards, "trainer": [self.trainer]}[role]
+
+    def _lose(self, info: common_pb2.ServiceInfo, reason: str) -> None:
+        for replica in self._pool(info.role):
+            if replica.replica_id == info.replica_id and replica.address == info.grpc_address:
+                replica.lose(reason)
+                log.warning(
+                    "%s %s %s; its work goes to the other replicas", info.role, info.replica_id, reason
+                )
+
+    async def _join(self, info: common_pb2.ServiceInfo) -> None:
+        pool = self._pool(info.role)
+        known = next((r for r in pool if r.replica_id == info.replica_id), None)
+        if known is not None and known.healthy and known.address == info.grpc_address:
+            return  # the launcher connected it already
+        if info.role == "trainer":
+            log.warning("trainer %s registered at %s; a run keeps the trainer it started with",
+                        info.replica_id, info.grpc_address)  # fmt: skip
+            return
+        channel = open_channel(info.grpc_address)
+        self._channels.append(channel)
+        timeout = self.config.launch.start_timeout_s
+        await wait_ready(info.grpc_address, role=info.role, timeout_s=timeout, channel=channel,
+                         client_role="coordinator")  # fmt: skip
+        replica = Replica(info.role, info.replica_id, info.grpc_address, STUBS[info.role](channel))
+        replica.policy_version = info.policy_version
+        if info.role == "rollout":
+            await self._catch_up(replica)
+        if known is not None:
+            known.lose("replaced by its new registration")
+            pool[pool.index(known)] = replica
+            self.counters["rejoins"] += 1
+        else:
+            pool.append(replica)
+        self.outputs.say(f"  {info.role} {info.replica_id} {'rejoined' if known else 'joined'} the run "
+                         f"at {info.grpc_address} (policy version {replica.policy_version})")  # fmt: skip
+
+    async def _catch_up(self, replica: Replica) -> None:
+        """Load the current weights into a rollout replica before it takes work."""
+        async with self._weights:
+            update = self.current_update
+            if update is not None and replica.policy_version != update.policy_version:
+                await self._load_into(replica, update)
 
     async def _release(self, tag: str) -> None:
         request = rollout_pb2.ReleaseRequest(tags=[tag])
@@ -488,6 +585,7 @@ class Coordinator:
             "critic/rewards/zero_std_ratio": self._zero_std,
             "coordinator/dropped_groups": float(self.counters["dropped_groups"]),
             "coordinator/retries": float(self.counters["retries"]),
+            "coordinator/rejoins": float(self.counters["rejoins"]),
             "coordinator/stale_groups": float(self.counters["stale_groups"]),
             "policy_version": float(response.update.policy_version),
             "timing_s/step": wall,
@@ -502,9 +600,14 @@ class Coordinator:
 
 
 def _split(groups: list[Group], parts: int) -> list[list[Group]]:
-    """Contiguous, near-equal chunks (empty chunks dropped)."""
-    size = -(-len(groups) // parts)
+    """Contiguous, near-equal chunks (empty chunks dropped); one chunk when ``parts`` is 0."""
+    size = -(-len(groups) // max(parts, 1))
     return [groups[i : i + size] for i in range(0, len(groups), size)]
+
+
+def _describe(replica: Replica) -> str:
+    why = replica.lost_reason or ("failed" if not replica.healthy else f"{replica.failures} failures")
+    return f"{replica.replica_id} ({why})"
 
 
 def _progress_line(step: int, steps: int, m: dict[str, float]) -> str:

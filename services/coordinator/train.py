@@ -12,6 +12,7 @@ import asyncio
 import logging
 import subprocess
 import sys
+import uuid
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,14 @@ from typing import Any
 from flowgrpo.bus import BusConfig, serve_store
 from flowgrpo.data import load_split
 from flowgrpo.data.prepare import PrepareOptions, prepare_dataset
+from flowgrpo.runtime import Service, ServiceServer
 from flowgrpo.services.coordinator.config import RunConfig, with_checkpoint
 from flowgrpo.services.coordinator.launch import launch
 from flowgrpo.services.coordinator.outputs import RunOutputs
+from flowgrpo.services.coordinator.registry import CoordinatorService
 from flowgrpo.services.coordinator.run import Coordinator, reward_summary
 from flowgrpo.telemetry import setup_tracing, shutdown_tracing
+from flowgrpo.v1 import coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +81,23 @@ async def train_async(cfg: RunConfig, progress: Any = sys.stderr) -> list[dict[s
         f"run {cfg.name}: {len(split)} training prompts, {cfg.launch.launcher} launcher, {cfg.run_dir}"
     )
     store = serve_store(BusConfig())
+    registry = CoordinatorService(
+        run_id=f"{cfg.name}-{uuid.uuid4().hex[:8]}",
+        heartbeat_interval_s=cfg.launch.heartbeat_interval_s,
+        lost_after_s=cfg.launch.lost_after_s,
+    )
+    ready_file = Path(cfg.run_dir).resolve() / "services" / "coordinator.ready.json"
+    server = ServiceServer(registry, replace(cfg.server, ready_file=str(ready_file)), [
+        Service("flowgrpo.v1.Coordinator", registry, coordinator_pb2_grpc.add_CoordinatorServicer_to_server)
+    ])  # fmt: skip
     try:
-        services = await launch(cfg)
+        outputs.say(
+            f"coordinator at {await server.start()} (replicas register here; flowgrpo status reads it)"
+        )
+        services = await launch(cfg, registry)
         try:
             coordinator = Coordinator(cfg, split, services.rollouts, services.rewards, services.trainer,
-                                      store.store, outputs, test)  # fmt: skip
+                                      store.store, outputs, registry, test)  # fmt: skip
             history = await coordinator.run()
             if summary := reward_summary(history):
                 outputs.say(summary)
@@ -89,6 +105,8 @@ async def train_async(cfg: RunConfig, progress: Any = sys.stderr) -> list[dict[s
         finally:
             await services.shutdown()
     finally:
+        if server.address:
+            await server.stop(0)
         store.close()
         outputs.close()
         shutdown_tracing()

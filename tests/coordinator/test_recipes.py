@@ -314,9 +314,13 @@ BAD_OVERRIDES = {
         ["schedule.mode=async", "trainer.loss.logp_old=bypass"],
         ["schedule.mode=async", "needs trainer.loss.logp_old=recompute"],
     ),
-    "remote without addresses": (
-        ["launch.launcher=remote"],
-        ["launcher=remote", "launch.rollout_addresses", "launch.reward_addresses", "launch.trainer_address"],
+    "remote with some addresses": (
+        ["launch.launcher=remote", "launch.trainer_address=10.0.0.1:50051"],
+        ["launcher=remote", "launch.rollout_addresses", "launch.reward_addresses", "coordinator=HOST:PORT"],
+    ),
+    "heartbeats": (
+        ["launch.heartbeat_interval_s=5", "launch.lost_after_s=6"],
+        ["launch.lost_after_s=6", "twice launch.heartbeat_interval_s=5"],
     ),
     "rollout devices count": (
         ["launch.rollout_devices=[cuda:2]"],

@@ -142,25 +142,42 @@ def test_local_processes_with_two_rollouts_equal_the_inprocess_run(
     assert f"checkpointed at step {STEPS}" in report and f"last validation (step {STEPS})" in report
 
 
-def test_a_killed_rollout_replica_loses_no_group(
+def test_a_killed_rollout_replica_loses_no_group_and_rejoins_with_the_current_weights(
     reference: list[dict[str, float]], tiny: Path, tmp_path: Path
 ) -> None:
-    proc = start(tmp_path, tiny, "launch.launcher=local", "launch.rollout_replicas=2")
+    """SIGKILL of one of two rollout replicas after step 1: its work goes to the other; the
+    launcher starts it again, it registers, loads the current weights and takes work again. Two
+    more steps than the reference leave time for the restart (a few seconds on 2 cores)."""
+    proc = start(tmp_path, tiny, "launch.launcher=local", "launch.rollout_replicas=2",
+                 f"schedule.steps={STEPS + 2}")  # fmt: skip
     wait_for_step(tmp_path, 1, proc)
+    first_pid = json.loads((tmp_path / "services" / "rollout-1.ready.json").read_text())["pid"]
     kill(tmp_path, "rollout-1")
-    finish(proc)
+    stderr = finish(proc)
     metrics = read_metrics(tmp_path)
-    assert [r["step"] for r in metrics] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in metrics] == list(range(1, STEPS + 3))
     assert all(r["trainer/samples"] == SAMPLES and r["coordinator/dropped_groups"] == 0 for r in metrics)
     assert metrics[-1]["coordinator/retries"] >= 1  # the dead replica's work went to the other
-    for ours, theirs in zip(metrics, reference, strict=True):  # the same samples, wherever drawn
+    assert metrics[-1]["coordinator/rejoins"] == 1, stderr[-3000:]
+    assert "rollout rollout-1 rejoined the run" in stderr
+    for ours, theirs in zip(metrics, reference, strict=False):  # the same samples, wherever drawn
         assert ours["critic/rewards/mean"] == theirs["critic/rewards/mean"]
+    # the new process served Generate after it caught up (its spans: traces/rollout-<pid>.jsonl)
+    [second] = [
+        path for path in (tmp_path / "traces").glob("rollout-*.jsonl")
+        if path.name != f"rollout-{first_pid}.jsonl" and '"service.instance.id": "rollout-1"' in path.read_text()
+    ]  # fmt: skip
+    spans = [json.loads(line) for line in second.open()]
+    loads = [s["start_ns"] for s in spans if s["name"] == "/flowgrpo.v1.Rollout/LoadWeights"]
+    generates = [s["start_ns"] for s in spans if s["name"] == "rollout.generate"]
+    assert loads and generates and min(loads) < min(generates)
 
 
 def test_a_killed_reward_replica_loses_no_group(
     reference: list[dict[str, float]], tiny: Path, tmp_path: Path
 ) -> None:
-    proc = start(tmp_path, tiny, "launch.launcher=local", "launch.reward_replicas=2")
+    # not started again (launch.restarts=0): the coordinator retries it with back-off, in vain
+    proc = start(tmp_path, tiny, "launch.launcher=local", "launch.reward_replicas=2", "launch.restarts=0")
     wait_for_step(tmp_path, 1, proc)
     kill(tmp_path, "reward-1")  # the replica the next step's scores go to (round robin)
     finish(proc)

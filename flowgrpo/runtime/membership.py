@@ -1,0 +1,102 @@
+"""A replica's membership of a run: register with the coordinator, send heartbeats, leave.
+
+Started by :func:`~flowgrpo.runtime.server.serve` when the service's config names a coordinator
+(``coordinator=host:port``). The replica serves whether or not the coordinator answers: until it
+does, registration is retried every few seconds (a coordinator may start after its replicas, or
+restart). A heartbeat answered with ``known = false`` (the coordinator restarted, or declared this
+replica lost) makes it register again, which is how a replica rejoins a run. On drain it says
+goodbye (``Leave``), so the coordinator stops sending it work before its port closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import cast
+
+import grpc
+import grpc.aio
+
+from flowgrpo.runtime.actor import Actor
+from flowgrpo.runtime.client import open_channel
+from flowgrpo.runtime.config import ClientConfig
+from flowgrpo.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 2.0  # between registration attempts while the coordinator does not answer
+CALL_TIMEOUT_S = 10.0
+
+
+class Membership:
+    """Keeps ``actor`` registered with the coordinator at ``address`` until :meth:`leave`."""
+
+    def __init__(self, actor: Actor, address: str, client: ClientConfig | None = None) -> None:
+        self.actor = actor
+        self.address = address
+        self.run_id = ""
+        self._channel = open_channel(address, client)
+        self._stub = cast(
+            "coordinator_pb2_grpc.CoordinatorAsyncStub", coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        )
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"membership {self.address}")
+
+    async def leave(self, reason: str) -> None:
+        """Stop the heartbeats and say goodbye (best effort: the coordinator may be gone)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self.run_id:
+            request = coordinator_pb2.LeaveRequest(replica_id=self.actor.replica_id, reason=reason)
+            try:
+                await self._stub.Leave(request, timeout=2.0)
+            except grpc.aio.AioRpcError as error:
+                log.info(
+                    "could not say goodbye to the coordinator at %s: %s", self.address, error.code().name
+                )
+        await self._channel.close()
+
+    async def _run(self) -> None:
+        failures = 0
+        while True:
+            try:
+                interval = await self._register()
+                failures = 0
+                while await self._heartbeat(interval):
+                    await asyncio.sleep(interval)
+                log.warning(
+                    "the coordinator at %s no longer knows this replica; registering again", self.address
+                )
+            except grpc.aio.AioRpcError as error:
+                failures += 1
+                if failures == 1 or failures % 30 == 0:  # say it, but not every 2 s
+                    log.warning(
+                        "cannot reach the coordinator at %s (%s: %s); retrying every %.0f s",
+                        self.address, error.code().name, error.details(), RETRY_S,
+                    )  # fmt: skip
+                await asyncio.sleep(RETRY_S)
+
+    async def _register(self) -> float:
+        request = coordinator_pb2.RegisterRequest(info=self.actor.info())
+        response = await self._stub.Register(request, timeout=CALL_TIMEOUT_S)
+        self.run_id = response.run_id
+        log.info("registered with the coordinator at %s (run %s)", self.address, response.run_id)
+        return max(response.heartbeat_interval_s, 0.1)
+
+    async def _heartbeat(self, interval: float) -> bool:
+        request = coordinator_pb2.HeartbeatRequest(
+            replica_id=self.actor.replica_id,
+            policy_version=self.actor.policy_version,
+            in_flight=self.actor.in_flight,
+        )
+        try:
+            response = await self._stub.Heartbeat(request, timeout=max(CALL_TIMEOUT_S, 2 * interval))
+        except grpc.aio.AioRpcError as error:
+            if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                log.warning("heartbeat to %s failed (%s); trying again", self.address, error.code().name)
+                return True  # the next beat may pass; the coordinator decides when we are lost
+            raise
+        return response.known

@@ -1,0 +1,183 @@
+"""The coordinator's gRPC service: the registry of the run's replicas and the run's status.
+
+Replicas started with ``coordinator=host:port`` (compose, Kubernetes, the ``local`` launcher)
+register here, send a heartbeat every ``heartbeat_interval_s`` and leave when they drain. A
+replica whose heartbeats stop for ``lost_after_s`` is declared lost: the run loop cancels its
+calls in flight and sends the work elsewhere, without waiting for the call's own deadline. A
+lost replica that beats again is told it is unknown, registers again and rejoins (the run loop
+first brings its weights up to date). Every change is put on :attr:`events` for the run loop.
+
+Served in the coordinator's process by the same runtime as the services (health, handshake,
+tracing, token), so ``flowgrpo status`` and container probes reach it like any service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from flowgrpo import PROTOCOL_VERSION
+from flowgrpo.runtime import Actor, InvalidArgument, message
+from flowgrpo.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+ROLES = ("rollout", "reward", "trainer")
+
+
+@dataclass
+class Member:
+    info: common_pb2.ServiceInfo
+    state: str = "up"  # "up", "lost", "left"
+    last_seen: float = 0.0  # time.monotonic()
+    joins: int = 1
+    in_flight: int = 0
+    beats: bool = True  # False: an actor in this process (``inprocess``), never lost
+
+
+@dataclass(frozen=True)
+class MemberEvent:
+    kind: str  # "joined" (registered: new, or back), "lost", "left"
+    info: common_pb2.ServiceInfo
+
+
+class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
+    role = "coordinator"
+
+    def __init__(self, run_id: str, heartbeat_interval_s: float = 2.0, lost_after_s: float = 20.0) -> None:
+        super().__init__(replica_id="coordinator")
+        self.run_id = run_id
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.lost_after_s = lost_after_s
+        self.members: dict[str, Member] = {}
+        self.events: asyncio.Queue[MemberEvent] = asyncio.Queue()
+        self.changed = asyncio.Event()  # set on every event; waiters clear it
+        # what RunStatus reports; the run loop sets them after each step
+        self.step = 0
+        self.steps = 0
+        self.schedule = ""
+        self.policy_version = 0
+        self.last_metrics: dict[str, float] = {}
+        self._watchdog: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._watchdog = asyncio.create_task(self._watch(), name="coordinator heartbeat watchdog")
+
+    async def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
+
+    # --- the RPCs ------------------------------------------------------------------------------
+
+    @message
+    async def Register(
+        self, request: coordinator_pb2.RegisterRequest, context: grpc.aio.ServicerContext | None
+    ) -> coordinator_pb2.RegisterResponse:
+        self.join(request.info)
+        return coordinator_pb2.RegisterResponse(
+            run_id=self.run_id, heartbeat_interval_s=self.heartbeat_interval_s
+        )
+
+    @message
+    async def Heartbeat(
+        self, request: coordinator_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext | None
+    ) -> coordinator_pb2.HeartbeatResponse:
+        member = self.members.get(request.replica_id)
+        if member is None or member.state != "up":
+            return coordinator_pb2.HeartbeatResponse(known=False)  # lost or left: register again
+        member.last_seen = time.monotonic()
+        member.info.policy_version = request.policy_version
+        member.in_flight = request.in_flight
+        return coordinator_pb2.HeartbeatResponse(known=True)
+
+    @message
+    async def Leave(
+        self, request: coordinator_pb2.LeaveRequest, context: grpc.aio.ServicerContext | None
+    ) -> coordinator_pb2.LeaveResponse:
+        member = self.members.get(request.replica_id)
+        if member is not None and member.state == "up":
+            member.state = "left"
+            log.info("%s left (%s)", request.replica_id, request.reason or "no reason given")
+            self._emit("left", member.info)
+        return coordinator_pb2.LeaveResponse()
+
+    @message
+    async def RunStatus(
+        self, request: coordinator_pb2.RunStatusRequest, context: grpc.aio.ServicerContext | None
+    ) -> coordinator_pb2.RunStatusResponse:
+        now = time.monotonic()
+        return coordinator_pb2.RunStatusResponse(
+            run_id=self.run_id,
+            step=self.step,
+            steps=self.steps,
+            schedule=self.schedule,
+            policy_version=self.policy_version,
+            replicas=[m.info for m in self.members.values() if m.state == "up"],
+            last_metrics=common_pb2.Metrics(values=self.last_metrics),
+            members=[
+                coordinator_pb2.ReplicaStatus(
+                    info=m.info,
+                    state=m.state,
+                    last_seen_s=now - m.last_seen,
+                    joins=m.joins,
+                    in_flight=m.in_flight,
+                )
+                for m in sorted(self.members.values(), key=lambda m: (m.info.role, m.info.replica_id))
+            ],
+        )
+
+    # --- for the launcher and the run loop (same process) --------------------------------------
+
+    def join(self, info: common_pb2.ServiceInfo, beats: bool = True) -> None:
+        """Register ``info`` (the Register RPC; the ``inprocess`` launcher calls it directly, with
+        ``beats=False``: its actors send no heartbeats)."""
+        if info.protocol_version != PROTOCOL_VERSION:
+            raise InvalidArgument(
+                f"{info.replica_id or '(unnamed)'} speaks {info.protocol_version or '(none)'!r}, this "
+                f"coordinator {PROTOCOL_VERSION!r}: run the same flowgrpo version everywhere"
+            )
+        if info.role not in ROLES or not info.replica_id or not info.grpc_address:
+            raise InvalidArgument(
+                f"a registration needs a role in {ROLES}, a replica_id and a grpc_address; got "
+                f"role={info.role!r} replica_id={info.replica_id!r} grpc_address={info.grpc_address!r}"
+            )
+        known = self.members.get(info.replica_id)
+        if known is not None and known.info.role != info.role:
+            raise InvalidArgument(
+                f"replica id {info.replica_id!r} is already a {known.info.role}; give each replica its own id"
+            )
+        member = Member(info, last_seen=time.monotonic(), joins=known.joins + 1 if known else 1, beats=beats)
+        self.members[info.replica_id] = member
+        log.info(
+            "%s %s registered at %s (join %d)", info.role, info.replica_id, info.grpc_address, member.joins
+        )
+        self._emit("joined", info)
+
+    def up(self, role: str) -> list[common_pb2.ServiceInfo]:
+        return [m.info for m in self.members.values() if m.state == "up" and m.info.role == role]
+
+    def report(self, step: int, policy_version: int, metrics: dict[str, float]) -> None:
+        self.step, self.policy_version, self.last_metrics = step, policy_version, dict(metrics)
+
+    def _emit(self, kind: str, info: common_pb2.ServiceInfo) -> None:
+        self.events.put_nowait(MemberEvent(kind, info))
+        self.changed.set()
+
+    async def _watch(self) -> None:
+        """Declare lost the replicas whose heartbeats stopped."""
+        while True:
+            await asyncio.sleep(min(self.heartbeat_interval_s, self.lost_after_s / 4))
+            now = time.monotonic()
+            for member in self.members.values():
+                if member.beats and member.state == "up" and now - member.last_seen > self.lost_after_s:
+                    member.state = "lost"
+                    log.warning(
+                        "%s %s sent no heartbeat for %.0f s (launch.lost_after_s=%g): declared lost",
+                        member.info.role, member.info.replica_id, now - member.last_seen, self.lost_after_s,
+                    )  # fmt: skip
+                    self._emit("lost", member.info)
