@@ -121,10 +121,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from flowgrpo.services.coordinator.status import status  # type: ignore[import-not-found]
+    from flowgrpo.services.coordinator.status import live_status, status  # type: ignore[import-not-found]
 
+    if bool(args.run_dir) == bool(args.address):
+        print("flowgrpo status: give a run folder or --address HOST:PORT of a coordinator", file=sys.stderr)
+        return 2
     try:
-        print(status(args.run_dir))
+        print(status(args.run_dir) if args.run_dir else live_status(args.address))
     except FileNotFoundError as error:
         print(f"flowgrpo status: {error}", file=sys.stderr)
         return 2
@@ -353,8 +356,14 @@ def build_parser() -> argparse.ArgumentParser:
         "running the same command again resumes from the last checkpoint there."
     )
     train.set_defaults(takes_overrides=True)
-    st = add("status", "where a run stands: run state, last metrics, its service processes", _cmd_status)
-    st.add_argument("run_dir", help="the run folder (run_dir of the recipe, e.g. runs/tiny-demo)")
+    st = add(
+        "status",
+        "where a run stands: run state, last metrics, its service processes, and (while it runs) "
+        "every registered replica as its coordinator sees it",
+        _cmd_status,
+    )
+    st.add_argument("run_dir", nargs="?", help="the run folder (run_dir of the recipe, e.g. runs/tiny-demo)")
+    st.add_argument("--address", help="HOST:PORT of a running coordinator (instead of a run folder)")
     tr = add("trace", "one training step as a waterfall of spans across the services", _cmd_trace)
     tr.add_argument("run_dir", help="the run folder (its traces/ holds every process's spans)")
     tr.add_argument("--step", type=int, required=True, help="the training step to show")

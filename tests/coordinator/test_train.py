@@ -27,7 +27,7 @@ from tensorboard.backend.event_processing.event_file_loader import EventFileLoad
 from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
 from flowgrpo.services.coordinator.config import load_run_config
 from flowgrpo.services.coordinator.outputs import read_metrics
-from flowgrpo.services.coordinator.status import status
+from flowgrpo.services.coordinator.status import live_status, status
 from flowgrpo.services.coordinator.trace import step_spans
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,7 +165,8 @@ def test_a_killed_rollout_replica_loses_no_group_and_rejoins_with_the_current_we
     # the new process served Generate after it caught up (its spans: traces/rollout-<pid>.jsonl)
     [second] = [
         path for path in (tmp_path / "traces").glob("rollout-*.jsonl")
-        if path.name != f"rollout-{first_pid}.jsonl" and '"service.instance.id": "rollout-1"' in path.read_text()
+        if path.name != f"rollout-{first_pid}.jsonl"
+        and '"service.instance.id": "rollout-1"' in path.read_text()
     ]  # fmt: skip
     spans = [json.loads(line) for line in second.open()]
     loads = [s["start_ns"] for s in spans if s["name"] == "/flowgrpo.v1.Rollout/LoadWeights"]
@@ -236,3 +237,64 @@ def test_the_demo_learns(tiny: Path, tmp_path: Path) -> None:
     spread = max(rewards[:4]) - min(rewards[:4])  # step-to-step noise before learning
     assert last - first > 3 * spread, (first, last, spread)  # measured: +1.9e-4 against 2e-5
     assert "mean reward of the first 4 steps" in done.stderr
+
+
+def test_services_started_on_their_own_register_and_a_frozen_one_is_lost_then_rejoins(
+    reference: list[dict[str, float]], tiny: Path, tmp_path: Path
+) -> None:
+    """The deployment shape (compose, Kubernetes): the coordinator (``remote``, no addresses)
+    waits for services started by someone else with ``flowgrpo serve ROLE --recipe RECIPE
+    coordinator=HOST:PORT``. One rollout replica is frozen (SIGSTOP) after step 1: its heartbeats
+    stop, it is declared lost, its call in flight ends at once and the work goes to the other;
+    thawed, it registers again and rejoins with the current weights. Training equals the
+    reference throughout."""
+    beat = ["launch.heartbeat_interval_s=0.5", "launch.lost_after_s=3"]
+    coordinator = start(tmp_path, tiny, "launch.launcher=remote", "launch.rollout_replicas=2",
+                        f"schedule.steps={STEPS + 1}", *beat)  # fmt: skip
+    ready = tmp_path / "services" / "coordinator.ready.json"
+    deadline = time.monotonic() + 120
+    while not ready.is_file():
+        assert coordinator.poll() is None and time.monotonic() < deadline, "the coordinator did not start"
+        time.sleep(0.1)
+    address = json.loads(ready.read_text())["grpc_address"]
+
+    def serve(role: str, replica: str, *overrides: str) -> subprocess.Popen[bytes]:
+        cmd = [sys.executable, "-m", "flowgrpo.cli", "serve", role, "--recipe", str(RECIPE),
+               f"coordinator={address}", f"replica_id={replica}", f"run_dir={tmp_path}", "log_format=text",
+               *overrides]  # fmt: skip
+        log = (tmp_path / f"{replica}.log").open("wb")
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+    services = [
+        serve("rollout", "rollout-a", f"rollout.checkpoint={tiny}"),
+        serve("rollout", "rollout-b", f"rollout.checkpoint={tiny}"),
+        serve("reward", "reward-a"),
+        serve(
+            "trainer",
+            "trainer-a",
+            f"trainer.checkpoint={tiny}",
+            f"trainer.checkpoint_dir={tmp_path / 'ckpt'}",
+        ),
+    ]
+    try:
+        wait_for_step(tmp_path, 1, coordinator)
+        shown = live_status(address)  # `flowgrpo status --address`
+        assert all(f"{r} " in shown for r in ("rollout-a", "rollout-b", "reward-a", "trainer-a")), shown
+        os.kill(services[1].pid, signal.SIGSTOP)
+        time.sleep(5)  # > launch.lost_after_s
+        os.kill(services[1].pid, signal.SIGCONT)
+        stderr = finish(coordinator)
+    finally:
+        for proc in services:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.terminate()
+        for proc in services:
+            proc.wait(timeout=60)
+    assert "rollout rollout-b rejoined the run" in stderr, stderr[-3000:]
+    metrics = read_metrics(tmp_path)
+    assert metrics[-1]["coordinator/rejoins"] == 1
+    assert metrics[-1]["coordinator/retries"] >= 1  # its Generate in flight ended when it was lost
+    assert all(r["trainer/samples"] == SAMPLES and r["coordinator/dropped_groups"] == 0 for r in metrics)
+    for ours, theirs in zip(metrics, reference, strict=False):
+        for key in EXACT:
+            assert ours[key] == theirs[key], (ours["step"], key)
