@@ -95,7 +95,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from flowgrpo.data import DatasetError
 
     # mypy cannot follow pyproject's package-dir mapping of flowgrpo.services (services/)
-    from flowgrpo.services.coordinator.config import load_run_config  # type: ignore[import-not-found]
+    from flowgrpo.services.coordinator.config import load_run_config
     from flowgrpo.services.coordinator.run import RunError  # type: ignore[import-not-found]
     from flowgrpo.services.coordinator.train import train  # type: ignore[import-not-found]
 

@@ -81,7 +81,9 @@ class Membership:
 
     async def _register(self) -> float:
         request = coordinator_pb2.RegisterRequest(info=self.actor.info())
-        response = await self._stub.Register(request, timeout=CALL_TIMEOUT_S)
+        response: coordinator_pb2.RegisterResponse = await self._stub.Register(
+            request, timeout=CALL_TIMEOUT_S
+        )
         self.run_id = response.run_id
         log.info("registered with the coordinator at %s (run %s)", self.address, response.run_id)
         return max(response.heartbeat_interval_s, 0.1)
@@ -93,7 +95,9 @@ class Membership:
             in_flight=self.actor.in_flight,
         )
         try:
-            response = await self._stub.Heartbeat(request, timeout=max(CALL_TIMEOUT_S, 2 * interval))
+            response: coordinator_pb2.HeartbeatResponse = await self._stub.Heartbeat(
+                request, timeout=max(CALL_TIMEOUT_S, 2 * interval)
+            )
         except grpc.aio.AioRpcError as error:
             if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 log.warning("heartbeat to %s failed (%s); trying again", self.address, error.code().name)

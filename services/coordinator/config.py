@@ -213,6 +213,19 @@ class LaunchConfig:
 
 
 @dataclass
+class LoggerConfig:
+    """Where a run's progress and metrics go beside metrics.jsonl and TensorBoard (always written)."""
+
+    progress: Literal["auto", "bar", "lines", "none"] = "auto"  # auto: a bar on a terminal, else lines
+    wandb: bool = (
+        False  # also log to Weights & Biases (`pip install wandb`; WANDB_MODE=offline needs no network)
+    )
+    wandb_project: str = "flowgrpo"
+    wandb_entity: str = ""  # "": your default entity
+    wandb_mode: Literal["", "online", "offline"] = ""  # "": WANDB_MODE, else online
+
+
+@dataclass
 class RunConfig:
     name: str = "run"
     run_dir: str = ""  # default: runs/<name>
@@ -225,6 +238,7 @@ class RunConfig:
     # the coordinator's own gRPC server (registry, run status): server.host=0.0.0.0 server.port=50050
     # in a container; the default, loopback on a free port, suits the local launcher
     server: ServerConfig = field(default_factory=ServerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     # the services' own sections; an empty `checkpoint` follows model.checkpoint
     rollout: EngineConfig = field(default_factory=EngineConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)

@@ -5,7 +5,10 @@ training step, and one per validation), ``run_state.json`` (written atomically a
 checkpoint: step, dataset cursor, policy version, the trainer checkpoint it matches),
 ``checkpoints/`` (the trainer's), ``tensorboard/`` (event files: every metric, image grids),
 ``images/`` (a PNG grid of sampled images per step and per validation), ``traces/`` (spans, when
-no OTLP collector is set), ``logs/``.
+no OTLP collector is set), ``logs/``; ``wandb/`` with ``logger.wandb=true``.
+
+Progress goes to the terminal as a bar with the key metrics (``logger.progress=auto`` on a
+terminal) or as one line per step (in a log file, or ``logger.progress=lines``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import math
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -25,8 +29,9 @@ from PIL import Image
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-from flowgrpo.config import dump_yaml
+from flowgrpo.config import dump_yaml, to_dict
 from flowgrpo.fileio import atomic_write
+from flowgrpo.services.coordinator.config import LoggerConfig
 
 STATE_FILE = "run_state.json"
 METRICS_FILE = "metrics.jsonl"
@@ -41,15 +46,40 @@ class RunState:
 
 
 class RunOutputs:
-    def __init__(self, run_dir: str | Path, progress: TextIO | None = sys.stderr) -> None:
+    def __init__(
+        self, run_dir: str | Path, progress: TextIO | None = sys.stderr, logger: LoggerConfig | None = None
+    ) -> None:
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.progress = progress
+        self.logger = logger or LoggerConfig()
+        self.progress = None if self.logger.progress == "none" else progress
         self._metrics = open(self.dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115 (run-long)
         self._events = EventFileWriter(str(self.dir / "tensorboard"), flush_secs=10)
+        self._bar: Any = None  # a tqdm bar, once the run knows its length
+        self._wandb: WandbSink | None = None
 
-    def write_config(self, config: Any) -> None:
+    def write_config(self, config: Any, name: str = "run") -> None:
         dump_yaml(config, self.dir / "config.yaml")
+        if self.logger.wandb:
+            self._wandb = WandbSink(self.dir, name, to_dict(config), self.logger)
+
+    def start_progress(self, done: int, total: int) -> None:
+        """A bar from ``done`` to ``total`` steps when ``logger.progress`` asks for one (``auto``:
+        when the progress stream is a terminal)."""
+        stream = self.progress
+        wanted = self.logger.progress == "bar" or (self.logger.progress == "auto" and _is_terminal(stream))
+        if stream is not None and wanted:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=done, file=stream, unit="step", dynamic_ncols=True)
+
+    def step_done(self, line: str, postfix: dict[str, str]) -> None:
+        """One training step: the bar moves (its postfix shows the key metrics), or a line."""
+        if self._bar is None:
+            self.say(line)
+            return
+        self._bar.set_postfix(postfix, refresh=False)
+        self._bar.update(1)
 
     def log(self, kind: str, step: int, metrics: dict[str, float]) -> None:
         """Append one line to metrics.jsonl (flushed: a crash loses at most the line being written)."""
@@ -60,6 +90,8 @@ class RunOutputs:
             summary_pb2.Summary.Value(tag=k, simple_value=v) for k, v in metrics.items() if math.isfinite(v)
         ]
         self._event(step, values)
+        if self._wandb is not None:
+            self._wandb.log(kind, step, metrics)
 
     def images(self, tag: str, step: int, images: list[npt.NDArray[np.uint8]]) -> None:
         """A grid of ``images`` (H x W x 3) as ``images/<tag>_<step>.png`` and in TensorBoard."""
@@ -73,13 +105,17 @@ class RunOutputs:
         picture = summary_pb2.Summary.Image(height=grid.shape[0], width=grid.shape[1], colorspace=3,
                                             encoded_image_string=png)  # fmt: skip
         self._event(step, [summary_pb2.Summary.Value(tag=f"images/{tag}", image=picture)])
+        if self._wandb is not None:
+            self._wandb.image(f"images/{tag}", step, grid)
 
     def _event(self, step: int, values: list[summary_pb2.Summary.Value]) -> None:
         event = event_pb2.Event(wall_time=time.time(), step=step, summary=summary_pb2.Summary(value=values))
         self._events.add_event(event)
 
     def say(self, line: str) -> None:
-        if self.progress is not None:
+        if self._bar is not None:
+            self._bar.write(line, file=self.progress)
+        elif self.progress is not None:
             print(line, file=self.progress, flush=True)
 
     def save_state(self, state: RunState) -> None:
@@ -92,8 +128,50 @@ class RunOutputs:
         return RunState(**json.loads(path.read_text()))
 
     def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
         self._metrics.close()
         self._events.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+class WandbSink:
+    """The run's metrics and image grids in Weights & Biases. The run id is kept in the run folder,
+    so a resumed run continues the same W&B run; validation metrics are logged at their step too."""
+
+    def __init__(self, run_dir: Path, name: str, config: dict[str, Any], logger: LoggerConfig) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise RuntimeError(
+                "logger.wandb=true needs the wandb package: pip install wandb (or logger.wandb=false)"
+            ) from None
+        self._wandb = wandb
+        id_file = run_dir / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+        atomic_write(id_file, run_id + "\n")
+        self.run = wandb.init(
+            project=logger.wandb_project, entity=logger.wandb_entity or None, name=name, id=run_id,
+            resume="allow", dir=str(run_dir), config=config, mode=logger.wandb_mode or None,
+        )  # fmt: skip
+
+    def log(self, kind: str, step: int, metrics: dict[str, float]) -> None:
+        values = {k: v for k, v in metrics.items() if math.isfinite(v) and not k.startswith("time/")}
+        self.run.log(values, step=step)
+
+    def image(self, tag: str, step: int, grid: npt.NDArray[np.uint8]) -> None:
+        self.run.log({tag: self._wandb.Image(grid)}, step=step)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+def _is_terminal(stream: TextIO | None) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
 
 
 def read_metrics(run_dir: str | Path, kind: str = "train") -> list[dict[str, Any]]:

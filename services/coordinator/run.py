@@ -126,6 +126,7 @@ class Coordinator:
         history = []
         sched = self.config.schedule
         self.registry.steps, self.registry.schedule = sched.steps, sched.mode
+        self.outputs.start_progress(self.state.step, sched.steps)
         self.registry.report(self.state.step, self.state.policy_version, {})
         follow = asyncio.create_task(self._follow_members(), name="registry events")
         self._last_step_end = time.perf_counter()
@@ -236,7 +237,7 @@ class Coordinator:
         metrics = self._step_metrics(groups, response, timing, self._since_last_step())
         self.registry.report(step, self.state.policy_version, metrics)
         self.outputs.log("train", step, metrics)
-        self.outputs.say(_progress_line(step, self.config.schedule.steps, metrics))
+        self.outputs.step_done(_progress_line(step, self.config.schedule.steps, metrics), _postfix(metrics))
         return metrics
 
     async def _log_images(self, tag: str, step: int, groups: list[Group], most: int = 16) -> None:
@@ -616,6 +617,17 @@ def _progress_line(step: int, steps: int, m: dict[str, float]) -> str:
         f"loss {m.get('actor/loss', math.nan):+.5f}  clipfrac {m.get('actor/pg_clipfrac', math.nan):.2f}  "
         f"lag {m.get('trainer/lag/max', 0):.0f}  v{int(m['policy_version'])}  {m['timing_s/step']:.1f} s"
     )
+
+
+def _postfix(m: dict[str, float]) -> dict[str, str]:
+    """The progress bar's key metrics."""
+    return {
+        "reward": f"{m['critic/rewards/mean']:+.6f}",
+        "loss": f"{m.get('actor/loss', math.nan):+.5f}",
+        "clipfrac": f"{m.get('actor/pg_clipfrac', math.nan):.2f}",
+        "lag": f"{m.get('trainer/lag/max', 0):.0f}",
+        "v": f"{int(m['policy_version'])}",
+    }
 
 
 def reward_summary(history: list[dict[str, float]], window: int = 4) -> str:

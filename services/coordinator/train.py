@@ -73,8 +73,8 @@ async def train_async(cfg: RunConfig, progress: Any = sys.stderr) -> list[dict[s
     test = None
     if cfg.schedule.eval_every and cfg.data.val_prompts:
         test = load_split(cfg.data.dataset, "test", model_path=cfg.model.checkpoint)
-    outputs = RunOutputs(cfg.run_dir, progress)
-    outputs.write_config(cfg)
+    outputs = RunOutputs(cfg.run_dir, progress, cfg.logger)
+    outputs.write_config(cfg, cfg.name)
     # spans to <run_dir>/traces (or an OTLP collector); the services' processes write theirs there too
     setup_tracing("coordinator", replica_id="coordinator", run_dir=str(Path(cfg.run_dir).resolve()))
     outputs.say(

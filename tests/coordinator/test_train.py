@@ -87,7 +87,11 @@ def finish(proc: subprocess.Popen[str], expect: int = 0) -> str:
 @pytest.fixture(scope="module")
 def reference_dir(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("reference")
-    train(run_dir, tiny, "launch.launcher=inprocess")
+    os.environ["WANDB_MODE"] = "offline"  # W&B as a user with no network has it: files in the run
+    try:
+        train(run_dir, tiny, "launch.launcher=inprocess", "logger.wandb=true")
+    finally:
+        del os.environ["WANDB_MODE"]
     return run_dir
 
 
@@ -110,6 +114,11 @@ def test_a_run_writes_its_outputs(reference_dir: Path, reference: list[dict[str,
     tags = {(e.step, v.tag) for e in EventFileLoader(str(events)).Load() for v in e.summary.value}
     assert {(s, "critic/rewards/mean") for s in range(1, STEPS + 1)} <= tags
     assert {(2, "images/val"), (4, "val-core/pickscore/reward/mean@1"), (1, "images/train")} <= tags
+    # W&B (offline): one run in the run folder whose records hold every step's reward
+    [wandb_file] = (reference_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    assert wandb_file.name == f"run-{(reference_dir / 'wandb_id').read_text().strip()}.wandb"
+    records = wandb_file.read_bytes()
+    assert all(json.dumps(r["critic/rewards/mean"]).encode() in records for r in reference)
     for record in reference:
         assert record["trainer/samples"] == SAMPLES
         assert record["actor/rollout_logp_gap/max"] == 0.0  # sync, deterministic: the same function
