@@ -185,9 +185,19 @@ def span_record(span: ReadableSpan) -> dict[str, Any]:
             }
             for link in span.links
         ],
-        "service.name": resource.get(SERVICE_NAME),
+        "service.name": _service_of(span) or resource.get(SERVICE_NAME),
         "resource": resource,
     }
+
+
+def _service_of(span: ReadableSpan) -> str | None:
+    """The service whose code made the span (its module: ``flowgrpo.services.<role>.*``): with the
+    ``inprocess`` launcher all four share one process, and its resource names only the first."""
+    scope = span.instrumentation_scope.name if span.instrumentation_scope else ""
+    parts = scope.split(".")
+    if len(parts) > 2 and parts[:2] == ["flowgrpo", "services"]:
+        return parts[2]
+    return None
 
 
 def read_spans(run_dir: str | Path) -> list[dict[str, Any]]:

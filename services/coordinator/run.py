@@ -42,6 +42,7 @@ tracer = trace.get_tracer(__name__)
 
 TRAIN_COLUMNS = ("latents", "log_probs", "sigmas")  # + prompt_ids, from the coordinator's store
 BACKOFF_S, BACKOFF_MAX_S = 1.0, 60.0  # a failed reward replica's first and longest pause
+VALIDATION_SHARE = 0.2  # a warning when validation takes more of the run's time than this
 
 
 class RunError(RuntimeError):
@@ -110,7 +111,8 @@ class Coordinator:
         self._channels: list[grpc.aio.Channel] = []  # to replicas that joined during the run
         self._next_reward = 0
         self._zero_std = 0.0
-        self._last_step_end = time.perf_counter()
+        self._last_step_end = self._started = time.perf_counter()
+        self._testing_s = 0.0  # validation time so far (its share of the run is logged and bounded)
         self._prompt_refs: dict[str, common_pb2.TensorRef] = {}
 
     # --- the run -----------------------------------------------------------------------------
@@ -190,7 +192,15 @@ class Coordinator:
         await self._score(groups)
         await self._log_images("val", self.state.step, groups)
         await self._release(tag)
-        metrics: dict[str, float] = {"timing_s/testing": time.perf_counter() - started}
+        testing = time.perf_counter() - started
+        self._testing_s += testing
+        share = self._testing_s / max(time.perf_counter() - self._started, 1e-9)
+        metrics: dict[str, float] = {"timing_s/testing": testing, "timing/testing_share": share}
+        if share > VALIDATION_SHARE:
+            log.warning(
+                "validation has taken %.0f%% of the run's time so far; raise schedule.eval_every, or lower "
+                "data.val_prompts or sampling.eval_num_points", 100 * share,
+            )  # fmt: skip
         for source in sorted({g.row.data_source for g in groups}):
             rewards = [r for g in groups if g.row.data_source == source for r in g.rewards]
             metrics[f"val-core/{source}/reward/mean@1"] = float(np.mean(rewards)) if rewards else math.nan

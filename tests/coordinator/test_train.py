@@ -114,6 +114,9 @@ def test_a_run_writes_its_outputs(reference_dir: Path, reference: list[dict[str,
     tags = {(e.step, v.tag) for e in EventFileLoader(str(events)).Load() for v in e.summary.value}
     assert {(s, "critic/rewards/mean") for s in range(1, STEPS + 1)} <= tags
     assert {(2, "images/val"), (4, "val-core/pickscore/reward/mean@1"), (1, "images/train")} <= tags
+    # one process, yet each span names the service whose code made it
+    assert {s["service.name"] for s in step_spans(str(reference_dir), 2)} == {
+        "coordinator", "rollout", "reward", "trainer"}  # fmt: skip
     # W&B (offline): one run in the run folder whose records hold every step's reward
     [wandb_file] = (reference_dir / "wandb").glob("offline-run-*/run-*.wandb")
     assert wandb_file.name == f"run-{(reference_dir / 'wandb_id').read_text().strip()}.wandb"
