@@ -291,6 +291,23 @@ def _add_data_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
 
 
+def _cmd_probe(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import grpc
+
+    from flowgrpo.runtime.client import health
+
+    try:
+        status = asyncio.run(health(args.address, args.service, args.timeout))
+    except grpc.aio.AioRpcError as error:
+        print(f"flowgrpo probe: {args.address}: no answer within {args.timeout:g} s "
+              f"({error.code().name}: {error.details()})", file=sys.stderr)  # fmt: skip
+        return 1
+    print(f"{args.address} {args.service or '(server)'}: {status}")
+    return 0 if status == "SERVING" else 1
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
@@ -306,23 +323,21 @@ def _has_cuda() -> bool:
     return os.path.exists("/dev/nvidia0") or bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="flowgrpo",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+def _add_probe(add: Callable[..., argparse.ArgumentParser]) -> None:
+    probe = add(
+        "probe",
+        "ask a service's gRPC health (grpc.health.v1): exit 0 when SERVING, 1 otherwise (container "
+        "health checks)",
+        _cmd_probe,
     )
-    parser.add_argument("--version", action="version", version=f"flowgrpo {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    probe.add_argument("address", help="HOST:PORT of a flowgrpo service or coordinator")
+    probe.add_argument(
+        "--service", default="", help="one service's name, e.g. flowgrpo.v1.Rollout (default: the server)"
+    )
+    probe.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
 
-    def add(name: str, help_: str, fn: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_, description=help_)
-        p.set_defaults(fn=fn)
-        return p
 
-    add("version", "print the version and the wire protocol version", _cmd_version)
-    add("columns", "print the column schema (name, dtype, shape pattern, meaning)", _cmd_columns)
+def _add_serve(add: Callable[..., argparse.ArgumentParser]) -> None:
     serve = add(
         "serve",
         "run one service until SIGTERM (graceful drain); what compose, Kubernetes and the local "
@@ -342,6 +357,27 @@ def build_parser() -> argparse.ArgumentParser:
         "Every config key can be overridden as KEY=VALUE, e.g. rollout.checkpoint=/ckpt server.port=50051"
     )
     serve.set_defaults(takes_overrides=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flowgrpo",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"flowgrpo {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, help_: str, fn: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.set_defaults(fn=fn)
+        return p
+
+    add("version", "print the version and the wire protocol version", _cmd_version)
+    _add_probe(add)
+    add("columns", "print the column schema (name, dtype, shape pattern, meaning)", _cmd_columns)
+    _add_serve(add)
     train = add(
         "train",
         "run a FlowGRPO training job from a recipe: starts the rollout, reward and trainer services "

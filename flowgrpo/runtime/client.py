@@ -13,6 +13,7 @@ from typing import cast
 
 import grpc
 import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from flowgrpo import PROTOCOL_VERSION
 from flowgrpo.runtime.config import ClientConfig
@@ -120,3 +121,24 @@ async def _handshake_until(
         f"{role} at {address} was not ready within {timeout_s:g}s (waited for its READY handshake; "
         f"last: {last})"
     )
+
+
+async def health(
+    address: str, service: str = "", timeout_s: float = 5.0, config: ClientConfig | None = None
+) -> str:
+    """The grpc.health.v1 status of ``service`` ("" = the whole server) at ``address``:
+    ``SERVING``, ``NOT_SERVING`` (starting or draining) or ``SERVICE_UNKNOWN``; raises
+    :class:`grpc.aio.AioRpcError` when nothing answers within ``timeout_s``."""
+    channel = open_channel(address, config)
+    try:
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest(service=service)
+        try:
+            response = await stub.Check(request, timeout=timeout_s, wait_for_ready=True)
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.NOT_FOUND:  # the server does not know that service
+                return "SERVICE_UNKNOWN"
+            raise
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+    finally:
+        await channel.close()

@@ -57,6 +57,17 @@ def spawn_reward(tmp_path: Path, coordinator: str) -> subprocess.Popen[bytes]:
     )  # fmt: skip
 
 
+def probe(address: str, service: str = "") -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "flowgrpo.cli", "probe", address, "--timeout", "10"]
+    return subprocess.run([*cmd, "--service", service] if service else cmd, capture_output=True, text=True)
+
+
+def test_probe_of_nothing_fails_and_says_so() -> None:
+    done = subprocess.run([sys.executable, "-m", "flowgrpo.cli", "probe", "127.0.0.1:1", "--timeout", "1"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 1 and "127.0.0.1:1: no answer within 1 s" in done.stderr
+
+
 def test_a_replica_registers_is_lost_when_frozen_rejoins_and_leaves(tmp_path: Path) -> None:
     async def body() -> None:
         registry = CoordinatorService("run-1", heartbeat_interval_s=BEAT_S, lost_after_s=LOST_S)
@@ -74,6 +85,15 @@ def test_a_replica_registers_is_lost_when_frozen_rejoins_and_leaves(tmp_path: Pa
 
         try:
             await until("registered", lambda: state() == "up")
+            # `flowgrpo probe` (container health checks) against the coordinator and the replica
+            reward_address = registry.members["reward-a"].info.grpc_address
+            for target, service, code, shown in [
+                (address, "", 0, "SERVING"),
+                (reward_address, "flowgrpo.v1.Reward", 0, "SERVING"),
+                (address, "flowgrpo.v1.Nope", 1, "SERVICE_UNKNOWN"),
+            ]:
+                done = await asyncio.to_thread(probe, target, service)
+                assert done.returncode == code and shown in done.stdout, (target, service, done.stderr)
             member = registry.members["reward-a"]
             assert member.info.role == "reward" and member.info.grpc_address and member.joins == 1
             beat = member.last_seen
