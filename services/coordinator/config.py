@@ -16,6 +16,7 @@ from typing import Literal
 
 import yaml
 
+from flowgrpo.bus.config import BusConfig
 from flowgrpo.config import ConfigError, from_dict, load_config
 from flowgrpo.models.bagel.config import GEN_PATH_LINEARS
 from flowgrpo.rewards.config import RewardConfig
@@ -238,6 +239,9 @@ class RunConfig:
     # the coordinator's own gRPC server (registry, run status): server.host=0.0.0.0 server.port=50050
     # in a container; the default, loopback on a free port, suits the local launcher
     server: ServerConfig = field(default_factory=ServerConfig)
+    # the coordinator's data-bus store (the prompt ids rollouts and the trainer fetch):
+    # bus.host=0.0.0.0 bus.advertise_host=<its name> in a container
+    bus: BusConfig = field(default_factory=BusConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     # the services' own sections; an empty `checkpoint` follows model.checkpoint
     rollout: EngineConfig = field(default_factory=EngineConfig)

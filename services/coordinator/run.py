@@ -27,7 +27,7 @@ import grpc.aio
 import numpy as np
 from opentelemetry import trace
 
-from flowgrpo.bus import BusClient, BusConfig, TensorRef, TensorStore
+from flowgrpo.bus import BusClient, TensorRef, TensorStore
 from flowgrpo.data import PromptRow, PromptSplit
 from flowgrpo.runtime import open_channel, wait_ready
 from flowgrpo.services.coordinator.advantages import group_advantages
@@ -102,7 +102,7 @@ class Coordinator:
         self.trainer = trainer
         self.store = store  # prompt ids, put once per prompt, fetched by rollouts and the trainer
         self.outputs = outputs
-        self.client = BusClient(BusConfig())  # sampled images for the outputs' grids
+        self.client = BusClient(config.bus)  # sampled images for the outputs' grids
         self.state = RunState()
         self.registry = registry  # replicas register, beat and leave there; events come to _follow_members
         self.counters = {"retries": 0, "dropped_groups": 0, "stale_groups": 0, "rejoins": 0}

@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from flowgrpo.bus import BusConfig, serve_store
+from flowgrpo.bus import serve_store
 from flowgrpo.data import load_split
 from flowgrpo.data.prepare import PrepareOptions, prepare_dataset
 from flowgrpo.runtime import Service, ServiceServer
@@ -80,7 +80,7 @@ async def train_async(cfg: RunConfig, progress: Any = sys.stderr) -> list[dict[s
     outputs.say(
         f"run {cfg.name}: {len(split)} training prompts, {cfg.launch.launcher} launcher, {cfg.run_dir}"
     )
-    store = serve_store(BusConfig())
+    store = serve_store(cfg.bus)
     registry = CoordinatorService(
         run_id=f"{cfg.name}-{uuid.uuid4().hex[:8]}",
         heartbeat_interval_s=cfg.launch.heartbeat_interval_s,
