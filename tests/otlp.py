@@ -36,9 +36,16 @@ def _record(span: trace_pb2.Span, resource: dict[str, str]) -> dict[str, Any]:
         "parent_span_id": span.parent_span_id.hex() or None,
         "kind": trace_pb2.Span.SpanKind.Name(span.kind).removeprefix("SPAN_KIND_"),
         "links": [{"trace_id": link.trace_id.hex(), "span_id": link.span_id.hex()} for link in span.links],
+        "attributes": {kv.key: _value(kv.value) for kv in span.attributes},
         "service.name": resource["service.name"],
         "resource": resource,
     }
+
+
+def _value(value: Any) -> Any:
+    """An OTLP AnyValue as the Python value it holds."""
+    kind = value.WhichOneof("value")
+    return getattr(value, kind) if kind else None
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from flowgrpo import PROTOCOL_VERSION
 from flowgrpo.runtime.config import ClientConfig
 from flowgrpo.runtime.errors import HandshakeError, NotReadyError
-from flowgrpo.runtime.interceptors import CallDetailsInterceptor
+from flowgrpo.runtime.interceptors import call_details_interceptors
 from flowgrpo.runtime.security import channel_credentials, resolve_token, token_client_interceptor
 from flowgrpo.telemetry import grpc_client_interceptors
 from flowgrpo.v1 import common_pb2, common_pb2_grpc
@@ -35,10 +35,10 @@ def open_channel(address: str, config: ClientConfig | None = None) -> grpc.aio.C
     """A channel to ``address`` ("host:port") with TLS per ``config.tls``, the token, the
     default deadline, keepalive and tracing."""
     config = config or ClientConfig()
-    interceptors: list[grpc.aio.ClientInterceptor] = [default_deadline(config.default_deadline_s)]
+    interceptors: list[grpc.aio.ClientInterceptor] = default_deadline(config.default_deadline_s)
     token = resolve_token(config.token)
     if token:
-        interceptors.append(token_client_interceptor(token))
+        interceptors.extend(token_client_interceptor(token))
     interceptors.extend(grpc_client_interceptors())
     options = [
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -54,9 +54,9 @@ def open_channel(address: str, config: ClientConfig | None = None) -> grpc.aio.C
     return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
 
 
-def default_deadline(seconds: float) -> CallDetailsInterceptor:
+def default_deadline(seconds: float) -> list[grpc.aio.ClientInterceptor]:
     """Give every call made without a timeout this one: no call waits forever."""
-    return CallDetailsInterceptor(
+    return call_details_interceptors(
         lambda details: details if details.timeout is not None else details._replace(timeout=seconds)
     )
 

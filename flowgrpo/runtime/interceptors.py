@@ -76,28 +76,48 @@ def _guard_stream(behavior: Behavior, guard: Guard) -> Behavior:
     return guarded
 
 
-class CallDetailsInterceptor(
-    grpc.aio.UnaryUnaryClientInterceptor,  # type: ignore[misc]
-    grpc.aio.UnaryStreamClientInterceptor,  # type: ignore[misc]
-    grpc.aio.StreamUnaryClientInterceptor,  # type: ignore[misc]
-    grpc.aio.StreamStreamClientInterceptor,  # type: ignore[misc]
-):
-    """Rewrite the details (deadline, metadata) of every call on a channel, whatever its kind."""
+Rewrite = Callable[[grpc.aio.ClientCallDetails], grpc.aio.ClientCallDetails]
 
-    def __init__(self, rewrite: Callable[[grpc.aio.ClientCallDetails], grpc.aio.ClientCallDetails]) -> None:
+
+class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    def __init__(self, rewrite: Rewrite) -> None:
         self._rewrite = rewrite
 
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._rewrite(details), request)
 
+
+class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
+    def __init__(self, rewrite: Rewrite) -> None:
+        self._rewrite = rewrite
+
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._rewrite(details), request)
+
+
+class _StreamUnary(grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc]
+    def __init__(self, rewrite: Rewrite) -> None:
+        self._rewrite = rewrite
 
     async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
         return await continuation(self._rewrite(details), requests)
 
+
+class _StreamStream(grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]
+    def __init__(self, rewrite: Rewrite) -> None:
+        self._rewrite = rewrite
+
     async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
         return await continuation(self._rewrite(details), requests)
+
+
+def call_details_interceptors(rewrite: Rewrite) -> list[grpc.aio.ClientInterceptor]:
+    """Rewrite the details (deadline, metadata) of every call on a channel, whatever its kind.
+
+    One object per kind: grpc.aio files each interceptor under the FIRST kind it is an instance
+    of, so a single class implementing all four would only ever see unary-unary calls (the
+    streamed Score calls went out without the token or the default deadline)."""
+    return [_UnaryUnary(rewrite), _UnaryStream(rewrite), _StreamUnary(rewrite), _StreamStream(rewrite)]
 
 
 def add_metadata(details: grpc.aio.ClientCallDetails, key: str, value: str) -> grpc.aio.ClientCallDetails:

@@ -18,7 +18,7 @@ import grpc
 import grpc.aio
 
 from flowgrpo.runtime.config import TLSConfig
-from flowgrpo.runtime.interceptors import CallDetailsInterceptor, GuardInterceptor, add_metadata
+from flowgrpo.runtime.interceptors import GuardInterceptor, add_metadata, call_details_interceptors
 
 TOKEN_ENV = "FLOWGRPO_TOKEN"
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -82,9 +82,9 @@ def token_server_interceptor(token: str) -> GuardInterceptor:
     return GuardInterceptor(check, applies=lambda method: not method.startswith(HEALTH_PREFIX))
 
 
-def token_client_interceptor(token: str) -> CallDetailsInterceptor:
-    """Send ``token`` as ``authorization: Bearer <token>`` with every call."""
-    return CallDetailsInterceptor(lambda details: add_metadata(details, _AUTH_KEY, f"Bearer {token}"))
+def token_client_interceptor(token: str) -> list[grpc.aio.ClientInterceptor]:
+    """Send ``token`` as ``authorization: Bearer <token>`` with every call, streamed ones too."""
+    return call_details_interceptors(lambda details: add_metadata(details, _AUTH_KEY, f"Bearer {token}"))
 
 
 def _read(path: str, what: str) -> bytes:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -13,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from flowgrpo import PROTOCOL_VERSION
 from flowgrpo.runtime import ClientConfig, HandshakeError, ServerConfig, TLSConfig, open_channel, wait_ready
 from flowgrpo.runtime.security import TOKEN_ENV, channel_credentials, server_credentials
-from flowgrpo.v1 import common_pb2, common_pb2_grpc
+from flowgrpo.v1 import common_pb2, common_pb2_grpc, reward_pb2, reward_pb2_grpc
 
 from .certs import Certs, make_certs
 from .probe import ProbeActor, running
@@ -96,6 +97,27 @@ def test_token_is_required_except_for_health(monkeypatch: pytest.MonkeyPatch) ->
             assert probe.status == health_pb2.HealthCheckResponse.SERVING
             monkeypatch.setenv(TOKEN_ENV, "s3cret")
             assert await _handshake(address, ClientConfig()) == grpc.StatusCode.OK
+
+    asyncio.run(body())
+
+
+def test_the_token_and_the_default_deadline_go_with_streamed_calls_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """grpc.aio files an interceptor under the first call kind it implements: the token once
+    reached only unary calls, and the streamed Score of a deployment with a token failed."""
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+
+    async def feed() -> AsyncIterator[reward_pb2.ScoreRequest]:
+        yield reward_pb2.ScoreRequest(sample_id="a", prompt="four")
+
+    async def body() -> None:
+        async with running(ProbeActor(), ServerConfig(token="s3cret")) as server:
+            async with open_channel(server.address, ClientConfig(token="s3cret")) as channel:
+                results = [
+                    r async for r in reward_pb2_grpc.RewardStub(channel).Score(feed())
+                ]  # no timeout given
+            assert [(r.sample_id, r.reward) for r in results] == [("a", 4.0)]
 
     asyncio.run(body())
 
