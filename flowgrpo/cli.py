@@ -134,6 +134,36 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from flowgrpo.services.coordinator.report import write_report  # type: ignore[import-not-found]
+
+    try:
+        path = write_report(args.run_dir)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"flowgrpo report: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from flowgrpo.services.coordinator.compare import (  # type: ignore[import-not-found]
+        compare_runs,
+        format_comparison,
+        plot_comparison,
+    )
+
+    try:
+        result = compare_runs(args.run_dirs, atol=args.atol, rtol=args.rtol, clock=args.clock)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"flowgrpo compare: {error}", file=sys.stderr)
+        return 2
+    print(format_comparison(result))
+    if args.plot:
+        print(f"wrote {plot_comparison(result, args.plot)}")
+    return 1 if args.fail_on_difference and not result.identical else 0
+
+
 def _cmd_trace(args: argparse.Namespace) -> int:
     from flowgrpo.services.coordinator.trace import step_spans, waterfall  # type: ignore[import-not-found]
 
@@ -323,6 +353,34 @@ def _has_cuda() -> bool:
     return os.path.exists("/dev/nvidia0") or bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
+def _add_results(add: Callable[..., argparse.ArgumentParser]) -> None:
+    report = add(
+        "report",
+        "write RUN_DIR/report.html: reward, loss, log-prob gap, lag, timing and per-service plots, "
+        "validation grids with prompts and rewards, the resolved config (one self-contained page)",
+        _cmd_report,
+    )
+    report.add_argument("run_dir", help="the run folder (run_dir of the recipe, e.g. runs/tiny-demo)")
+    compare = add(
+        "compare",
+        "per-step differences of two or more runs' metrics: the largest absolute and relative "
+        "difference per key and the first step where they part (did a change keep training the same?)",
+        _cmd_compare,
+    )
+    compare.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="run folders; the first is the reference"
+    )
+    compare.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bitwise)")
+    compare.add_argument("--rtol", type=float, default=0.0, help="relative tolerance")
+    compare.add_argument(
+        "--clock", action="store_true", help="also compare wall-clock keys (time/, timing*, perf/)"
+    )
+    compare.add_argument("--plot", metavar="PNG", help="also plot the key metrics and their differences")
+    compare.add_argument(
+        "--fail-on-difference", action="store_true", help="exit 1 when the runs part (for scripts and CI)"
+    )
+
+
 def _add_probe(add: Callable[..., argparse.ArgumentParser]) -> None:
     probe = add(
         "probe",
@@ -400,6 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     st.add_argument("run_dir", nargs="?", help="the run folder (run_dir of the recipe, e.g. runs/tiny-demo)")
     st.add_argument("--address", help="HOST:PORT of a running coordinator (instead of a run folder)")
+    _add_results(add)
     tr = add("trace", "one training step as a waterfall of spans across the services", _cmd_trace)
     tr.add_argument("run_dir", help="the run folder (its traces/ holds every process's spans)")
     tr.add_argument("--step", type=int, required=True, help="the training step to show")
@@ -439,10 +498,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "target",
-        choices=["bus", "reward", "rollout", "schedule", "trainer"],
+        choices=["bus", "paths", "reward", "rollout", "schedule", "trainer"],
         help="bus: the ZeroMQ data bus against memcpy; reward: images/s per scorer; rollout: BAGEL "
         "sampling images/s and MFU against the matmul peak (GPU); trainer: FlowGRPO training "
-        "throughput and MFU (GPU); schedule: async vs sync images/s and their overlap (the CPU demo)",
+        "throughput and MFU (GPU); schedule: async vs sync images/s and their overlap (the CPU demo); "
+        "paths: do the launchers, replica counts and schedules train the same (the CPU demo)",
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options of the benchmark (see --help)")
     return parser

@@ -34,6 +34,7 @@ from flowgrpo.fileio import atomic_write
 from flowgrpo.services.coordinator.config import LoggerConfig
 
 STATE_FILE = "run_state.json"
+GRID_COLUMNS = 4
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -83,7 +84,12 @@ class RunOutputs:
 
     def log(self, kind: str, step: int, metrics: dict[str, float]) -> None:
         """Append one line to metrics.jsonl (flushed: a crash loses at most the line being written)."""
-        record = {"kind": kind, "step": step, "time": time.time(), **_finite(metrics)}
+        record = {
+            "kind": kind,
+            "step": step,
+            "time": time.time(),
+            **_finite({k: float(v) for k, v in metrics.items()}),
+        }
         self._metrics.write(json.dumps(record, sort_keys=True) + "\n")
         self._metrics.flush()
         values = [
@@ -93,8 +99,15 @@ class RunOutputs:
         if self._wandb is not None:
             self._wandb.log(kind, step, metrics)
 
-    def images(self, tag: str, step: int, images: list[npt.NDArray[np.uint8]]) -> None:
-        """A grid of ``images`` (H x W x 3) as ``images/<tag>_<step>.png`` and in TensorBoard."""
+    def images(
+        self,
+        tag: str,
+        step: int,
+        images: list[npt.NDArray[np.uint8]],
+        captions: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """A grid of ``images`` (H x W x 3) as ``images/<tag>_<step>.png`` and in TensorBoard;
+        ``captions`` (each cell's prompt and reward, row by row) beside it as ``.json``."""
         if not images:
             return
         grid = image_grid(images)
@@ -102,6 +115,9 @@ class RunOutputs:
         Image.fromarray(grid).save(buffer, format="PNG")
         png = buffer.getvalue()
         atomic_write(self.dir / "images" / f"{tag}_{step:06d}.png", png)
+        if captions is not None:
+            cells = {"columns": GRID_COLUMNS, "cells": [_finite(c) for c in captions]}
+            atomic_write(self.dir / "images" / f"{tag}_{step:06d}.json", json.dumps(cells, indent=1) + "\n")
         picture = summary_pb2.Summary.Image(height=grid.shape[0], width=grid.shape[1], colorspace=3,
                                             encoded_image_string=png)  # fmt: skip
         self._event(step, [summary_pb2.Summary.Value(tag=f"images/{tag}", image=picture)])
@@ -186,7 +202,7 @@ def read_metrics(run_dir: str | Path, kind: str = "train") -> list[dict[str, Any
     return [by_step[s] for s in sorted(by_step)]
 
 
-def image_grid(images: list[npt.NDArray[np.uint8]], columns: int = 4) -> npt.NDArray[np.uint8]:
+def image_grid(images: list[npt.NDArray[np.uint8]], columns: int = GRID_COLUMNS) -> npt.NDArray[np.uint8]:
     """Images of one size side by side, ``columns`` per row, padded with black."""
     h, w, c = images[0].shape
     rows = -(-len(images) // columns)
@@ -197,5 +213,6 @@ def image_grid(images: list[npt.NDArray[np.uint8]], columns: int = 4) -> npt.NDA
     return grid
 
 
-def _finite(metrics: dict[str, float]) -> dict[str, float | None]:
-    return {k: (float(v) if math.isfinite(float(v)) else None) for k, v in metrics.items()}
+def _finite(values: dict[str, Any]) -> dict[str, Any]:
+    """JSON has no NaN: non-finite numbers become null (strings pass through)."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()}

@@ -251,11 +251,16 @@ class Coordinator:
         return metrics
 
     async def _log_images(self, tag: str, step: int, groups: list[Group], most: int = 16) -> None:
-        """The first sample of up to ``most`` groups, as a grid in the run's outputs."""
-        refs = [TensorRef.from_proto(g.samples[0].outputs["images"]) for g in groups[:most] if g.samples]
-        if refs:
+        """The first sample of up to ``most`` groups, as a grid in the run's outputs, with each
+        cell's prompt and reward."""
+        shown = [g for g in groups[:most] if g.samples]
+        if shown:
+            refs = [TensorRef.from_proto(g.samples[0].outputs["images"]) for g in shown]
             fetched = await asyncio.to_thread(self.client.fetch, refs, timeout_s=60.0)
-            self.outputs.images(tag, step, [f.array for f in fetched])
+            captions = [
+                {"prompt": g.row.prompt, "reward": g.rewards[0] if g.rewards else math.nan} for g in shown
+            ]
+            self.outputs.images(tag, step, [f.array for f in fetched], captions)
 
     def _since_last_step(self) -> float:
         """Wall time per step: from the end of the previous one (async overlaps the next draw)."""

@@ -12,9 +12,13 @@ as a user runs them. The runs are shared between asserts to keep CI short:
 
 from __future__ import annotations
 
+import base64
+import html
+import io
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,9 +26,12 @@ import time
 from pathlib import Path
 
 import pytest
+from PIL import Image
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
+from flowgrpo.bench.paths import run_paths, table
 from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
+from flowgrpo.services.coordinator.compare import compare_runs
 from flowgrpo.services.coordinator.config import load_run_config
 from flowgrpo.services.coordinator.outputs import read_metrics
 from flowgrpo.services.coordinator.status import live_status, status
@@ -127,6 +134,51 @@ def test_a_run_writes_its_outputs(reference_dir: Path, reference: list[dict[str,
         assert record["actor/rollout_logp_gap/max"] == 0.0  # sync, deterministic: the same function
         assert record["policy_version"] == record["step"]
         assert record["coordinator/dropped_groups"] == 0
+
+
+def test_the_report_renders_every_part_from_a_real_run(reference_dir: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "flowgrpo.cli", "report", str(reference_dir)],
+                          capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    page = (reference_dir / "report.html").read_text()
+    sources = re.findall(r"src='([^']+)'", page)
+    assert len(sources) == 6 + 1 + 2  # six plots (busy per service from the traces), 2 validation grids
+    for source in sources:  # every image is inside the page, and is a PNG
+        assert source.startswith("data:image/png;base64,")
+        assert Image.open(io.BytesIO(base64.b64decode(source.split(",", 1)[1]))).format == "PNG"
+    assert "<h3>Step 2</h3>" in page and "<h3>Step 4</h3>" in page
+    captions = json.loads((reference_dir / "images" / "val_000004.json").read_text())
+    assert len(captions["cells"]) == 4 and all(html.escape(c["prompt"]) in page for c in captions["cells"])
+    assert f"{captions['cells'][0]['reward']:+.6g}" in page
+    assert "schedule:" in page and "Each service&#x27;s busy time per step" in page
+
+
+def test_compare_reports_identical_runs_and_finds_an_injected_difference(
+    reference_dir: Path, tmp_path: Path
+) -> None:
+    cmd = [sys.executable, "-m", "flowgrpo.cli", "compare", str(reference_dir), str(reference_dir)]
+    same = subprocess.run([*cmd, "--fail-on-difference"], capture_output=True, text=True, cwd=ROOT)
+    assert same.returncode == 0 and "identical" in same.stdout, same.stdout + same.stderr
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    lines = (reference_dir / "metrics.jsonl").read_text().splitlines()
+    edited = []
+    for line in lines:
+        record = json.loads(line)
+        if record["kind"] == "train" and record["step"] == 3:
+            record["actor/loss"] *= 1 + 1e-6  # a change far below what a plot would show
+        edited.append(json.dumps(record))
+    (changed / "metrics.jsonl").write_text("\n".join(edited) + "\n")
+    result = compare_runs([reference_dir, changed])
+    assert not result.identical
+    parting = result.first_parting()
+    assert parting is not None and (parting.first_step, parting.key) == (3, "actor/loss")
+    assert [d.key for d in result.diffs if d.first_step is not None] == ["actor/loss"]
+    assert compare_runs([reference_dir, changed], rtol=1e-5).identical  # within a tolerance
+    plot = ["--fail-on-difference", "--plot", str(tmp_path / "c.png")]
+    shown = subprocess.run([*cmd[:-1], str(changed), *plot], capture_output=True, text=True, cwd=ROOT)
+    assert shown.returncode == 1 and "they part at step 3 (actor/loss" in shown.stdout
+    assert Image.open(tmp_path / "c.png").format == "PNG"
 
 
 def test_local_processes_with_two_rollouts_equal_the_inprocess_run(
@@ -310,3 +362,13 @@ def test_services_started_on_their_own_register_and_a_frozen_one_is_lost_then_re
     for ours, theirs in zip(metrics, reference, strict=False):
         for key in EXACT:
             assert ours[key] == theirs[key], (ours["step"], key)
+
+
+def test_the_paths_benchmark_finds_the_sync_paths_equal_and_eta_1_apart(tiny: Path, tmp_path: Path) -> None:
+    """A shorter `flowgrpo bench paths` (docs/sync-paths.md is its 40-step output)."""
+    runs = run_paths(3, tmp_path, str(tiny))
+    text, verdicts = table(runs)
+    for name in ("local, 1 rollout", "local, 2 rollouts", "async eta=0"):
+        assert verdicts[name] == {"identical": True, "first_step": None, "steps": 3}, text
+    assert verdicts["async eta=1"]["first_step"] == 2, text  # step 2 trains samples drawn with v0
+    assert text.count("none (bitwise equal)") == 3

@@ -1,0 +1,217 @@
+"""``flowgrpo report RUN_DIR``: one self-contained HTML page of a run (plots and image grids
+inside it as PNG data), written to ``<run_dir>/report.html``.
+
+What it shows: the reward (mean, min-max band, validation), the loss and clip fraction, the
+rollout/trainer log-prob gap, the policy lag, the time per step by phase, each service's busy
+time per step (from the traces), the validation image grids with each cell's prompt and reward,
+and the resolved config. Torch-free (matplotlib, Agg backend).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from flowgrpo.services.coordinator.outputs import read_metrics
+from flowgrpo.services.coordinator.trace import busy_by_service, step_spans
+
+REPORT_FILE = "report.html"
+COUNTS = (
+    "coordinator/dropped_groups",
+    "coordinator/stale_groups",
+    "coordinator/retries",
+    "coordinator/rejoins",
+)
+STYLE = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}
+table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:.25em .6em;text-align:left}
+img{max-width:100%}.plots{display:grid;grid-template-columns:1fr 1fr;gap:1em}
+pre{background:#f6f6f6;padding:1em;overflow:auto;font-size:.85em}figcaption{color:#555;font-size:.9em}"""
+
+
+def write_report(run_dir: str | Path) -> Path:
+    """Render the report of ``run_dir``; returns the file written."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml): give the run_dir of a run")
+    train, val = read_metrics(run_dir), read_metrics(run_dir, kind="val")
+    if not train:
+        raise ValueError(f"{run_dir} has no training steps in metrics.jsonl yet: nothing to report")
+    sections = [
+        f"<h1>Run {html.escape(run_dir.resolve().name)}</h1>",
+        _summary(train, val),
+        "<h2>Training</h2>",
+        '<div class="plots">' + "".join(_figure(*plot) for plot in _plots(train, val, run_dir)) + "</div>",
+        _validation(run_dir, val),
+        "<h2>Resolved config</h2>",
+        f"<pre>{html.escape((run_dir / 'config.yaml').read_text())}</pre>",
+    ]
+    page = (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>FlowGRPO run {html.escape(run_dir.name)}"
+        f"</title><style>{STYLE}</style></head><body>{''.join(sections)}</body></html>\n"
+    )
+    out = run_dir / REPORT_FILE
+    out.write_text(page, encoding="utf-8")
+    return out
+
+
+# --- the parts -----------------------------------------------------------------------------------
+
+
+def _summary(train: list[dict[str, Any]], val: list[dict[str, Any]]) -> str:
+    rewards, last_step = [m["critic/rewards/mean"] for m in train], train[-1]
+    window = max(1, min(4, len(rewards) // 2))
+    first, last = sum(rewards[:window]) / window, sum(rewards[-window:]) / window
+    rows = [
+        ("steps", f"{train[-1]['step']}"),
+        (f"mean reward, first {window} steps", f"{first:+.6g}"),
+        (f"mean reward, last {window} steps", f"{last:+.6g} ({_change(first, last)})"),
+        ("seconds per step (median)", f"{_median([m['timing_s/step'] for m in train]):.3g}"),
+        (
+            "dropped / stale groups, retries, rejoins",
+            " / ".join(f"{last_step.get(k) or 0:.0f}" for k in COUNTS),
+        ),
+    ]
+    for record in val[-1:]:
+        for key, value in record.items():
+            if key.startswith("val-core/") and value is not None:
+                rows.append((f"{key} (step {record['step']})", f"{value:+.6g}"))
+    return (
+        "<table>" + "".join(f"<tr><th>{html.escape(k)}</th><td>{v}</td></tr>" for k, v in rows) + "</table>"
+    )
+
+
+def _plots(train: list[dict[str, Any]], val: list[dict[str, Any]], run_dir: Path) -> list[tuple[str, str]]:
+    """(caption, PNG data) of each plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    steps = [m["step"] for m in train]
+
+    def series(key: str) -> list[float]:
+        return [math.nan if m.get(key) is None else float(m[key]) for m in train]
+
+    def plot(caption: str, draw: Any) -> tuple[str, str]:
+        fig, ax = plt.subplots(figsize=(5.4, 3.2), dpi=100)
+        draw(ax)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png")
+        plt.close(fig)
+        return caption, base64.b64encode(buffer.getvalue()).decode()
+
+    def reward(ax: Any) -> None:
+        ax.fill_between(
+            steps, series("critic/rewards/min"), series("critic/rewards/max"), alpha=0.2, label="min-max"
+        )
+        ax.plot(steps, series("critic/rewards/mean"), label="mean")
+        for key in sorted({k for r in val for k in r if k.startswith("val-core/")}):
+            ax.plot(
+                [r["step"] for r in val], [r[key] for r in val], "o--", label=key.removeprefix("val-core/")
+            )
+        ax.set_ylabel("reward")
+
+    def loss(ax: Any) -> None:
+        ax.plot(steps, series("actor/loss"), label="loss")
+        ax.set_ylabel("loss")
+        twin = ax.twinx()
+        twin.plot(steps, series("actor/pg_clipfrac"), color="C1", label="clip fraction")
+        twin.set_ylabel("clip fraction", color="C1")
+
+    def gap(ax: Any) -> None:
+        for key in ("actor/rollout_logp_gap/mean", "actor/rollout_logp_gap/max"):
+            ax.plot(steps, series(key), label=key.rsplit("/", 1)[-1])
+        ax.set_ylabel("|log p rollout - log p trainer|")
+        if any(v > 0 for v in series("actor/rollout_logp_gap/max") if not math.isnan(v)):
+            ax.set_yscale("log")
+
+    def lag(ax: Any) -> None:
+        ax.step(steps, series("trainer/lag/max"), where="mid", label="max")
+        ax.plot(steps, series("trainer/lag/mean"), label="mean")
+        ax.set_ylabel("policy lag (versions)")
+
+    def timing(ax: Any) -> None:
+        for key in ("timing_s/step", "timing_s/gen_and_reward", "timing_s/train", "timing_s/load_weights"):
+            ax.plot(steps, series(key), label=key.removeprefix("timing_s/"))
+        ax.set_ylabel("seconds")
+
+    plots = [
+        plot("Reward per step (band: min to max of the step's samples; dashed: validation)", reward),
+        plot("Policy loss and the fraction of clipped ratios", loss),
+        plot("Rollout/trainer log-prob gap of the same samples", gap),
+        plot("Policy lag of the trained samples (async: <= eta)", lag),
+        plot("Time per step by phase (async phases overlap)", timing),
+    ]
+    busy = _busy_per_service(run_dir, steps)
+    if busy:
+
+        def services(ax: Any) -> None:
+            for name, values in sorted(busy.items()):
+                ax.plot(steps, values, label=name)
+            ax.set_ylabel("busy seconds per step")
+
+        plots.append(plot("Each service's busy time per step (from the traces)", services))
+    return plots
+
+
+def _busy_per_service(run_dir: Path, steps: Sequence[int]) -> dict[str, list[float]]:
+    if not (run_dir / "traces").is_dir():
+        return {}
+    per_step = [busy_by_service(step_spans(str(run_dir), step)) for step in steps]
+    names = {name for busy in per_step for name in busy}
+    return {name: [busy.get(name, 0.0) for busy in per_step] for name in names}
+
+
+def _validation(run_dir: Path, val: list[dict[str, Any]]) -> str:
+    parts = ["<h2>Validation</h2>"]
+    grids = sorted((run_dir / "images").glob("val_*.png"))
+    if not grids:
+        return "".join(parts) + "<p>No validation in this run (schedule.eval_every=0 or not reached).</p>"
+    by_step = {r["step"]: r for r in val}
+    for grid in grids:
+        step = int(grid.stem.split("_")[-1])
+        scores = ", ".join(f"{k.removeprefix('val-core/')} {v:+.6g}" for k, v in by_step.get(step, {}).items()
+                           if k.startswith("val-core/") and v is not None)  # fmt: skip
+        parts.append(f"<h3>Step {step}</h3><p>{html.escape(scores)}</p>")
+        data = base64.b64encode(grid.read_bytes()).decode()
+        parts.append(_figure(f"validation samples at step {step}", data))
+        captions = grid.with_suffix(".json")
+        if captions.is_file():
+            cells = json.loads(captions.read_text())
+            columns = cells["columns"]
+            rows = "".join(
+                f"<tr><td>{i // columns + 1}, {i % columns + 1}</td><td>{html.escape(c['prompt'])}</td>"
+                f"<td>{'' if c.get('reward') is None else format(c['reward'], '+.6g')}</td></tr>"
+                for i, c in enumerate(cells["cells"])
+            )
+            parts.append(f"<table><tr><th>row, column</th><th>prompt</th><th>reward</th></tr>{rows}</table>")
+    return "".join(parts)
+
+
+def _figure(caption: str, png_base64: str) -> str:
+    return (
+        f"<figure><img alt='{html.escape(caption)}' src='data:image/png;base64,{png_base64}'>"
+        f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+    )
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def _change(first: float, last: float) -> str:
+    return f"{(last - first) / abs(first) * 100:+.1f}%" if first else "n/a"
