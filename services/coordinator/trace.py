@@ -42,12 +42,17 @@ def waterfall(spans: list[dict[str, Any]]) -> str:
 
 
 def busy_by_service(spans: list[dict[str, Any]]) -> dict[str, float]:
-    """Seconds each service spent serving: the union of its server spans' intervals (calls that
-    overlap, e.g. two rollout replicas of one service name, count once)."""
+    """Seconds each service spent serving: the union of the intervals of its outermost spans
+    (those whose parent belongs to another service: the gRPC server spans, or with the
+    ``inprocess`` launcher the services' own top spans); overlapping calls, e.g. two rollout
+    replicas of one service, count once. The coordinator is not a served service here."""
+    service_of = {s["span_id"]: s.get("service.name") for s in spans}
     intervals: dict[str, list[tuple[int, int]]] = {}
     for s in spans:
-        if s.get("kind") == "SERVER":
-            intervals.setdefault(str(s.get("service.name")), []).append((s["start_ns"], s["end_ns"]))
+        name = s.get("service.name")
+        if name == "coordinator" or service_of.get(s.get("parent_span_id")) == name:
+            continue
+        intervals.setdefault(str(name), []).append((s["start_ns"], s["end_ns"]))
     busy = {}
     for service, spans_of in intervals.items():
         total, end = 0, -1

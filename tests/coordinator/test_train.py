@@ -142,7 +142,7 @@ def test_the_report_renders_every_part_from_a_real_run(reference_dir: Path) -> N
     assert done.returncode == 0, done.stderr
     page = (reference_dir / "report.html").read_text()
     sources = re.findall(r"src='([^']+)'", page)
-    assert len(sources) == 6 + 1 + 2  # six plots (busy per service from the traces), 2 validation grids
+    assert len(sources) == 6 + 2  # six plots (the last: busy time per service, from the traces), 2 grids
     for source in sources:  # every image is inside the page, and is a PNG
         assert source.startswith("data:image/png;base64,")
         assert Image.open(io.BytesIO(base64.b64decode(source.split(",", 1)[1]))).format == "PNG"
