@@ -19,11 +19,19 @@ EPILOG = """\
 examples:
   flowgrpo train examples/tiny_demo.yaml        the CPU demo: a tiny BAGEL learns JPEG compressibility
   flowgrpo train examples/bagel_pickscore_lora.yaml model.checkpoint=/ckpt/BAGEL-7B-MoT data.dataset=/data/ps
+  flowgrpo status runs/tiny-demo  the run state, the last metrics, every replica (live while it runs)
+  flowgrpo report runs/tiny-demo  runs/tiny-demo/report.html: curves, timings, validation grids
+  flowgrpo compare runs/a runs/b  did two runs train the same? (the first step where they part)
+  flowgrpo trace runs/tiny-demo --step 3   one step as a waterfall across the four services
+  flowgrpo serve rollout --recipe RECIPE coordinator=HOST:50050   a replica that joins a running run
+  flowgrpo probe HOST:50051       the gRPC health of a service (exit 0 when SERVING)
   flowgrpo bench bus              data-bus throughput (ipc, tcp, shared memory) vs memcpy
   flowgrpo bench bus --json b.json --sizes-mib 1 64
   flowgrpo bench reward           images/s of every reward scorer (JPEG, OCR, PickScore, plug-ins)
   flowgrpo bench trainer          FlowGRPO LoRA / full gen-path training MFU (bench/trainer_gpu.sh)
   flowgrpo bench rollout          BAGEL-7B sampling images/s and MFU on a GPU (bench/rollout_gpu.sh)
+  flowgrpo bench schedule         async vs sync images/s and their overlap (the CPU demo, or --recipe)
+  flowgrpo bench paths            launchers, replica counts, schedules: do they train the same?
   flowgrpo columns                the column schema every service checks its data against
   flowgrpo make-tiny-bagel /tmp/tiny   a tiny random BAGEL checkpoint in the published layout
   flowgrpo data prepare ocr --model-path /tmp/tiny --input-dir examples/data/tiny_ocr --output-dir /tmp/ocr
