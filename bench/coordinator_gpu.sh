@@ -29,7 +29,7 @@ fi
 $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$OUT/gpu.txt"
 [[ -f $CKPT/ema.safetensors ]] || $PY -m flowgrpo.bench.trainer "${MODEL[@]}" --write-checkpoint "$CKPT" 2>&1 | tee "$OUT/checkpoint.log"
 rm -rf /tmp/coordinator-runs
-$PY -m flowgrpo.cli bench schedule --recipe bench/coordinator_2gpu.yaml --progress --keep /tmp/coordinator-runs \
+$PY -m flowgrpo.cli bench schedule --recipe bench/coordinator_2gpu.yaml --steps 0 --progress --keep /tmp/coordinator-runs \
     --json "$OUT/schedule.json" model.checkpoint="$CKPT" "${SMOKE[@]}" "$@" 2>&1 | tee "$OUT/schedule.log"
 status=$?
 for mode in sync async; do  # the services' logs, for a failed or slow run

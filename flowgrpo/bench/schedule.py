@@ -47,8 +47,9 @@ def images_per_s(history: list[dict[str, float]]) -> float:
 
 
 def run(recipe: str, mode: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    steps = [f"schedule.steps={args.steps}"] if args.steps else []  # default: the recipe's
     overrides = [f"run_dir={folder / mode}", f"schedule.mode={mode}", f"schedule.staleness={args.staleness}",
-                 f"schedule.steps={args.steps}", "schedule.eval_every=0", "schedule.save_every=0",
+                 *steps, "schedule.eval_every=0", "schedule.save_every=0",
                  f"launch.launcher={args.launcher}", *args.overrides]  # fmt: skip
     history = train(load_run_config(recipe, overrides), progress=args.progress)
     steady = history[1:] or history
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--recipe", default=str(Path(__file__).resolve().parents[2] / "examples" / "tiny_demo.yaml")
     )
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8, help="steps per schedule (0: the recipe's)")
     parser.add_argument("--staleness", type=int, default=1, help="eta of the async run")
     parser.add_argument("--launcher", default="local", choices=["local", "inprocess"])
     parser.add_argument("--json", help="also write the figures (and every step's metrics) here")

@@ -380,3 +380,12 @@ def test_a_bad_recipe_file_names_the_file_the_key_and_the_fix(case: str, tmp_pat
         assert message.startswith(str(recipe)), message  # the loader names the file it read
     for w in words:
         assert w in message, f"{w!r} not in: {message}"
+
+
+def test_the_gpu_benchmark_recipe_loads() -> None:
+    """bench/coordinator_2gpu.yaml (bench/coordinator_gpu.sh) is a recipe too: rollout and trainer
+    on two GPUs of one host, LoRA, the JPEG reward, 16 images per step."""
+    cfg = load_run_config(EXAMPLES.parent / "bench" / "coordinator_2gpu.yaml")
+    assert cfg.launch.rollout_devices == ["cuda:0"] and cfg.trainer.device == "cuda:1"
+    assert cfg.trainer.policy.kind == "lora" and cfg.samples_per_step == 16
+    assert [s.name for s in cfg.reward.scorers] == ["jpeg_compressibility"]
