@@ -83,7 +83,7 @@ def plot(runs: dict[str, Path], path: Path) -> None:
     for i, (name, run_dir) in enumerate(runs.items()):
         records = read_metrics(run_dir)
         steps = [r["step"] for r in records]
-        style = {"linestyle": "--" if i else "-", "linewidth": 2.5 if i == 0 else 1.2}
+        style = {"linestyle": "--" if i else "-", "linewidth": 2.5 if i == 0 else 1.2, "color": f"C{i}"}
         axes[0].plot(steps, [r["critic/rewards/mean"] for r in records], label=name, **style)
         if i:
             gaps = [
@@ -106,9 +106,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--out", default="docs/sync-paths", help="writes OUT.md (the table) and OUT.png")
     parser.add_argument("--model", default="", help="a tiny checkpoint folder (default: each run makes one)")
+    parser.add_argument("--keep", metavar="DIR", help="keep the runs under DIR (default: removed)")
+    parser.add_argument(
+        "--replot", action="store_true", help="only redo the table and plot of the runs in --keep"
+    )
     args = parser.parse_args(argv)
+    if args.replot and not args.keep:
+        parser.error("--replot needs --keep DIR (the runs of an earlier call)")
     with tempfile.TemporaryDirectory(prefix="bench-paths-") as tmp:
-        runs = run_paths(args.steps, Path(tmp), args.model)
+        folder = Path(args.keep or tmp)
+        if args.replot:
+            runs = {name: folder / f"path{i}" for i, name in enumerate(PATHS)}
+        else:
+            runs = run_paths(args.steps, folder, args.model)
         text, _ = table(runs)
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
