@@ -2,16 +2,12 @@
 (each rollout answer is scored as soon as it arrives) -> group advantages -> a trainer step ->
 the new weights on every rollout replica -> the next step.
 
-One step's work is keyed by prompt group. A rollout replica that fails (or stops answering
-within the deadline, or stops sending heartbeats to the registry) is taken out of the pool and
-its groups go to another replica; when it registers again (restarted by the launcher, compose or
-Kubernetes) its weights are brought up to date before it gets work. A reward replica is tried
-again after a back-off (scoring holds no state). Replicas that register mid-run join the pool
-(scaling up). No group is
-lost or counted twice, because a group's samples are only used once all of them are back and
-scored, and a regenerated group replaces the failed attempt (noise is a function of (seed, step,
-uid, index), so any replica draws the same samples). A trainer failure stops the run; the run resumes from
-its last checkpoint (``run_state.json`` + the trainer's).
+One step's work is keyed by prompt group; the replicas it goes to are a :class:`ReplicaPool`
+(failures, back-off, weight loads, the registry's events). No group is lost or counted twice,
+because a group's samples are only used once all of them are back and scored, and a regenerated
+group replaces the failed attempt (noise is a function of (seed, step, uid, index), so any
+replica draws the same samples). A trainer failure stops the run; the run resumes from its last
+checkpoint (``run_state.json`` + the trainer's).
 """
 
 from __future__ import annotations
@@ -23,17 +19,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import grpc.aio
 import numpy as np
 from opentelemetry import trace
 
 from flowgrpo.bus import BusClient, TensorRef, TensorStore
 from flowgrpo.data import PromptRow, PromptSplit
-from flowgrpo.runtime import open_channel, wait_ready
 from flowgrpo.services.coordinator.advantages import group_advantages
 from flowgrpo.services.coordinator.config import RunConfig
-from flowgrpo.services.coordinator.handles import STUBS, Replica, ReplicaError
+from flowgrpo.services.coordinator.handles import Replica, ReplicaError
 from flowgrpo.services.coordinator.outputs import RunOutputs, RunState
+from flowgrpo.services.coordinator.pool import ReplicaPool, RunError
 from flowgrpo.services.coordinator.registry import CoordinatorService
 from flowgrpo.v1 import common_pb2, reward_pb2, rollout_pb2, trainer_pb2
 
@@ -41,13 +36,7 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
 TRAIN_COLUMNS = ("latents", "log_probs", "sigmas")  # + prompt_ids, from the coordinator's store
-BACKOFF_S, BACKOFF_MAX_S = 1.0, 60.0  # a failed reward replica's first and longest pause
 VALIDATION_SHARE = 0.2  # a warning when validation takes more of the run's time than this
-
-
-class RunError(RuntimeError):
-    """The run cannot go on (no healthy replica left, the trainer failed); it resumes from its
-    last checkpoint."""
 
 
 class PromptOrder:
@@ -97,19 +86,13 @@ class Coordinator:
         # validation: a fixed subset (the first val_prompts of the test split), ODE, fixed noise
         self.val_rows = list(test.rows[: config.data.val_prompts]) if test is not None else []
         self.order = PromptOrder(len(train), config.schedule.seed)
-        self.rollouts = list(rollouts)
-        self.rewards = list(rewards)
-        self.trainer = trainer
+        self.pool = ReplicaPool(config.launch, list(rollouts), list(rewards), trainer, outputs.say)
         self.store = store  # prompt ids, put once per prompt, fetched by rollouts and the trainer
         self.outputs = outputs
         self.client = BusClient(config.bus)  # sampled images for the outputs' grids
         self.state = RunState()
-        self.registry = registry  # replicas register, beat and leave there; events come to _follow_members
-        self.counters = {"retries": 0, "dropped_groups": 0, "stale_groups": 0, "rejoins": 0}
-        self.current_update: common_pb2.WeightUpdate | None = None  # what a (re)joining rollout loads
-        self._weights = asyncio.Lock()  # one weight load at a time: no replica ends on an older version
-        self._channels: list[grpc.aio.Channel] = []  # to replicas that joined during the run
-        self._next_reward = 0
+        self.registry = registry  # replicas register, beat and leave there; the pool follows it
+        self.counters = {"dropped_groups": 0, "stale_groups": 0}
         self._zero_std = 0.0
         self._last_step_end = self._started = time.perf_counter()
         self._testing_s = 0.0  # validation time so far (its share of the run is logged and bounded)
@@ -130,7 +113,7 @@ class Coordinator:
         self.registry.steps, self.registry.schedule = sched.steps, sched.mode
         self.outputs.start_progress(self.state.step, sched.steps)
         self.registry.report(self.state.step, self.state.policy_version, {})
-        follow = asyncio.create_task(self._follow_members(), name="registry events")
+        follow = asyncio.create_task(self.pool.follow(self.registry), name="registry events")
         self._last_step_end = time.perf_counter()
         ahead = sched.staleness if sched.mode == "async" else 0
         drawing: dict[int, asyncio.Task[tuple[list[Group], dict[str, float]]]] = {}
@@ -151,8 +134,7 @@ class Coordinator:
             for task in [*drawing.values(), follow]:
                 task.cancel()
             await asyncio.gather(follow, return_exceptions=True)
-            for channel in self._channels:
-                await channel.close()
+            await self.pool.close()
             self.client.close()
         return history
 
@@ -180,18 +162,16 @@ class Coordinator:
                 min_policy_version=self.state.policy_version,
                 release_tag=tag,
             )
-            for chunk in _split(groups, len(self._healthy(self.rollouts)))
+            for chunk in _split(groups, len(self.pool.healthy_rollouts()))
         ]
-        answers = await asyncio.gather(
-            *(self._on_some_replica(self.rollouts, "Generate", r) for r in requests)
-        )
+        answers = await asyncio.gather(*(self.pool.call_rollout("Generate", r) for r in requests))
         by_uid = {g.row.prompt_uid: g for g in groups}
         for answer in answers:
             for sample in answer.samples:  # type: ignore[attr-defined]
                 by_uid[sample.prompt_uid].samples.append(sample)
         await self._score(groups)
         await self._log_images("val", self.state.step, groups)
-        await self._release(tag)
+        await self.pool.release(tag)
         testing = time.perf_counter() - started
         self._testing_s += testing
         share = self._testing_s / max(time.perf_counter() - self._started, 1e-9)
@@ -236,12 +216,12 @@ class Coordinator:
         groups = self._admit(step, groups)
         response = await self._train(step, groups)
         trained = time.perf_counter()
-        await self._load_weights(response.update)
+        await self.pool.load_weights(response.update)
         timing["timing_s/load_weights"] = time.perf_counter() - trained
         timing["timing_s/train"] = trained - started
         timing["time/trained_from"], timing["time/trained_until"] = started, trained
         await self._log_images("train", step, groups)
-        await self._release(f"step{step}")
+        await self.pool.release(f"step{step}")
         self.state.step, self.state.cursor = step, step * self.config.data.prompts_per_step
         self.state.policy_version = response.update.policy_version
         metrics = self._step_metrics(groups, response, timing, self._since_last_step())
@@ -279,7 +259,9 @@ class Coordinator:
     async def save(self) -> None:
         """A trainer checkpoint, then the run state that matches it (written atomically last)."""
         request = trainer_pb2.SaveCheckpointRequest(step=self.state.step)
-        response = await self.trainer.unary("SaveCheckpoint", request, self.config.launch.request_timeout_s)
+        response = await self.pool.trainer.unary(
+            "SaveCheckpoint", request, self.config.launch.request_timeout_s
+        )
         self.state.trainer_checkpoint = response.path
         self.outputs.save_state(self.state)
 
@@ -290,7 +272,7 @@ class Coordinator:
     ) -> list[Group]:
         """Every group generated and scored; groups that failed for good are dropped (counted)."""
         begin = time.perf_counter()
-        chunks = _split(groups, len(self._healthy(self.rollouts)))
+        chunks = _split(groups, len(self.pool.healthy_rollouts()))
         done = await asyncio.gather(*(self._generate_and_score(step, chunk) for chunk in chunks))
         timing["timing_s/gen_and_reward"] = time.perf_counter() - begin
         kept = [g for chunk in done for g in chunk]
@@ -313,7 +295,7 @@ class Coordinator:
             min_policy_version=self.state.policy_version,
             release_tag=f"step{step}",
         )
-        response = await self._on_some_replica(self.rollouts, "Generate", request)
+        response = await self.pool.call_rollout("Generate", request)
         by_uid = {g.row.prompt_uid: g for g in chunk}
         for sample in response.samples:
             by_uid[sample.prompt_uid].samples.append(sample)
@@ -338,7 +320,7 @@ class Coordinator:
         ]
         if not requests:
             return
-        results = await self._score_somewhere(requests)
+        results = await self.pool.score(requests)
         by_id = {r.sample_id: r for r in results}
         for group in groups:
             for sample in sorted(group.samples, key=lambda s: s.sample_index):
@@ -352,88 +334,6 @@ class Coordinator:
                 group.rewards.append(result.reward)
                 group.scores.append(dict(result.scores))
             group.samples.sort(key=lambda s: s.sample_index)
-
-    async def _score_somewhere(self, requests: list[reward_pb2.ScoreRequest]) -> list[reward_pb2.ScoreResult]:
-        """Round robin over the reward replicas. Scoring holds no state, so a replica that failed
-        (a timeout, a restart) is tried again after a back-off (1 s, doubling, at most 60 s)
-        instead of being given up; the call fails the run only when no replica has answered for
-        ``launch.request_timeout_s``."""
-        timeout = self.config.launch.reward_timeout_s * max(1, len(requests))
-        give_up = time.monotonic() + self.config.launch.request_timeout_s
-        while True:
-            replica = await self._next_reward_replica(give_up)
-            try:
-                results = await replica.score(requests, timeout)
-            except ReplicaError as error:
-                if not error.retryable:
-                    raise RunError(str(error)) from error
-                replica.failures += 1
-                replica.retry_at = time.monotonic() + min(
-                    BACKOFF_MAX_S, BACKOFF_S * 2 ** (replica.failures - 1)
-                )
-                self.counters["retries"] += 1
-                log.warning("%s; retried on another reward replica (this one again in %.0f s)", error,
-                            replica.retry_at - time.monotonic())  # fmt: skip
-                continue
-            replica.failures = 0
-            return results
-
-    async def _next_reward_replica(self, give_up: float) -> Replica:
-        while True:
-            now = time.monotonic()
-            live = self._healthy(self.rewards)  # lost or left ones are out until they register again
-            ready = [r for r in live if r.retry_at <= now]
-            if ready:
-                replica = ready[self._next_reward % len(ready)]
-                self._next_reward += 1
-                return replica
-            wake = min((r.retry_at for r in live), default=now + 1.0)  # none live: one may register
-            if wake > give_up:
-                failed = ", ".join(_describe(r) for r in self.rewards)
-                raise RunError(
-                    f"no reward replica answered within launch.request_timeout_s="
-                    f"{self.config.launch.request_timeout_s:.0f} s: {failed}; see their logs"
-                )
-            log.warning("no reward replica can take work now; looking again in %.1f s", wake - now)
-            await asyncio.sleep(wake - now)
-
-    async def _on_some_replica(self, replicas: list[Replica], method: str, request: object) -> object:
-        """``method`` on the least busy healthy replica; on a replica failure, on another."""
-        while True:
-            replica = await self._pick(replicas)
-            replica.busy += 1
-            try:
-                return await replica.unary(method, request, self.config.launch.request_timeout_s)
-            except ReplicaError as error:
-                self._failed(replica, error)
-            finally:
-                replica.busy -= 1
-
-    def _failed(self, replica: Replica, error: ReplicaError) -> None:
-        if not error.retryable:
-            raise RunError(str(error)) from error
-        replica.lose(f"failed: {error}")
-        self.counters["retries"] += 1
-        log.warning("%s; its work goes to another replica", error)
-
-    @staticmethod
-    def _healthy(replicas: list[Replica]) -> list[Replica]:
-        return [r for r in replicas if r.healthy]
-
-    async def _pick(self, replicas: list[Replica]) -> Replica:
-        """The least busy healthy replica. When none is left, one may still register again (a
-        restarted process, a rescheduled pod): wait up to ``launch.start_timeout_s`` for it."""
-        wait_s = self.config.launch.start_timeout_s
-        deadline = time.monotonic() + wait_s
-        while not (healthy := self._healthy(replicas)):
-            if time.monotonic() > deadline:
-                role = replicas[0].role if replicas else "?"
-                raise RunError(
-                    f"no healthy {role} replica left ({', '.join(_describe(r) for r in replicas)}) and "
-                    f"none registered again within launch.start_timeout_s={wait_s:.0f} s; see their logs"
-                )
-            await asyncio.sleep(0.2)
-        return min(healthy, key=lambda r: r.busy)
 
     # --- training and weights ------------------------------------------------------------------
 
@@ -459,104 +359,16 @@ class Coordinator:
             step=step, samples=samples, params=self.config.sampling.to_proto(), seed=self.config.schedule.seed
         )
         try:
-            return await self.trainer.unary("TrainStep", request, self.config.launch.request_timeout_s)
+            timeout = self.config.launch.request_timeout_s
+            return await self.pool.trainer.unary("TrainStep", request, timeout)
         except ReplicaError as error:
             raise RunError(
                 f"the trainer failed at step {step}: {error}; resume from the last checkpoint"
             ) from error
 
-    async def _load_weights(self, update: common_pb2.WeightUpdate) -> None:
-        async with self._weights:
-            self.current_update = update
-            replicas = self._healthy(self.rollouts)
-            results = await asyncio.gather(
-                *(self._load_into(r, update) for r in replicas), return_exceptions=True
-            )
-        for replica, result in zip(replicas, results, strict=True):
-            if isinstance(result, ReplicaError):
-                self._failed(replica, result)
-            elif isinstance(result, BaseException):
-                raise result
-
-    async def _load_into(self, replica: Replica, update: common_pb2.WeightUpdate) -> None:
-        request = rollout_pb2.LoadWeightsRequest(update=update)
-        await replica.unary("LoadWeights", request, self.config.launch.request_timeout_s)
-        replica.policy_version = update.policy_version
-
-    # --- the registry's events -----------------------------------------------------------------
-
-    async def _follow_members(self) -> None:
-        """Apply what the registry saw: lost or departed replicas leave the pool (their calls in
-        flight fail now and are re-dispatched), registered ones (back, or new) join it."""
-        while True:
-            event = await self.registry.events.get()
-            try:
-                if event.kind == "joined":
-                    await self._join(event.info)
-                else:
-                    self._lose(
-                        event.info, "stopped sending heartbeats" if event.kind == "lost" else "left the run"
-                    )
-            except Exception as error:  # one replica's trouble must not stop the others' events
-                log.warning("%s %s: could not take it into the run: %s", event.info.role,
-                            event.info.replica_id, error)  # fmt: skip
-
-    def _pool(self, role: str) -> list[Replica]:
-        return {"rollout": self.rollouts, "reward": self.rewards, "trainer": [self.trainer]}[role]
-
-    def _lose(self, info: common_pb2.ServiceInfo, reason: str) -> None:
-        for replica in self._pool(info.role):
-            if replica.replica_id == info.replica_id and replica.address == info.grpc_address:
-                replica.lose(reason)
-                log.warning(
-                    "%s %s %s; its work goes to the other replicas", info.role, info.replica_id, reason
-                )
-
-    async def _join(self, info: common_pb2.ServiceInfo) -> None:
-        pool = self._pool(info.role)
-        known = next((r for r in pool if r.replica_id == info.replica_id), None)
-        if known is not None and known.healthy and known.address == info.grpc_address:
-            return  # the launcher connected it already
-        if info.role == "trainer":
-            log.warning("trainer %s registered at %s; a run keeps the trainer it started with",
-                        info.replica_id, info.grpc_address)  # fmt: skip
-            return
-        channel = open_channel(info.grpc_address)
-        self._channels.append(channel)
-        timeout = self.config.launch.start_timeout_s
-        await wait_ready(info.grpc_address, role=info.role, timeout_s=timeout, channel=channel,
-                         client_role="coordinator")  # fmt: skip
-        replica = Replica(info.role, info.replica_id, info.grpc_address, STUBS[info.role](channel))
-        replica.policy_version = info.policy_version
-        if info.role == "rollout":
-            await self._catch_up(replica)
-        if known is not None:
-            known.lose("replaced by its new registration")
-            pool[pool.index(known)] = replica
-            self.counters["rejoins"] += 1
-        else:
-            pool.append(replica)
-        self.outputs.say(f"  {info.role} {info.replica_id} {'rejoined' if known else 'joined'} the run "
-                         f"at {info.grpc_address} (policy version {replica.policy_version})")  # fmt: skip
-
-    async def _catch_up(self, replica: Replica) -> None:
-        """Load the current weights into a rollout replica before it takes work."""
-        async with self._weights:
-            update = self.current_update
-            if update is not None and replica.policy_version != update.policy_version:
-                await self._load_into(replica, update)
-
-    async def _release(self, tag: str) -> None:
-        request = rollout_pb2.ReleaseRequest(tags=[tag])
-        for replica in self._healthy(self.rollouts):
-            try:
-                await replica.unary("Release", request, self.config.launch.request_timeout_s)
-            except ReplicaError as error:
-                self._failed(replica, error)
-
     async def _resume(self) -> None:
         state = self.outputs.load_state()
-        trainer = await self.trainer.unary("State", trainer_pb2.TrainerStateRequest(), 60.0)
+        trainer = await self.pool.trainer.unary("State", trainer_pb2.TrainerStateRequest(), 60.0)
         if state is None:
             if trainer.step:
                 raise RunError(
@@ -571,7 +383,7 @@ class Coordinator:
             )
         self.state = state
         if trainer.current.policy_version:
-            await self._load_weights(trainer.current)
+            await self.pool.load_weights(trainer.current)
         self.outputs.say(f"resumed at step {state.step} (policy version {state.policy_version})")
 
     # --- bookkeeping ---------------------------------------------------------------------------
@@ -600,8 +412,8 @@ class Coordinator:
             "critic/rewards/min": float(rewards.min()),
             "critic/rewards/zero_std_ratio": self._zero_std,
             "coordinator/dropped_groups": float(self.counters["dropped_groups"]),
-            "coordinator/retries": float(self.counters["retries"]),
-            "coordinator/rejoins": float(self.counters["rejoins"]),
+            "coordinator/retries": float(self.pool.retries),
+            "coordinator/rejoins": float(self.pool.rejoins),
             "coordinator/stale_groups": float(self.counters["stale_groups"]),
             "policy_version": float(response.update.policy_version),
             "timing_s/step": wall,
@@ -619,11 +431,6 @@ def _split(groups: list[Group], parts: int) -> list[list[Group]]:
     """Contiguous, near-equal chunks (empty chunks dropped); one chunk when ``parts`` is 0."""
     size = -(-len(groups) // max(parts, 1))
     return [groups[i : i + size] for i in range(0, len(groups), size)]
-
-
-def _describe(replica: Replica) -> str:
-    why = replica.lost_reason or ("failed" if not replica.healthy else f"{replica.failures} failures")
-    return f"{replica.replica_id} ({why})"
 
 
 def _progress_line(step: int, steps: int, m: dict[str, float]) -> str:

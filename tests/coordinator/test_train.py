@@ -112,11 +112,9 @@ def test_a_run_writes_its_outputs(reference_dir: Path, reference: list[dict[str,
     validations = read_metrics(reference_dir, kind="val")
     assert [r["step"] for r in validations] == [2, 4]
     assert all(r["val-core/pickscore/reward/mean@1"] < 0 and r["timing_s/testing"] > 0 for r in validations)
+    grids = [f"train_{s:06d}" for s in range(1, STEPS + 1)] + ["val_000002", "val_000004"]
     images = sorted(p.name for p in (reference_dir / "images").iterdir())
-    assert images == [f"train_{s:06d}.png" for s in range(1, STEPS + 1)] + [
-        "val_000002.png",
-        "val_000004.png",
-    ]
+    assert images == sorted(f"{g}.{ext}" for g in grids for ext in ("png", "json"))  # a grid and its captions
     [events] = (reference_dir / "tensorboard").iterdir()
     tags = {(e.step, v.tag) for e in EventFileLoader(str(events)).Load() for v in e.summary.value}
     assert {(s, "critic/rewards/mean") for s in range(1, STEPS + 1)} <= tags

@@ -1,0 +1,241 @@
+"""The run's replicas as the coordinator drives them.
+
+- Rollout work goes to the least busy healthy replica; a replica that fails (or misses its
+  deadline, or is lost by the registry) leaves the pool and the work goes to another one. With
+  none left the pool waits ``launch.start_timeout_s`` for one to register again.
+- Scoring goes round robin over the reward replicas; scoring holds no state, so a failed one is
+  tried again after a back-off (1 s, doubling, at most 60 s) instead of being given up.
+- Weight loads go to every healthy rollout, one load at a time (a lock), and the last update is
+  kept: a rollout that (re)joins loads it before it takes work, so no replica serves an older
+  version than the others.
+- The registry's events (``follow``): lost or departed replicas leave the pool (their calls in
+  flight end at once), registered ones (back, or new: scaling up) join it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc.aio
+
+from flowgrpo.runtime import open_channel, wait_ready
+from flowgrpo.services.coordinator.config import LaunchConfig
+from flowgrpo.services.coordinator.handles import STUBS, Replica, ReplicaError
+from flowgrpo.services.coordinator.registry import CoordinatorService
+from flowgrpo.v1 import common_pb2, reward_pb2, rollout_pb2
+
+log = logging.getLogger(__name__)
+
+BACKOFF_S, BACKOFF_MAX_S = 1.0, 60.0  # a failed reward replica's first and longest pause
+
+
+class RunError(RuntimeError):
+    """The run cannot go on (no healthy replica left, the trainer failed); it resumes from its
+    last checkpoint."""
+
+
+class ReplicaPool:
+    def __init__(
+        self,
+        launch: LaunchConfig,
+        rollouts: list[Replica],
+        rewards: list[Replica],
+        trainer: Replica,
+        say: Callable[[str], None],
+    ) -> None:
+        self.launch = launch
+        self.rollouts, self.rewards, self.trainer = list(rollouts), list(rewards), trainer
+        self.retries = 0  # calls that failed on one replica and went to another (or again later)
+        self.rejoins = 0  # replicas that registered again and came back into the pool
+        self.current_update: common_pb2.WeightUpdate | None = None  # what a (re)joining rollout loads
+        self._say = say
+        self._weights = asyncio.Lock()
+        self._channels: list[grpc.aio.Channel] = []  # to replicas that joined during the run
+        self._next_reward = 0
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+    # --- rollouts --------------------------------------------------------------------------------
+
+    def healthy_rollouts(self) -> list[Replica]:
+        return [r for r in self.rollouts if r.healthy]
+
+    async def call_rollout(self, method: str, request: Any) -> Any:
+        """``method`` on the least busy healthy rollout; on a replica failure, on another."""
+        while True:
+            replica = await self._pick(self.rollouts)
+            replica.busy += 1
+            try:
+                return await replica.unary(method, request, self.launch.request_timeout_s)
+            except ReplicaError as error:
+                self._failed(replica, error)
+            finally:
+                replica.busy -= 1
+
+    async def _pick(self, replicas: list[Replica]) -> Replica:
+        """The least busy healthy replica. When none is left, one may still register again (a
+        restarted process, a rescheduled pod): wait up to ``launch.start_timeout_s`` for it."""
+        wait_s = self.launch.start_timeout_s
+        deadline = time.monotonic() + wait_s
+        while not (healthy := [r for r in replicas if r.healthy]):
+            if time.monotonic() > deadline:
+                role = replicas[0].role if replicas else "?"
+                raise RunError(
+                    f"no healthy {role} replica left ({', '.join(describe(r) for r in replicas)}) and "
+                    f"none registered again within launch.start_timeout_s={wait_s:.0f} s; see their logs"
+                )
+            await asyncio.sleep(0.2)
+        return min(healthy, key=lambda r: r.busy)
+
+    def _failed(self, replica: Replica, error: ReplicaError) -> None:
+        if not error.retryable:
+            raise RunError(str(error)) from error
+        replica.lose(f"failed: {error}")
+        self.retries += 1
+        log.warning("%s; its work goes to another replica", error)
+
+    # --- rewards -----------------------------------------------------------------------------------
+
+    async def score(self, requests: list[reward_pb2.ScoreRequest]) -> list[reward_pb2.ScoreResult]:
+        """Score ``requests`` on one reward replica; the call fails the run only when no replica
+        has answered for ``launch.request_timeout_s``."""
+        timeout = self.launch.reward_timeout_s * max(1, len(requests))
+        give_up = time.monotonic() + self.launch.request_timeout_s
+        while True:
+            replica = await self._next_reward_replica(give_up)
+            try:
+                results = await replica.score(requests, timeout)
+            except ReplicaError as error:
+                if not error.retryable:
+                    raise RunError(str(error)) from error
+                replica.failures += 1
+                replica.retry_at = time.monotonic() + min(
+                    BACKOFF_MAX_S, BACKOFF_S * 2 ** (replica.failures - 1)
+                )
+                self.retries += 1
+                log.warning("%s; retried on another reward replica (this one again in %.0f s)", error,
+                            replica.retry_at - time.monotonic())  # fmt: skip
+                continue
+            replica.failures = 0
+            return results
+
+    async def _next_reward_replica(self, give_up: float) -> Replica:
+        while True:
+            now = time.monotonic()
+            live = [r for r in self.rewards if r.healthy]  # lost or left ones: out until they register
+            ready = [r for r in live if r.retry_at <= now]
+            if ready:
+                replica = ready[self._next_reward % len(ready)]
+                self._next_reward += 1
+                return replica
+            wake = min((r.retry_at for r in live), default=now + 1.0)  # none live: one may register
+            if wake > give_up:
+                failed = ", ".join(describe(r) for r in self.rewards)
+                raise RunError(
+                    f"no reward replica answered within launch.request_timeout_s="
+                    f"{self.launch.request_timeout_s:.0f} s: {failed}; see their logs"
+                )
+            log.warning("no reward replica can take work now; looking again in %.1f s", wake - now)
+            await asyncio.sleep(wake - now)
+
+    # --- weights -----------------------------------------------------------------------------------
+
+    async def load_weights(self, update: common_pb2.WeightUpdate) -> None:
+        """``update`` on every healthy rollout (a replica that fails it leaves the pool)."""
+        async with self._weights:
+            self.current_update = update
+            replicas = self.healthy_rollouts()
+            results = await asyncio.gather(
+                *(self._load_into(r, update) for r in replicas), return_exceptions=True
+            )
+        for replica, result in zip(replicas, results, strict=True):
+            if isinstance(result, ReplicaError):
+                self._failed(replica, result)
+            elif isinstance(result, BaseException):
+                raise result
+
+    async def _load_into(self, replica: Replica, update: common_pb2.WeightUpdate) -> None:
+        request = rollout_pb2.LoadWeightsRequest(update=update)
+        await replica.unary("LoadWeights", request, self.launch.request_timeout_s)
+        replica.policy_version = update.policy_version
+
+    async def release(self, tag: str) -> None:
+        """Let every rollout drop the data it kept under ``tag``."""
+        request = rollout_pb2.ReleaseRequest(tags=[tag])
+        for replica in self.healthy_rollouts():
+            try:
+                await replica.unary("Release", request, self.launch.request_timeout_s)
+            except ReplicaError as error:
+                self._failed(replica, error)
+
+    # --- the registry's events ---------------------------------------------------------------------
+
+    async def follow(self, registry: CoordinatorService) -> None:
+        """Apply what the registry sees, until cancelled."""
+        while True:
+            event = await registry.events.get()
+            try:
+                if event.kind == "joined":
+                    await self._join(event.info)
+                else:
+                    self._lose(
+                        event.info, "stopped sending heartbeats" if event.kind == "lost" else "left the run"
+                    )
+            except Exception as error:  # one replica's trouble must not stop the others' events
+                log.warning("%s %s: could not take it into the run: %s", event.info.role,
+                            event.info.replica_id, error)  # fmt: skip
+
+    def _of_role(self, role: str) -> list[Replica]:
+        return {"rollout": self.rollouts, "reward": self.rewards, "trainer": [self.trainer]}[role]
+
+    def _lose(self, info: common_pb2.ServiceInfo, reason: str) -> None:
+        for replica in self._of_role(info.role):
+            if replica.replica_id == info.replica_id and replica.address == info.grpc_address:
+                replica.lose(reason)
+                log.warning(
+                    "%s %s %s; its work goes to the other replicas", info.role, info.replica_id, reason
+                )
+
+    async def _join(self, info: common_pb2.ServiceInfo) -> None:
+        replicas = self._of_role(info.role)
+        known = next((r for r in replicas if r.replica_id == info.replica_id), None)
+        if known is not None and known.healthy and known.address == info.grpc_address:
+            return  # the launcher connected it already
+        if info.role == "trainer":
+            log.warning("trainer %s registered at %s; a run keeps the trainer it started with",
+                        info.replica_id, info.grpc_address)  # fmt: skip
+            return
+        channel = open_channel(info.grpc_address)
+        self._channels.append(channel)
+        await wait_ready(info.grpc_address, role=info.role, timeout_s=self.launch.start_timeout_s,
+                         channel=channel, client_role="coordinator")  # fmt: skip
+        replica = Replica(info.role, info.replica_id, info.grpc_address, STUBS[info.role](channel))
+        replica.policy_version = info.policy_version
+        if info.role == "rollout":
+            await self._catch_up(replica)
+        if known is not None:
+            known.lose("replaced by its new registration")
+            replicas[replicas.index(known)] = replica
+            self.rejoins += 1
+        else:
+            replicas.append(replica)
+        self._say(f"  {info.role} {info.replica_id} {'rejoined' if known else 'joined'} the run "
+                  f"at {info.grpc_address} (policy version {replica.policy_version})")  # fmt: skip
+
+    async def _catch_up(self, replica: Replica) -> None:
+        """Load the current weights into a rollout replica before it takes work."""
+        async with self._weights:
+            update = self.current_update
+            if update is not None and replica.policy_version != update.policy_version:
+                await self._load_into(replica, update)
+
+
+def describe(replica: Replica) -> str:
+    why = replica.lost_reason or ("failed" if not replica.healthy else f"{replica.failures} failures")
+    return f"{replica.replica_id} ({why})"
