@@ -77,14 +77,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"flowgrpo serve {args.role}: {error}", file=sys.stderr)
         return 2
     if args.print_config:
-        import yaml
-
-        from flowgrpo.config import to_dict
-
-        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+        _print_config(config)
         return 0
     main_module.run(config)
     return 0
+
+
+def _print_config(config: Any) -> None:
+    """The resolved config as YAML: every key with its value (it loads back as a file)."""
+    import yaml
+
+    from flowgrpo.config import to_dict
+
+    print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
 
 
 def _recipe_role_config(recipe: str, role: str) -> Any:
@@ -114,11 +119,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"flowgrpo train: {error}", file=sys.stderr)
         return 2
     if args.print_config:
-        import yaml
-
-        from flowgrpo.config import to_dict
-
-        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+        _print_config(config)
         return 0
     try:
         train(config)
