@@ -4,7 +4,7 @@
 # cuda:0, trainer on cuda:1, `local` launcher) through `flowgrpo bench schedule`: sync, then async
 # with eta = 1. Prints images/s of each and the ratio (target >= 1.5x), the overlap, the mean
 # time per step of each coordinator phase, each service's busy seconds per step (from the
-# traces) and the largest rollout/trainer log-prob gap.
+# traces), the largest rollout/trainer log-prob gap, and each GPU's peak memory in use.
 #   run(command="bash bench/coordinator_gpu.sh", carry=[".whl"], kind="nvidia-h200-x2", timeout_s=600)
 # (.whl: bench/fetch_gpu_wheels.sh.) A CPU smoke test of the script (tiny model, 64 px):
 #   DEVICE=cpu bash bench/coordinator_gpu.sh
@@ -29,9 +29,18 @@ fi
 $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$OUT/gpu.txt"
 [[ -f $CKPT/ema.safetensors ]] || $PY -m flowgrpo.bench.trainer "${MODEL[@]}" --write-checkpoint "$CKPT" 2>&1 | tee "$OUT/checkpoint.log"
 rm -rf /tmp/coordinator-runs
+if [[ $DEVICE == cuda* ]]; then  # each GPU's memory in use, once a second, for the peaks
+    nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 1000 > "$OUT/gpu_mem.csv" &
+    SAMPLER=$!
+fi
 $PY -m flowgrpo.cli bench schedule --recipe bench/coordinator_2gpu.yaml --steps 0 --progress --keep /tmp/coordinator-runs \
     --json "$OUT/schedule.json" model.checkpoint="$CKPT" "${SMOKE[@]}" "$@" 2>&1 | tee "$OUT/schedule.log"
 status=$?
+if [[ -n ${SAMPLER:-} ]]; then
+    kill "$SAMPLER"
+    awk -F', ' '{if ($2 > peak[$1]) peak[$1] = $2} END {for (g in peak) printf "GPU %s peak memory in use: %.1f GiB\n", g, peak[g] / 1024}' \
+        "$OUT/gpu_mem.csv" | sort | tee -a "$OUT/schedule.log"
+fi
 for mode in sync async; do  # the services' logs, for a failed or slow run
     for f in /tmp/coordinator-runs/$mode/logs/*.log; do [[ -f $f ]] && tail -40 "$f" > "$OUT/$mode-$(basename "$f")"; done
 done
