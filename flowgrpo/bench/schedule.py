@@ -24,7 +24,7 @@ from typing import Any
 
 # mypy cannot follow pyproject's package-dir mapping of flowgrpo.services (services/)
 from flowgrpo.services.coordinator.config import load_run_config  # type: ignore[import-not-found]
-from flowgrpo.services.coordinator.trace import busy_by_service, step_spans  # type: ignore[import-not-found]
+from flowgrpo.services.coordinator.trace import busy_per_step  # type: ignore[import-not-found]
 from flowgrpo.services.coordinator.train import train  # type: ignore[import-not-found]
 
 PHASES = ("timing_s/step", "timing_s/gen_and_reward", "timing_s/train", "timing_s/load_weights")
@@ -53,7 +53,7 @@ def run(recipe: str, mode: str, args: argparse.Namespace, folder: Path) -> dict[
                  f"launch.launcher={args.launcher}", *args.overrides]  # fmt: skip
     history = train(load_run_config(recipe, overrides), progress=args.progress)
     steady = history[1:] or history
-    busy = [busy_by_service(step_spans(str(folder / mode), k)) for k in range(2, len(history) + 1)]
+    busy = busy_per_step(str(folder / mode), list(range(2, len(history) + 1)))
     services = sorted({name for b in busy for name in b})
     return {
         "images_per_s": images_per_s(history),

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from flowgrpo.services.coordinator.outputs import read_metrics
-from flowgrpo.services.coordinator.trace import busy_by_service, step_spans
+from flowgrpo.services.coordinator.trace import busy_per_step
 
 REPORT_FILE = "report.html"
 COUNTS = (
@@ -170,7 +170,7 @@ def _plots(train: list[dict[str, Any]], val: list[dict[str, Any]], run_dir: Path
 def _busy_per_service(run_dir: Path, steps: Sequence[int]) -> dict[str, list[float]]:
     if not (run_dir / "traces").is_dir():
         return {}
-    per_step = [busy_by_service(step_spans(str(run_dir), step)) for step in steps]
+    per_step = busy_per_step(str(run_dir), list(steps))
     names = {name for busy in per_step for name in busy}
     return {name: [busy.get(name, 0.0) for busy in per_step] for name in names}
 

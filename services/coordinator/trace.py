@@ -16,8 +16,9 @@ ROOTS = ("coordinator.draw", "coordinator.train", "coordinator.validate")
 WIDTH = 50  # characters of the bar column
 
 
-def step_spans(run_dir: str, step: int) -> list[dict[str, Any]]:
-    spans = read_spans(run_dir)
+def step_spans(run_dir: str, step: int, spans: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The spans of training step ``step``; ``spans``: the run's, when already read."""
+    spans = read_spans(run_dir) if spans is None else spans
     roots = [s for s in spans if s["name"] in ROOTS and s["attributes"].get("step") == step]
     traces = {s["trace_id"] for s in roots}
     return [s for s in spans if s["trace_id"] in traces]
@@ -62,3 +63,9 @@ def busy_by_service(spans: list[dict[str, Any]]) -> dict[str, float]:
                 end = b
         busy[service] = total / 1e9
     return busy
+
+
+def busy_per_step(run_dir: str, steps: list[int]) -> list[dict[str, float]]:
+    """:func:`busy_by_service` of each step, reading the run's trace files once."""
+    spans = read_spans(run_dir)
+    return [busy_by_service(step_spans(run_dir, step, spans)) for step in steps]
