@@ -27,13 +27,13 @@ else
            trainer.publish_cuda_ipc=false schedule.steps=3)
 fi
 $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$OUT/gpu.txt"
-[[ -f $CKPT/ema.safetensors ]] || $PY -m flowgrpo.bench.trainer "${MODEL[@]}" --write-checkpoint "$CKPT" 2>&1 | tee "$OUT/checkpoint.log"
+[[ -f $CKPT/ema.safetensors ]] || $PY -m flowgrpo.services.bench.trainer "${MODEL[@]}" --write-checkpoint "$CKPT" 2>&1 | tee "$OUT/checkpoint.log"
 rm -rf /tmp/coordinator-runs
 if [[ $DEVICE == cuda* ]]; then  # each GPU's memory in use, once a second, for the peaks
     nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 1000 > "$OUT/gpu_mem.csv" &
     SAMPLER=$!
 fi
-$PY -m flowgrpo.cli bench schedule --recipe bench/coordinator_2gpu.yaml --steps 0 --progress --keep /tmp/coordinator-runs \
+$PY -m flowgrpo.services.cli bench schedule --recipe bench/coordinator_2gpu.yaml --steps 0 --progress --keep /tmp/coordinator-runs \
     --json "$OUT/schedule.json" model.checkpoint="$CKPT" "${SMOKE[@]}" "$@" 2>&1 | tee "$OUT/schedule.log"
 status=$?
 if [[ -n ${SAMPLER:-} ]]; then

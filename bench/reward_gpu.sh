@@ -28,6 +28,6 @@ $PY -c "import torch, transformers; print('torch', torch.__version__, '| transfo
 for dtype in $DTYPES; do
     json=()
     if [[ -n ${OUT:-} ]]; then json=(--json "$OUT/reward_gpu_$dtype.json"); fi
-    $PY -m flowgrpo.bench.reward --scorers pickscore --pickscore-geometry vit-h-14 --device "$DEVICE" \
+    $PY -m flowgrpo.services.bench.reward --scorers pickscore --pickscore-geometry vit-h-14 --device "$DEVICE" \
         --dtype "$dtype" --images "$IMAGES" --batch-size "$BATCH" --repeats 3 "${json[@]}"
 done

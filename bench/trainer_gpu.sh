@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every FlowGRPO trainer figure in ONE device call (flowgrpo.bench.trainer; its docstring has the
+# Every FlowGRPO trainer figure in ONE device call (flowgrpo.services.bench.trainer; its docstring has the
 # FLOP formula):
 #  1. one GPU, the 7B with random bf16 weights, LoRA r 64 / alpha 128 on the default gen-path
 #     targets, 512px, CFG 4, window 2 of 15 points, 16 trajectories per step, 2 optimizer steps:
@@ -46,7 +46,7 @@ if [[ $DEVICE == cuda* ]] && $PY -c "import pytest" 2>/dev/null; then  # CUDA IP
     $PY -m pytest -q -p no:cacheprovider -m gpu tests/bus/test_cuda_ipc.py 2>&1 | tail -3 | tee -a "$OUT/gpu.txt"
 fi
 if [[ ${LORA:-1} == 1 ]]; then
-    $PY -m flowgrpo.bench.trainer "${SMOKE[@]}" --deadline-s "$LORA_DEADLINE" --json "$OUT/trainer_lora.json" "$@" \
+    $PY -m flowgrpo.services.bench.trainer "${SMOKE[@]}" --deadline-s "$LORA_DEADLINE" --json "$OUT/trainer_lora.json" "$@" \
         2>&1 | tee "$OUT/trainer_lora.log"
     status=$?
 fi
@@ -54,8 +54,8 @@ if [[ $NGPU -ge 2 && ${FULL:-1} == 1 ]]; then
     if [[ $DEVICE == cuda* ]]; then FULL_ARGS=(--store-gib 48); else FULL_ARGS=("${SMOKE[@]}"); FULL_VARIANTS=ac1-compile; fi
     # a random checkpoint in the published layout, then loaded through the trainer's loader
     CKPT=${CKPT:-/tmp/bagel-random}
-    $PY -m flowgrpo.bench.trainer "${FULL_ARGS[@]}" --write-checkpoint "$CKPT" 2>&1 | tee "$OUT/trainer_full.log"
-    timeout -k 10 "${FULL_TIMEOUT:-400}" $PY -m torch.distributed.run --standalone --nproc_per_node 2 -m flowgrpo.bench.trainer --policy full \
+    $PY -m flowgrpo.services.bench.trainer "${FULL_ARGS[@]}" --write-checkpoint "$CKPT" 2>&1 | tee "$OUT/trainer_full.log"
+    timeout -k 10 "${FULL_TIMEOUT:-400}" $PY -m torch.distributed.run --standalone --nproc_per_node 2 -m flowgrpo.services.bench.trainer --policy full \
         --variants "${FULL_VARIANTS:-ac4-compile}" --compile --trajectories random --reps 2 --publish-reps 1 \
         --checkpoint "$CKPT" "${FULL_ARGS[@]}" \
         --json "$OUT/trainer_full_fsdp2.json" 2>&1 | tee -a "$OUT/trainer_full.log"

@@ -8,7 +8,7 @@ import sys
 
 BLOCK_TORCH = "import sys; sys.modules['torch'] = None\n"
 TORCH_FREE = [
-    "flowgrpo.cli",
+    "flowgrpo.services.cli",
     "flowgrpo.config",
     "flowgrpo.columns",
     "flowgrpo.v1.common_pb2_grpc",
@@ -49,7 +49,7 @@ def test_torch_free_modules_import_without_torch() -> None:
 
 def test_cli_help_explains_itself() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "flowgrpo.cli", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "flowgrpo.services.cli", "--help"], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0
     assert "rollout" in out.stdout and "bench" in out.stdout and "examples:" in out.stdout

@@ -11,7 +11,7 @@ from flowgrpo.v1 import common_pb2, rollout_pb2, trainer_pb2
 
 def test_generated_code_is_fresh(tmp_path: Path) -> None:
     written = protogen.generate(tmp_path)
-    committed_dir = protogen.REPO_ROOT / protogen.PACKAGE_DIR
+    committed_dir = protogen.SOURCE_ROOT / protogen.PACKAGE_DIR
     committed = sorted(
         p.name for p in committed_dir.iterdir() if p.name.endswith(protogen.GENERATED_SUFFIXES)
     )

@@ -1,6 +1,6 @@
 """Launchers: how the services of a run come to exist. The coordinator's code is the same for all.
 
-- ``local``: every replica its own process (``python -m flowgrpo.cli serve ROLE --config F``, the
+- ``local``: every replica its own process (``python -m flowgrpo.services.cli serve ROLE --config F``, the
   trainer under torchrun when ``trainer_nproc`` > 1) on loopback with free ports; each writes a
   ready file, then answers the READY handshake. Logs go to ``<run_dir>/logs/<replica>.log``.
 - ``inprocess``: the four roles as actors in this process, called through their mailboxes (no
@@ -233,7 +233,7 @@ def _spawn(rid: str, config: Any, run_dir: Path, nproc: int) -> subprocess.Popen
     dump_yaml(config, path)
     Path(config.server.ready_file).unlink(missing_ok=True)
     role = rid.split("-", maxsplit=1)[0]
-    serve = ["-m", "flowgrpo.cli", "serve", role, "--config", str(path)]
+    serve = ["-m", "flowgrpo.services.cli", "serve", role, "--config", str(path)]
     if nproc > 1:
         launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
         cmd = [sys.executable, *launcher, *serve]

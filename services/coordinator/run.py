@@ -167,7 +167,7 @@ class Coordinator:
         answers = await asyncio.gather(*(self.pool.call_rollout("Generate", r) for r in requests))
         by_uid = {g.row.prompt_uid: g for g in groups}
         for answer in answers:
-            for sample in answer.samples:  # type: ignore[attr-defined]
+            for sample in answer.samples:
                 by_uid[sample.prompt_uid].samples.append(sample)
         await self._score(groups)
         await self._log_images("val", self.state.step, groups)
@@ -360,7 +360,10 @@ class Coordinator:
         )
         try:
             timeout = self.config.launch.request_timeout_s
-            return await self.pool.trainer.unary("TrainStep", request, timeout)
+            response: trainer_pb2.TrainStepResponse = await self.pool.trainer.unary(
+                "TrainStep", request, timeout
+            )
+            return response
         except ReplicaError as error:
             raise RunError(
                 f"the trainer failed at step {step}: {error}; resume from the last checkpoint"

@@ -41,7 +41,7 @@ def prepare_model(cfg: RunConfig) -> RunConfig:
         cmd = [
             sys.executable,
             "-m",
-            "flowgrpo.cli",
+            "flowgrpo.services.cli",
             "make-tiny-bagel",
             str(folder),
             "--seed",

@@ -43,10 +43,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch import Tensor
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from flowgrpo.models.bagel.peft_format import load_peft_adapter, save_peft_adapter
 from flowgrpo.models.bagel.policy import PolicyUpdate
@@ -172,7 +173,7 @@ def _check_weights(path: Path, trainer: FlowGRPOStep) -> Callable[[], None]:
                 f"{path / 'adapter'} does not fit this trainer's LoRA: names or shapes differ"
             )
         return lambda: trainer.policy.load_published(tensors)
-    params = dict(trainer.policy.trainable())
+    params: dict[str, Tensor] = dict(trainer.policy.trainable())
     reader = _fitting_reader(path / "gen_path", params)
     return lambda: _dcp_load(reader, params, trainer.dist)
 
@@ -257,7 +258,7 @@ def _dcp_save(folder: Path, tensors: dict[str, Tensor], dist: Dist) -> None:
         files[name], size = index, size + share
     writer = HuggingFaceStorageWriter(str(folder), fqn_to_index_mapping=files, save_distributed=True)
     with _one_process_quietly():
-        dcp.save(tensors, storage_writer=writer, no_dist=not dist.enabled)
+        dcp_save(tensors, storage_writer=writer, no_dist=not dist.enabled)
 
 
 def _stored(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -280,7 +281,7 @@ def _fitting_reader(folder: Path, tensors: dict[str, Tensor]) -> HuggingFaceStor
 def _dcp_load(reader: HuggingFaceStorageReader, tensors: dict[str, Tensor], dist: Dist) -> None:
     """Read into ``tensors`` in place, each rank its own shards (from whichever files hold them)."""
     with torch.no_grad(), _one_process_quietly():
-        dcp.load(tensors, storage_reader=reader, no_dist=not dist.enabled)
+        dcp_load(tensors, storage_reader=reader, no_dist=not dist.enabled)
 
 
 @contextlib.contextmanager

@@ -137,7 +137,7 @@ def checkpoint_query_layers(model: nn.Module) -> None:
             def run(*args: Tensor, _inner: object = inner) -> object:
                 if torch.is_grad_enabled():
                     # no dropout or other randomness inside: no RNG state to stash and restore
-                    return checkpoint(_inner, *args, use_reentrant=False, preserve_rng_state=False)  # type: ignore[arg-type]
+                    return checkpoint(_inner, *args, use_reentrant=False, preserve_rng_state=False)
                 return _inner(*args)  # type: ignore[operator]
 
             vars(layer)[name] = run

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ OP_NAMES = {STOP: "STOP", TRAIN: "TRAIN", SAVE: "SAVE"}
 class CommandChannel:
     """Rank 0 sends commands, every other rank receives them (a gloo group: CPU tensors)."""
 
-    group: object = field(default=None)
+    group: ProcessGroup | None = field(default=None)
 
     @classmethod
     def create(cls) -> CommandChannel:

@@ -54,7 +54,7 @@ def load_policy(
     policy = TrainablePolicy(model, config)  # on meta: nothing is drawn yet
     check_keys(_checkpoint_shapes(policy.model), tensor_shapes(path), path, IGNORED_PREFIXES)
     if compile:
-        compile_query_layers(policy.model)  # type: ignore[arg-type]
+        compile_query_layers(policy.model)
     if activation_checkpointing:
         checkpoint_query_layers(policy.model)
     if dist.enabled:

@@ -1,4 +1,4 @@
-"""``flowgrpo serve trainer``: one process, or every rank of ``torchrun ... -m flowgrpo.cli serve
+"""``flowgrpo serve trainer``: one process, or every rank of ``torchrun ... -m flowgrpo.services.cli serve
 trainer``: rank 0 serves gRPC, the other ranks follow it (FSDP2 data parallelism)."""
 
 from __future__ import annotations

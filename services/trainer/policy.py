@@ -26,6 +26,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import Tensor, nn
 
 from flowgrpo.models.bagel.config import is_gen_path
+from flowgrpo.models.bagel.model import BagelModel
 from flowgrpo.models.bagel.policy import LORA_A, LORA_B
 from flowgrpo.services.trainer.config import PolicyConfig
 from flowgrpo.services.trainer.distributed import full_tensor, local_tensor, shard_like
@@ -36,14 +37,15 @@ ADAPTER = "default"
 class TrainablePolicy:
     """Wraps a loaded BAGEL model: marks what trains, names what is published."""
 
-    def __init__(self, model: nn.Module, config: PolicyConfig, keep_reference: bool = False) -> None:
+    def __init__(self, model: BagelModel, config: PolicyConfig, keep_reference: bool = False) -> None:
         self.config = config
         self.kind = config.kind
         for p in model.parameters():
             p.requires_grad_(False)
+        # LoRA adapters are injected in place: the policy's model stays the BagelModel
         self.model = _add_lora(model, config) if config.kind == "lora" else _unfreeze_gen_path(model)
         self._reference: dict[str, Tensor] | None = None
-        if not model.vae2llm.weight.is_meta:  # type: ignore[union-attr]
+        if not model.vae2llm.weight.is_meta:
             self.init_adapters()
             if keep_reference:
                 self.keep_reference()
@@ -72,7 +74,7 @@ class TrainablePolicy:
         in the frozen weights' dtype (lossless: they were loaded in it) and sharded like the
         parameters. LoRA needs no copy: its reference is the model with adapters disabled."""
         if self.kind == "full":
-            dtype = self.model.vae2llm.weight.dtype  # type: ignore[union-attr]
+            dtype = self.model.vae2llm.weight.dtype
             self._reference = {
                 n: local_tensor(p).detach().to(dtype, copy=True) for n, p in self.trainable().items()
             }
@@ -158,20 +160,20 @@ def lora_published_name(param_name: str) -> str:
     raise ValueError(f"{param_name} is not a LoRA parameter")
 
 
-def _add_lora(model: nn.Module, config: PolicyConfig) -> nn.Module:
+def _add_lora(model: BagelModel, config: PolicyConfig) -> BagelModel:
     names = [n for n, _ in model.named_modules()]
     unmatched = [t for t in config.lora_targets if not any(n == t or n.endswith("." + t) for n in names)]
     if unmatched:
         raise ValueError(f"trainer.policy.lora_targets {unmatched} match no module of the model")
     lora = LoraConfig(
         r=config.lora_rank,
-        lora_alpha=config.lora_alpha,
+        lora_alpha=config.lora_alpha,  # type: ignore[arg-type]  # peft says int; alpha / r takes any real
         target_modules=list(config.lora_targets),
         lora_dropout=0.0,
         init_lora_weights="gaussian" if config.lora_init == "gaussian" else True,
     )
     with torch.random.fork_rng(devices=[]):  # peft's own init draws from the global generator
-        model = inject_adapter_in_model(lora, model, adapter_name=ADAPTER)
+        inject_adapter_in_model(lora, model, adapter_name=ADAPTER)  # in place
     for name, param in model.named_parameters():
         if ".lora_" in name:
             param.data = param.data.float()  # fp32 trainable weights and optimizer state
@@ -179,7 +181,7 @@ def _add_lora(model: nn.Module, config: PolicyConfig) -> nn.Module:
     return model
 
 
-def _unfreeze_gen_path(model: nn.Module) -> nn.Module:
+def _unfreeze_gen_path(model: BagelModel) -> BagelModel:
     for name, param in model.named_parameters():
         if is_gen_path(name):
             param.data = param.data.float()

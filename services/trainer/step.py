@@ -27,11 +27,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-from peft.tuners.tuners_utils import BaseTunerLayer
-from torch import Tensor, nn
+from peft.tuners.lora import LoraLayer
+from torch import Tensor
 
 from flowgrpo.models.bagel.config import SpecialTokens
-from flowgrpo.models.bagel.model import latent_position_ids
+from flowgrpo.models.bagel.model import BagelModel, latent_position_ids
 from flowgrpo.models.bagel.sampling import (
     SamplerParams,
     deterministic_kernels,
@@ -127,7 +127,7 @@ class FlowGRPOStep:
         if not self.mixed_precision or not isinstance(compute_autocast(model), torch.autocast):
             yield
             return
-        layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+        layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
         for layer in layers:
             layer.cast_input_dtype_enabled = False
         try:
@@ -224,7 +224,7 @@ class FlowGRPOStep:
                 kl_beta=self.loss.kl_beta,
             )
             # FSDP averages gradients over ranks: scale by world to get the mini-batch mean
-            (terms.loss_sum * (self.dist.world / total)).backward()
+            torch.autograd.backward(terms.loss_sum * (self.dist.world / total))
             kl_sum = kl.detach().sum() if kl is not None else torch.zeros(())
             parts = [terms.loss_sum.detach(), terms.clipped, terms.ratio_sum, terms.approx_kl_sum, kl_sum]
             sums += torch.stack([p.double().cpu() for p in parts])
@@ -300,10 +300,10 @@ class FlowGRPOStep:
         return [rows[i : i + size] for i in range(0, len(rows), size)]
 
 
-def compute_autocast(model: nn.Module) -> contextlib.AbstractContextManager[object]:
+def compute_autocast(model: BagelModel) -> contextlib.AbstractContextManager[object]:
     """bf16 (or fp16) autocast when the model's frozen weights are that dtype on a GPU, else a
     no-op. The frozen ``vae2llm`` weight tells the load dtype (it is never trained)."""
-    weight = model.vae2llm.weight  # type: ignore[union-attr]
+    weight = model.vae2llm.weight
     if weight.device.type == "cuda" and weight.dtype in (torch.bfloat16, torch.float16):
         return torch.autocast("cuda", dtype=weight.dtype)
     return contextlib.nullcontext()

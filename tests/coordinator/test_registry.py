@@ -26,6 +26,8 @@ from flowgrpo.services.coordinator.status import live_status
 from flowgrpo.services.reward.config import RewardServiceConfig
 from flowgrpo.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
+CLI = [sys.executable, "-m", "flowgrpo.services.cli"]  # the flowgrpo command of this interpreter
+
 ROOT = Path(__file__).resolve().parents[2]
 BEAT_S, LOST_S = 0.2, 1.5
 
@@ -52,18 +54,18 @@ def spawn_reward(tmp_path: Path, coordinator: str) -> subprocess.Popen[bytes]:
     dump_yaml(config, tmp_path / "reward.yaml")
     log = (tmp_path / "reward.log").open("wb")
     return subprocess.Popen(
-        [sys.executable, "-m", "flowgrpo.cli", "serve", "reward", "--config", str(tmp_path / "reward.yaml")],
+        [*CLI, "serve", "reward", "--config", str(tmp_path / "reward.yaml")],
         stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
     )  # fmt: skip
 
 
 def probe(address: str, service: str = "") -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "flowgrpo.cli", "probe", address, "--timeout", "10"]
+    cmd = [*CLI, "probe", address, "--timeout", "10"]
     return subprocess.run([*cmd, "--service", service] if service else cmd, capture_output=True, text=True)
 
 
 def test_probe_of_nothing_fails_and_says_so() -> None:
-    done = subprocess.run([sys.executable, "-m", "flowgrpo.cli", "probe", "127.0.0.1:1", "--timeout", "1"],
+    done = subprocess.run([*CLI, "probe", "127.0.0.1:1", "--timeout", "1"],
                           capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 1 and "127.0.0.1:1: no answer within 1 s" in done.stderr
 

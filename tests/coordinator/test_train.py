@@ -29,13 +29,15 @@ import pytest
 from PIL import Image
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-from flowgrpo.bench.paths import run_paths, table
 from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
+from flowgrpo.services.bench.paths import run_paths, table
 from flowgrpo.services.coordinator.compare import compare_runs
 from flowgrpo.services.coordinator.config import load_run_config
 from flowgrpo.services.coordinator.outputs import read_metrics
 from flowgrpo.services.coordinator.status import live_status, status
 from flowgrpo.services.coordinator.trace import step_spans
+
+CLI = [sys.executable, "-m", "flowgrpo.services.cli"]  # the flowgrpo command of this interpreter
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "tiny_demo.yaml"
@@ -51,7 +53,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def command(run_dir: Path, tiny: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "flowgrpo.cli", "train", str(RECIPE), f"run_dir={run_dir}",
+    return [*CLI, "train", str(RECIPE), f"run_dir={run_dir}",
             f"model.checkpoint={tiny}", *SHORT, *overrides]  # fmt: skip
 
 
@@ -135,7 +137,7 @@ def test_a_run_writes_its_outputs(reference_dir: Path, reference: list[dict[str,
 
 
 def test_the_report_renders_every_part_from_a_real_run(reference_dir: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "flowgrpo.cli", "report", str(reference_dir)],
+    done = subprocess.run([*CLI, "report", str(reference_dir)],
                           capture_output=True, text=True, cwd=ROOT)  # fmt: skip
     assert done.returncode == 0, done.stderr
     page = (reference_dir / "report.html").read_text()
@@ -154,7 +156,7 @@ def test_the_report_renders_every_part_from_a_real_run(reference_dir: Path) -> N
 def test_compare_reports_identical_runs_and_finds_an_injected_difference(
     reference_dir: Path, tmp_path: Path
 ) -> None:
-    cmd = [sys.executable, "-m", "flowgrpo.cli", "compare", str(reference_dir), str(reference_dir)]
+    cmd = [*CLI, "compare", str(reference_dir), str(reference_dir)]
     same = subprocess.run([*cmd, "--fail-on-difference"], capture_output=True, text=True, cwd=ROOT)
     assert same.returncode == 0 and "identical" in same.stdout, same.stdout + same.stderr
     changed = tmp_path / "changed"
@@ -197,7 +199,7 @@ def test_local_processes_with_two_rollouts_equal_the_inprocess_run(
     assert {"coordinator.draw", "rollout.generate", "reward.score", "trainer.step"} <= {
         s["name"] for s in spans
     }
-    shown = subprocess.run([sys.executable, "-m", "flowgrpo.cli", "trace", str(tmp_path), "--step", "2"],
+    shown = subprocess.run([*CLI, "trace", str(tmp_path), "--step", "2"],
                            capture_output=True, text=True, check=True).stdout  # fmt: skip
     assert "trainer.step" in shown and "rollout.generate" in shown
     report = status(tmp_path)  # `flowgrpo status`
@@ -289,7 +291,7 @@ def test_async_with_eta_1_trains_at_lag_1_while_the_next_batch_is_drawn(tiny: Pa
 def test_the_demo_learns(tiny: Path, tmp_path: Path) -> None:
     """The README's demo recipe as it ships (in process: the same numbers as local processes,
     see above): the JPEG-compressibility reward of the last steps is clearly above the first's."""
-    cmd = [sys.executable, "-m", "flowgrpo.cli", "train", str(RECIPE), f"run_dir={tmp_path}",
+    cmd = [*CLI, "train", str(RECIPE), f"run_dir={tmp_path}",
            f"model.checkpoint={tiny}", "launch.launcher=inprocess"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -321,7 +323,7 @@ def test_services_started_on_their_own_register_and_a_frozen_one_is_lost_then_re
     address = json.loads(ready.read_text())["grpc_address"]
 
     def serve(role: str, replica: str, *overrides: str) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "flowgrpo.cli", "serve", role, "--recipe", str(RECIPE),
+        cmd = [*CLI, "serve", role, "--recipe", str(RECIPE),
                f"coordinator={address}", f"replica_id={replica}", f"run_dir={tmp_path}", "log_format=text",
                *overrides]  # fmt: skip
         log = (tmp_path / f"{replica}.log").open("wb")

@@ -6,13 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flowgrpo.cli import build_parser
 from flowgrpo.data import load_split
 from flowgrpo.prompts import MAX_PROMPT_TOKENS
+from flowgrpo.services.cli import build_parser
 
 
 def _flowgrpo(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "flowgrpo.cli", *map(str, args)]
+    cmd = [sys.executable, "-m", "flowgrpo.services.cli", *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
 
 

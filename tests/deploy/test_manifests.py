@@ -20,16 +20,17 @@ from typing import Any
 import pytest
 import yaml
 
-from flowgrpo import cli
+from flowgrpo.services import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "deploy" / "compose"
 K8S_BASE = ROOT / "deploy" / "k8s" / "base"
 RECIPE = ROOT / "examples" / "bagel_pickscore_lora.yaml"
+CPU_RECIPE = ROOT / "examples" / "tiny_demo.yaml"
 PROFILES = [[], ["tracing"], ["ocr"], ["tracing", "ocr"]]
-OUR_IMAGES = ("flowgrpo-gpu", "flowgrpo-coordinator")
+OUR_IMAGES = ("flowgrpo-gpu", "flowgrpo-cpu", "flowgrpo-coordinator")
 # what a container path or a placeholder stands for when a command is parsed here
-CONTAINER_VALUES = {"/config/recipe.yaml": str(RECIPE), "$(POD_IP)": "10.0.0.7", "$(POD_NAME)": "pod-0"}
+CONTAINER_VALUES = {"$(POD_IP)": "10.0.0.7", "$(POD_NAME)": "pod-0"}
 
 
 def compose_binary() -> str:
@@ -41,7 +42,9 @@ def compose_binary() -> str:
 
 
 def compose_config(compose_file: Path, profiles: list[str]) -> dict[str, Any]:
-    cmd = [compose_binary(), "--env-file", str(COMPOSE_DIR / ".env.example"), "-f", str(compose_file)]
+    """The resolved compose file: the GPU stack with .env.example, the CPU stack with no .env."""
+    env = [] if compose_file.name.endswith(".cpu.yml") else ["--env-file", str(COMPOSE_DIR / ".env.example")]
+    cmd = [compose_binary(), *env, "-f", str(compose_file)]
     for profile in profiles:
         cmd += ["--profile", profile]
     done = subprocess.run(
@@ -66,6 +69,9 @@ def test_the_committed_compose_file_is_the_generators_output() -> None:
     assert (COMPOSE_DIR / "docker-compose.yml").read_text() == generate.render(2, 2), (
         "regenerate: python deploy/compose/generate.py -o deploy/compose/docker-compose.yml"
     )
+    assert (COMPOSE_DIR / "docker-compose.cpu.yml").read_text() == generate.render_cpu(2), (
+        "regenerate: python deploy/compose/generate.py --cpu -o deploy/compose/docker-compose.cpu.yml"
+    )
 
 
 @pytest.mark.parametrize("profiles", PROFILES, ids=lambda p: "+".join(p) or "default")
@@ -84,7 +90,8 @@ def test_compose_config_resolves_for_every_profile(profiles: list[str]) -> None:
     }  # one GPU per rollout service
     for name in ("rollout-0", "rollout-1", "reward", "trainer"):
         service = services[name]
-        assert service["depends_on"]["coordinator"]["condition"] == "service_healthy"
+        # replicas retry registering: no health-based ordering (podman without systemd has none)
+        assert service["depends_on"]["coordinator"]["condition"] == "service_started"
         assert service["shm_size"] and service["stop_grace_period"]
         assert service["healthcheck"]["test"][1:3] == ["flowgrpo", "probe"]
     assert services["coordinator"]["healthcheck"]["test"][1:] == ["flowgrpo", "probe", "localhost:50050"]
@@ -100,6 +107,23 @@ def test_n_rollout_gpus_is_one_number(tmp_path: Path) -> None:
     ids = [services[n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for n in rollouts]
     assert ids == [["1"], ["2"], ["3"], ["4"]]
     assert "launch.rollout_replicas=4" in services["coordinator"]["command"]
+
+
+def test_the_cpu_stack_needs_no_gpu_and_makes_its_model_first() -> None:
+    services = compose_config(COMPOSE_DIR / "docker-compose.cpu.yml", [])["services"]
+    assert set(services) == {"setup", "coordinator", "rollout-0", "rollout-1", "reward", "trainer"}
+    assert not any("deploy" in s for s in services.values()), "a CPU service reserves a device"
+    assert services["setup"]["command"][:2] == ["flowgrpo", "make-tiny-bagel"]
+    for name in ("coordinator", "rollout-0", "rollout-1", "reward", "trainer"):
+        assert services[name]["depends_on"]["setup"]["condition"] == "service_completed_successfully"
+    devices = [a for s in services.values() for a in s["command"] if a.split("=")[0].endswith(".device")]
+    assert devices and all(a.endswith("=cpu") for a in devices), devices
+    model = services["setup"]["command"][2]
+    assert f"model.checkpoint={model}" in services["coordinator"]["command"]
+    assert f"trainer.checkpoint={model}" in services["trainer"]["command"]
+    # the build arguments of the CPU variant: a slim Python base and torch from the CPU index
+    args = services["rollout-0"]["build"]["args"]
+    assert args["BASE"].startswith("python:3.11") and args["TORCH_INDEX_URL"].endswith("/whl/cpu")
 
 
 def kustomize() -> list[dict[str, Any]]:
@@ -143,39 +167,47 @@ def test_kubernetes_manifests_build_and_validate() -> None:
 # --- every container command is a flowgrpo command that parses ------------------------------------
 
 
-def container_commands() -> Iterator[tuple[str, str, list[str]]]:
-    """(where, image, argv) of every command our images run, compose (every profile) and k8s."""
-    for profiles in PROFILES:
-        for name, service in compose_config(COMPOSE_DIR / "docker-compose.yml", profiles)["services"].items():
+def container_commands() -> Iterator[tuple[str, str, list[str], Path]]:
+    """(where, image, argv, recipe) of every command our images run, compose (every profile, the
+    CPU stack) and k8s; ``recipe``: what the stack mounts as /config/recipe.yaml."""
+    stacks = [("docker-compose.yml", p, RECIPE) for p in PROFILES]
+    stacks.append(("docker-compose.cpu.yml", [], CPU_RECIPE))
+    for file, profiles, recipe in stacks:
+        for name, service in compose_config(COMPOSE_DIR / file, profiles)["services"].items():
             image = service.get("image", "")
             if not image.startswith(OUR_IMAGES):
                 continue
-            yield f"compose {name}", image, service["command"]
-            yield f"compose {name} healthcheck", image, service["healthcheck"]["test"][1:]
+            yield f"{file} {name}", image, service["command"], recipe
+            if "healthcheck" in service:
+                yield f"{file} {name} healthcheck", image, service["healthcheck"]["test"][1:], recipe
     with contextlib.suppress(pytest.skip.Exception):
         for doc in kustomize():
             if doc["kind"] in ("Deployment", "StatefulSet"):
                 for container in doc["spec"]["template"]["spec"]["containers"]:
                     where = f"k8s {doc['metadata']['name']}"
-                    yield where, container["image"], [*container["command"], *container.get("args", [])]
+                    argv = [*container["command"], *container.get("args", [])]
+                    # the image's entrypoint is tini (PID 1 forwards signals); `command` replaces it
+                    assert argv[:2] == ["tini", "--"], f"{where}: the command does not start with tini --"
+                    yield where, container["image"], argv[2:], RECIPE
 
 
-def flowgrpo_argv(argv: list[str]) -> list[str]:
-    """The flowgrpo part of a container command (after `torchrun ... -m flowgrpo.cli`)."""
+def flowgrpo_argv(argv: list[str], recipe: Path) -> list[str]:
+    """The flowgrpo part of a container command (after `torchrun ... -m flowgrpo.services.cli`)."""
     if argv[0] == "torchrun":
-        assert argv[argv.index("-m") + 1] == "flowgrpo.cli", argv
+        assert argv[argv.index("-m") + 1] == "flowgrpo.services.cli", argv
         argv = argv[argv.index("-m") + 2 :]
     else:
         assert argv[0] == "flowgrpo", f"not a flowgrpo command: {argv}"
         argv = argv[1:]
-    return [CONTAINER_VALUES.get(a, re.sub(r"\$\((POD_IP|POD_NAME)\)", lambda m: CONTAINER_VALUES[m[0]], a))
+    values = CONTAINER_VALUES | {"/config/recipe.yaml": str(recipe)}
+    return [values.get(a, re.sub(r"\$\((POD_IP|POD_NAME)\)", lambda m: values[m[0]], a))
             for a in argv]  # fmt: skip
 
 
 def test_every_container_command_is_a_flowgrpo_command_whose_config_validates() -> None:
     seen = set()
-    for where, image, argv in container_commands():
-        args = flowgrpo_argv(argv)
+    for where, image, argv, recipe in container_commands():
+        args = flowgrpo_argv(argv, recipe)
         command = args[0]
         seen.add(command)
         if command in ("serve", "train"):  # resolve the whole config, as the container would
@@ -186,16 +218,16 @@ def test_every_container_command_is_a_flowgrpo_command_whose_config_validates() 
             assert yaml.safe_load(out.getvalue()), where
         else:
             cli.build_parser().parse_args(args)  # SystemExit on a bad argument
-        if command == "serve":
-            assert image.startswith("flowgrpo-gpu"), f"{where}: a service runs in the GPU image"
+        if command in ("serve", "make-tiny-bagel"):
+            assert image.startswith(("flowgrpo-gpu", "flowgrpo-cpu")), f"{where}: runs in the service image"
         else:
             assert command in ("train", "probe"), where
-    assert seen == {"serve", "train", "probe"}
+    assert seen == {"serve", "train", "probe", "make-tiny-bagel"}
 
 
 def installed_extras(dockerfile: str) -> set[str]:
     text = (ROOT / "deploy" / "docker" / dockerfile).read_text()
-    [extras] = re.findall(r"pip install '\.\[([a-z,]+)\]'", text)
+    [extras] = re.findall(r"^ARG EXTRAS=([a-z,]+)$", text, re.MULTILINE)
     return set(extras.split(","))
 
 
@@ -203,9 +235,20 @@ def test_the_dockerfiles_install_the_extras_their_services_need() -> None:
     import tomllib
 
     optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert {"rollout", "trainer", "reward"} <= installed_extras("gpu.Dockerfile")
+    assert {"rollout", "trainer", "reward"} <= installed_extras("service.Dockerfile")
     coordinator = installed_extras("coordinator.Dockerfile")
     assert "coordinator" in coordinator and not coordinator & {"rollout", "trainer", "reward", "torch"}
-    assert all(extra in optional for extra in installed_extras("gpu.Dockerfile") | coordinator)
-    # the coordinator's extras pull no torch, directly or through another extra
-    assert not any("torch" in dep for extra in coordinator for dep in optional[extra])
+    assert all(extra in optional for extra in installed_extras("service.Dockerfile") | coordinator)
+    # the coordinator's extras pull no torch, nor what only reports need, directly or through another
+    coordinator_deps = [dep for extra in coordinator for dep in optional[extra]]
+    assert not any(name in dep for dep in coordinator_deps for name in ("torch", "matplotlib", "wandb"))
+
+
+def test_both_images_run_their_command_under_tini_from_an_installed_wheel() -> None:
+    for dockerfile in ("service.Dockerfile", "coordinator.Dockerfile"):
+        text = (ROOT / "deploy" / "docker" / dockerfile).read_text()
+        assert 'ENTRYPOINT ["tini", "--"]' in text, dockerfile
+        # a non-editable install of a wheel built in the first stage; the source tree stays behind
+        assert "pip wheel" in text and "/dist/flowgrpo-*.whl" in text and "pip install -e" not in text
+        build, run = text.split("\nFROM ")[1:]
+        assert "COPY services" in build and "COPY services" not in run and "COPY --from=wheel /dist" in run

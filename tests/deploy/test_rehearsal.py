@@ -42,7 +42,7 @@ def on_this_host(argv: list[str], values: dict[str, str]) -> list[str]:
         head = [sys.executable, "-m", "torch.distributed.run"]
     else:
         assert argv[0] == "flowgrpo", argv
-        head = [sys.executable, "-m", "flowgrpo.cli"]
+        head = [sys.executable, "-m", "flowgrpo.services.cli"]
     out = []
     for arg in argv[1:]:
         key, is_override, _ = arg.partition("=")
@@ -68,7 +68,7 @@ def test_the_compose_topology_trains_as_processes_with_otlp_traces_and_probes(  
     prompts = ROOT / "examples" / "data" / "tiny"
     prepare = ["data", "prepare", "pickscore", "--model-path", str(tiny), "--input-dir", str(prompts),
                "--output-dir", str(data)]  # fmt: skip
-    subprocess.run([sys.executable, "-m", "flowgrpo.cli", *prepare], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "flowgrpo.services.cli", *prepare], check=True, capture_output=True)
     ports = {name: free_port() for name in services}
     coordinator = f"127.0.0.1:{ports['coordinator']}"
     procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -102,7 +102,7 @@ def test_the_compose_topology_trains_as_processes_with_otlp_traces_and_probes(  
             assert probe[:2] == ["flowgrpo", "probe"]
             deadline = time.monotonic() + 180
             while True:
-                cmd = [sys.executable, "-m", "flowgrpo.cli", "probe", f"127.0.0.1:{ports[name]}"]
+                cmd = [sys.executable, "-m", "flowgrpo.services.cli", "probe", f"127.0.0.1:{ports[name]}"]
                 done = subprocess.run(cmd, capture_output=True, text=True)
                 if done.returncode == 0 and "SERVING" in done.stdout:
                     return

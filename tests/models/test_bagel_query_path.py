@@ -13,7 +13,6 @@ from test_bagel_model import prompts  # same folder: the shared padded-prompt bu
 from torch import Tensor
 from torch._dynamo.testing import CompileCounter
 
-from flowgrpo.bench import rollout
 from flowgrpo.models.bagel.config import bagel_7b, tiny
 from flowgrpo.models.bagel.model import (
     MAX_QUERY_RUNS,
@@ -25,6 +24,7 @@ from flowgrpo.models.bagel.model import (
     query_runs,
 )
 from flowgrpo.models.bagel.parallelize import compile_query_layers, uncompile_query_layers
+from flowgrpo.services.bench import rollout
 
 SOI, EOI = 386, 387
 MARKERS = {"soi_id": SOI, "eoi_id": EOI}

@@ -63,7 +63,7 @@ def test_peft_adapter_round_trip_and_errors(tmp_path: Path) -> None:
 
 
 def test_generate_cli_writes_images_and_a_lora_changes_them(tiny: Path, tmp_path: Path) -> None:
-    base_cmd = [sys.executable, "-m", "flowgrpo.cli", "generate", "--checkpoint", str(tiny),
+    base_cmd = [sys.executable, "-m", "flowgrpo.services.cli", "generate", "--checkpoint", str(tiny),
                 "--prompt", "a red fox", "--prompt", 'a sign that says "hi"', "--num-images", "2",
                 "--height", "32", "--width", "48",
                 "--steps", "6", "--device", "cpu", "--dtype", "float32"]  # fmt: skip

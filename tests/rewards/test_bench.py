@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from flowgrpo.bench import reward
+from flowgrpo.services.bench import reward
 
 
 def test_bench_reports_images_per_second_for_every_scorer(

@@ -29,7 +29,7 @@ def spawn_service(
     ready.unlink(missing_ok=True)
     cmd = [
         *launcher,
-        "flowgrpo.cli",
+        "flowgrpo.services.cli",
         "serve",
         role,
         f"server.ready_file={ready}",

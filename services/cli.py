@@ -94,9 +94,8 @@ def _print_config(config: Any) -> None:
 
 def _recipe_role_config(recipe: str, role: str) -> Any:
     """``role``'s service config from a run recipe (the section the coordinator would give it)."""
-    # mypy cannot follow pyproject's package-dir mapping of flowgrpo.services (services/)
-    from flowgrpo.services.coordinator.config import read_recipe_sections  # type: ignore[import-not-found]
-    from flowgrpo.services.coordinator.launch import role_config  # type: ignore[import-not-found]
+    from flowgrpo.services.coordinator.config import read_recipe_sections
+    from flowgrpo.services.coordinator.launch import role_config
 
     return role_config(read_recipe_sections(recipe), role)
 
@@ -106,11 +105,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     from flowgrpo.config import ConfigError
     from flowgrpo.data import DatasetError
-
-    # mypy cannot follow pyproject's package-dir mapping of flowgrpo.services (services/)
     from flowgrpo.services.coordinator.config import load_run_config
-    from flowgrpo.services.coordinator.run import RunError  # type: ignore[import-not-found]
-    from flowgrpo.services.coordinator.train import train  # type: ignore[import-not-found]
+    from flowgrpo.services.coordinator.pool import RunError
+    from flowgrpo.services.coordinator.train import train
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -130,7 +127,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from flowgrpo.services.coordinator.status import live_status, status  # type: ignore[import-not-found]
+    from flowgrpo.services.coordinator.status import live_status, status
 
     if bool(args.run_dir) == bool(args.address):
         print("flowgrpo status: give a run folder or --address HOST:PORT of a coordinator", file=sys.stderr)
@@ -144,7 +141,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from flowgrpo.services.coordinator.report import write_report  # type: ignore[import-not-found]
+    from flowgrpo.services.coordinator.report import write_report
 
     try:
         path = write_report(args.run_dir)
@@ -156,7 +153,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from flowgrpo.services.coordinator.compare import (  # type: ignore[import-not-found]
+    from flowgrpo.services.coordinator.compare import (
         compare_runs,
         format_comparison,
         plot_comparison,
@@ -174,7 +171,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
-    from flowgrpo.services.coordinator.trace import step_spans, waterfall  # type: ignore[import-not-found]
+    from flowgrpo.services.coordinator.trace import step_spans, waterfall
 
     spans = step_spans(args.run_dir, args.step)
     if not spans:
@@ -350,7 +347,7 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    bench = importlib.import_module(f"flowgrpo.bench.{args.target}")
+    bench = importlib.import_module(f"flowgrpo.services.bench.{args.target}")
     code: int = bench.main(args.bench_args)
     return code
 

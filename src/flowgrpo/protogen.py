@@ -1,6 +1,6 @@
 """Regenerate the Python code of the protos: ``python -m flowgrpo.protogen``.
 
-The generated modules (``flowgrpo/v1/*_pb2*.py`` and their typed ``.pyi`` stubs) are committed
+The generated modules (``src/flowgrpo/v1/*_pb2*.py`` and their typed ``.pyi`` stubs) are committed
 so that an install needs no protoc. They are reproducible from ``protos/`` with the pinned
 grpcio-tools and mypy-protobuf of the ``dev`` extra; ``tests/test_protos.py`` regenerates them
 into a temporary folder and fails when the committed files are stale.
@@ -13,9 +13,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PROTO_ROOT = REPO_ROOT / "protos"
-PACKAGE_DIR = "flowgrpo/v1"
+PACKAGE_DIR = "flowgrpo/v1"  # under protos/ and under src/
+SOURCE_ROOT = REPO_ROOT / "src"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
 
 
@@ -57,7 +58,7 @@ def generate(out_dir: Path) -> list[Path]:
 
 
 def main() -> None:
-    target = REPO_ROOT / PACKAGE_DIR
+    target = SOURCE_ROOT / PACKAGE_DIR
     with tempfile.TemporaryDirectory() as tmp:
         written = generate(Path(tmp))
         for old in target.iterdir():

@@ -119,7 +119,7 @@ class _Producer:
     """A producer child process and the refs it printed; ended by closing its stdin."""
 
     def __init__(self, transport: str, sizes_mib: Sequence[int]) -> None:
-        cmd = [sys.executable, "-m", "flowgrpo.bench.bus", "--producer", transport, "--sizes-mib"]
+        cmd = [sys.executable, "-m", "flowgrpo.services.bench.bus", "--producer", transport, "--sizes-mib"]
         self.proc = subprocess.Popen(
             [*cmd, *map(str, sizes_mib)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )

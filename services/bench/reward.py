@@ -73,7 +73,7 @@ def mean_brightness(
     ground_truths: list[str],
     metadata: list[dict[str, str]],
 ) -> list[float]:
-    """The plug-in this benchmark loads (``flowgrpo.bench.reward:mean_brightness``)."""
+    """The plug-in this benchmark loads (``flowgrpo.services.bench.reward:mean_brightness``)."""
     return [float(image.mean()) / 255 for image in images]
 
 
@@ -115,7 +115,7 @@ def _score_all(scorer: Scorer, samples: Sequence[Sample], batch: int) -> None:
 def make_plugin() -> Scorer:
     from flowgrpo.rewards.plugins import PluginScorer
 
-    return PluginScorer.load("plugin", "flowgrpo.bench.reward:mean_brightness")
+    return PluginScorer.load("plugin", "flowgrpo.services.bench.reward:mean_brightness")
 
 
 def make_jpeg() -> Scorer:

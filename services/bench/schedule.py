@@ -22,10 +22,9 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
-# mypy cannot follow pyproject's package-dir mapping of flowgrpo.services (services/)
-from flowgrpo.services.coordinator.config import load_run_config  # type: ignore[import-not-found]
-from flowgrpo.services.coordinator.trace import busy_per_step  # type: ignore[import-not-found]
-from flowgrpo.services.coordinator.train import train  # type: ignore[import-not-found]
+from flowgrpo.services.coordinator.config import load_run_config
+from flowgrpo.services.coordinator.trace import busy_per_step
+from flowgrpo.services.coordinator.train import train
 
 PHASES = ("timing_s/step", "timing_s/gen_and_reward", "timing_s/train", "timing_s/load_weights")
 GAP = "actor/rollout_logp_gap/max"

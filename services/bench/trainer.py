@@ -58,7 +58,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flowgrpo.bench.rollout import (
+from flowgrpo.models.bagel.checkpoint import EMA_FILE, save_bagel_checkpoint, tiny_tokenizer
+from flowgrpo.models.bagel.config import BagelConfig, SpecialTokens, bagel_7b, flux_vae, tiny, tiny_vae
+from flowgrpo.models.bagel.model import BagelModel
+from flowgrpo.models.bagel.parallelize import compile_query_layers, uncompile_query_layers
+from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, SamplerParams
+from flowgrpo.models.bagel.vae import AutoEncoder
+from flowgrpo.sampler_math import CfgParams, WindowParams, shifted_schedule
+from flowgrpo.services.bench.rollout import (
     SPECIAL_7B,
     SPECIAL_TINY,
     gen_matmul_params,
@@ -66,30 +73,22 @@ from flowgrpo.bench.rollout import (
     random_bagel,
     sync,
 )
-from flowgrpo.models.bagel.checkpoint import EMA_FILE, save_bagel_checkpoint, tiny_tokenizer
-from flowgrpo.models.bagel.config import BagelConfig, SpecialTokens, bagel_7b, flux_vae, tiny, tiny_vae
-from flowgrpo.models.bagel.parallelize import compile_query_layers, uncompile_query_layers
-from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, SamplerParams
-from flowgrpo.models.bagel.vae import AutoEncoder
-from flowgrpo.sampler_math import CfgParams, WindowParams, shifted_schedule
-
-# mypy cannot follow pyproject's package-dir mapping of flowgrpo.services (services/)
-from flowgrpo.services.trainer.config import (  # type: ignore[import-not-found]
+from flowgrpo.services.trainer.config import (
     DEFAULT_LORA_TARGETS,
     LossConfig,
     OptimConfig,
     PolicyConfig,
 )
-from flowgrpo.services.trainer.distributed import (  # type: ignore[import-not-found]
+from flowgrpo.services.trainer.distributed import (
     Dist,
     checkpoint_query_layers,
     init_distributed,
     shard_model,
     uncheckpoint_query_layers,
 )
-from flowgrpo.services.trainer.load import load_policy  # type: ignore[import-not-found]
-from flowgrpo.services.trainer.policy import TrainablePolicy  # type: ignore[import-not-found]
-from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory, compute_autocast  # type: ignore[import-not-found]
+from flowgrpo.services.trainer.load import load_policy
+from flowgrpo.services.trainer.policy import TrainablePolicy
+from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory, compute_autocast
 
 GiB = 1 << 30
 
@@ -184,10 +183,10 @@ def make_requests(batch: int, group: int, prompt_len: int, special: SpecialToken
 
 
 def sampled_batch(
-    model: torch.nn.Module, special: SpecialTokens, requests: list[SampleRequest], params: SamplerParams
+    model: BagelModel, special: SpecialTokens, requests: list[SampleRequest], params: SamplerParams
 ) -> list[Trajectory]:
     """Trajectories drawn by the sampler with ``model`` (host tensors, as the service gets them)."""
-    sampler = BagelSampler(model, None, special)  # type: ignore[arg-type]
+    sampler = BagelSampler(model, None, special)
     with compute_autocast(model):
         out = sampler.generate(requests, params, seed=0, step=0)
     g = torch.Generator().manual_seed(1)
@@ -415,7 +414,7 @@ def measure_publication(policy: TrainablePolicy, dist: Dist, args: argparse.Name
     out["bytes_fp32"] = sum(shape.numel() * 4 for _, shape, _ in specs)
     try:
         from flowgrpo.bus import BusConfig, serve_store
-        from flowgrpo.services.trainer.publish import Publisher  # type: ignore[import-not-found]
+        from flowgrpo.services.trainer.publish import Publisher
     except ImportError as e:
         out["bus"] = f"not measured: the bus needs pyzmq and OpenTelemetry ({e})"
         return out

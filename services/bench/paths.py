@@ -15,10 +15,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-# mypy cannot follow pyproject's package-dir mapping of flowgrpo.services (services/)
-from flowgrpo.services.coordinator.compare import compare_runs  # type: ignore[import-not-found]
-from flowgrpo.services.coordinator.config import load_run_config  # type: ignore[import-not-found]
-from flowgrpo.services.coordinator.train import train  # type: ignore[import-not-found]
+from flowgrpo.services.coordinator.compare import compare_runs
+from flowgrpo.services.coordinator.config import load_run_config
+from flowgrpo.services.coordinator.train import train
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "tiny_demo.yaml"
 PATHS = {  # name -> overrides; the first is the reference
@@ -76,7 +75,7 @@ def plot(runs: dict[str, Path], path: Path) -> None:
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    from flowgrpo.services.coordinator.outputs import read_metrics  # type: ignore[import-not-found]
+    from flowgrpo.services.coordinator.outputs import read_metrics
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), dpi=100)
     reference = {r["step"]: r for r in read_metrics(runs[next(iter(runs))])}
