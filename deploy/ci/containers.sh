@@ -155,7 +155,7 @@ done
 "$PY" -m flowgrpo.services.cli train "$ROOT/examples/tiny_demo.yaml" launch.launcher=inprocess \
     "run_dir=$WORK/reference" "schedule.steps=$STEPS" >"$WORK/reference.log" 2>&1 \
     || fail "the in-process reference run: $(tail -20 "$WORK/reference.log")"
-steps=$(wc -l <"$WORK/runs/tiny-demo/metrics.jsonl")
+steps=$(grep -c '"kind": "train"' "$WORK/runs/tiny-demo/metrics.jsonl")
 [[ $steps == "$STEPS" ]] || fail "$steps steps in the containers' metrics.jsonl, expected $STEPS"
 "$PY" -m flowgrpo.services.cli compare "$WORK/reference" "$WORK/runs/tiny-demo" --fail-on-difference \
     >"$WORK/compare.txt" 2>&1 || fail "the containers' run differs from the in-process run: $(cat "$WORK/compare.txt")"

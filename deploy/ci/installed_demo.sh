@@ -36,7 +36,7 @@ start=$SECONDS
 "$WORK/venv/bin/flowgrpo" train examples/tiny_demo.yaml "run_dir=$WORK/run" "${steps[@]}" \
     >"$WORK/train.log" 2>&1 || fail "flowgrpo train: $(tail -30 "$WORK/train.log")"
 expected=${STEPS:-$(awk '/^  steps:/ {print $2; exit}' examples/tiny_demo.yaml)}
-lines=$(wc -l <"$WORK/run/metrics.jsonl")
+lines=$(grep -c '"kind": "train"' "$WORK/run/metrics.jsonl")
 [[ $lines == "$expected" ]] || fail "$lines steps in metrics.jsonl, expected $expected"
 [[ -d $WORK/run/checkpoints ]] || fail "no checkpoints/ in the run folder"
 say "trained $expected steps in $((SECONDS - start)) s from the repository root: $(tail -2 "$WORK/train.log" | head -1)"

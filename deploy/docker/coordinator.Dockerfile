@@ -13,7 +13,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY src src
 COPY services services
-RUN python3 -m pip wheel $PIP_ARGS --no-deps --wheel-dir /dist .
+RUN python3 -m venv /opt/build && /opt/build/bin/pip wheel $PIP_ARGS --no-deps --wheel-dir /dist .
 
 # Stage 2: a virtual environment with the wheel and only what the coordinator needs at run time.
 FROM ${BASE}

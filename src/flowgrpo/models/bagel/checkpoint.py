@@ -39,7 +39,7 @@ from flowgrpo.models.bagel.config import (
     tiny_vae,
 )
 from flowgrpo.models.bagel.model import BagelModel
-from flowgrpo.models.bagel.vae import AutoEncoder, vae_config_from_shapes
+from flowgrpo.models.bagel.vae import AttnBlock, AutoEncoder, ResnetBlock, Upsample, vae_config_from_shapes
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -367,7 +367,55 @@ def make_tiny_bagel(folder: str | Path, seed: int = 0) -> Path:
     with torch.random.fork_rng(devices=[]):  # seed the default init without touching the caller's RNG
         torch.manual_seed(seed)
         model = BagelModel(cfg)
-        vae = AutoEncoder(tiny_vae())
+        vae = smooth_tiny_decoder_(AutoEncoder(tiny_vae()))
     return save_bagel_checkpoint(
         model, vae, folder, tokenizer=tokenizer, special_tokens=specials, vit_config=TINY_VIT_CONFIG
     )
+
+
+def smooth_tiny_decoder_(vae: AutoEncoder) -> AutoEncoder:
+    """Give a tiny autoencoder's decoder weights that make it a smooth, well-conditioned map from
+    latents to colours (in place; draws from torch's default generator), so that a policy can
+    change brightness, colour and contrast, not only noise. Random weights give a decoder whose
+    images barely move with the latent: GroupNorm renormalises every channel and random residual
+    branches scramble the rest, which left the CPU demo a few percent of headroom at most.
+
+    The construction, in the real FLUX layout (GroupNorm(32) over 64 channels: groups of two):
+    ``conv_in`` writes 32 signals s_g (random linear mixes of the 16 latent channels) as the pairs
+    (+s_g, -s_g); every residual branch and the attention's output projection are zero (identity
+    blocks); each upsample is nearest-neighbour then a 3x3 binomial blur, per channel. A group
+    (+s, -s) has mean 0, so ``norm_out`` only divides it by the rms of s over the image, keeping s's
+    mean and contrast relative to its size; and silu(a) - silu(-a) = a, so ``conv_out`` (weight w_g
+    on +s_g, -w_g on -s_g) makes each pixel the linear map sum_g w_g s_g / rms(s_g): smooth colour
+    fields that follow the latent's mean (brightness, colour) and spatial variation (contrast)."""
+    decoder = vae.decoder
+    width, z_channels = decoder.conv_in.out_channels, decoder.conv_in.in_channels
+    if decoder.norm_out.num_groups * 2 != width:
+        raise ValueError(f"the smooth decoder needs GroupNorm groups of two channels, got width {width}")
+    signals = width // 2
+    mix = torch.randn(signals, z_channels) / math.sqrt(z_channels)
+    colours = torch.randn(decoder.conv_out.out_channels, signals) * (0.5 / math.sqrt(signals))
+    blur = torch.tensor([[1.0, 2.0, 1.0], [2.0, 4.0, 2.0], [1.0, 2.0, 1.0]]) / 16
+    with torch.no_grad():
+        for module in decoder.modules():
+            if isinstance(module, ResnetBlock):
+                _zero(module.conv2)
+            elif isinstance(module, AttnBlock):
+                _zero(module.proj_out)
+            elif isinstance(module, Upsample):
+                _zero(module.conv)
+                for c in range(module.conv.out_channels):
+                    module.conv.weight[c, c] = blur
+        _zero(decoder.conv_in)
+        decoder.conv_in.weight[0::2, :, 1, 1] = mix
+        decoder.conv_in.weight[1::2, :, 1, 1] = -mix
+        _zero(decoder.conv_out)
+        decoder.conv_out.weight[:, 0::2, 1, 1] = colours
+        decoder.conv_out.weight[:, 1::2, 1, 1] = -colours
+    return vae
+
+
+def _zero(conv: nn.Conv2d) -> None:
+    conv.weight.zero_()
+    if conv.bias is not None:
+        conv.bias.zero_()

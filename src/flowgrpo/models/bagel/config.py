@@ -145,8 +145,10 @@ def flux_vae() -> VAEConfig:
 
 
 def tiny_vae() -> VAEConfig:
-    """Same layout and the same 8x downsampling, 32 channels everywhere, one block per level."""
-    return VAEConfig(ch=32, ch_mult=(1, 1, 1, 1), num_res_blocks=1)
+    """Same layout and the same 8x downsampling, 64 channels everywhere (GroupNorm(32) groups of
+    two: what the tiny factory's smooth decoder needs, see ``smooth_tiny_decoder_``), no extra
+    ResNet block per level."""
+    return VAEConfig(ch=64, ch_mult=(1, 1, 1, 1), num_res_blocks=0)
 
 
 @dataclass(frozen=True)
