@@ -49,10 +49,11 @@ export CONTAINERS_CONF=$WORK/containers.conf
 podman images -q -a --no-trunc | sort -u >"$WORK/images.before"
 
 SERVICE_PID=""
+COMPOSE_ARGS=()
 cleanup() {
     local rc=$?
     set +e
-    if [[ -n ${DOCKER_HOST:-} ]]; then
+    if [[ ${#COMPOSE_ARGS[@]} -gt 0 ]]; then
         "$COMPOSE" "${COMPOSE_ARGS[@]}" down --timeout 60 --remove-orphans >/dev/null 2>&1
     fi
     [[ -n $SERVICE_PID ]] && kill "$SERVICE_PID" 2>/dev/null && wait "$SERVICE_PID" 2>/dev/null

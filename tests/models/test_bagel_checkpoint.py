@@ -20,7 +20,7 @@ from flowgrpo.models.bagel.checkpoint import (
     read_bagel_config,
     save_bagel_checkpoint,
 )
-from flowgrpo.models.bagel.config import SpecialTokens, tiny
+from flowgrpo.models.bagel.config import SpecialTokens, tiny, tiny_vae
 from flowgrpo.models.bagel.model import BagelModel, latent_position_ids
 
 FILES = [
@@ -114,7 +114,7 @@ def test_vae_loads_alone_with_geometry_from_shapes(tiny_dir: Path, tmp_path: Pat
     """Bitwise: the VAE from ae.safetensors alone decodes like the saved one."""
     alone = copy_files(tiny_dir, tmp_path / "vae", ["ae.safetensors"])
     vae = load_vae(alone)
-    assert vae.config.ch == 32 and vae.config.downsample == 8
+    assert vae.config == tiny_vae() and vae.config.downsample == 8
     z = torch.randn(1, 16, 2, 2)
     with torch.no_grad():
         assert torch.equal(vae.decode(z), load_vae(tiny_dir).decode(z))

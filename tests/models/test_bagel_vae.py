@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from flowgrpo.models.bagel.config import VAEConfig, flux_vae, tiny_vae
 from flowgrpo.models.bagel.vae import AutoEncoder, images_to_uint8, vae_config_from_shapes
@@ -67,3 +68,30 @@ def test_decode_shape_range_and_formula() -> None:
         255,
     ]
     assert vae.encode(images).shape == (2, 16, 4, 6)
+
+
+def test_the_tiny_factorys_decoder_is_a_smooth_map_of_the_latent() -> None:
+    """smooth_tiny_decoder_: each pixel is sum_g w_g s_g / rms(s_g) of signals s linear in the
+    latent (the construction in docs/ARCHITECTURE.md), checked against that formula computed
+    here from the weights; and what the demo relies on: varied images, flattened by a shift."""
+    from flowgrpo.models.bagel.checkpoint import smooth_tiny_decoder_
+
+    torch.manual_seed(0)
+    vae = smooth_tiny_decoder_(AutoEncoder(tiny_vae())).eval()
+    z = torch.randn(4, 16, 1, 1).expand(4, 16, 2, 2).contiguous()  # spatially constant latents
+    z[:, :, 0, 0] += 0.5  # one corner differs
+    decoder = vae.decoder
+    with torch.no_grad():
+        images = decoder(z / vae.config.scale + vae.config.shift)
+        # the formula, from the weights: signals (the +s channels), upsampled like the decoder does
+        s = F.conv2d(z / vae.config.scale + vae.config.shift, decoder.conv_in.weight[0::2], padding=1)
+        for level in reversed(decoder.up):
+            if level.upsample is not None:
+                s = level.upsample(s.repeat_interleave(2, dim=1))[:, 0::2]
+        rms = s.pow(2).mean(dim=(2, 3), keepdim=True).add(1e-6).sqrt()
+        expected = F.conv2d(s / rms, decoder.conv_out.weight[:, 0::2], padding=1)
+        assert torch.allclose(images, expected, atol=1e-4)
+        pixels = vae.decode(torch.randn(8, 16, 8, 8))
+        flatter = vae.decode(torch.randn(8, 16, 8, 8) + 10.0)
+    assert pixels.std(dim=0).mean() > 0.2  # different latents, different images
+    assert flatter.std(dim=(2, 3)).mean() < 0.5 * pixels.std(dim=(2, 3)).mean()
