@@ -161,6 +161,13 @@ steps=$(grep -c '"kind": "train"' "$WORK/runs/tiny-demo/metrics.jsonl")
 "$PY" -m flowgrpo.services.cli compare "$WORK/reference" "$WORK/runs/tiny-demo" --fail-on-difference \
     >"$WORK/compare.txt" 2>&1 || fail "the containers' run differs from the in-process run: $(cat "$WORK/compare.txt")"
 say "$STEPS steps bitwise equal to the same run in one process: $(head -1 "$WORK/compare.txt")"
+"$PY" - "$WORK/runs/tiny-demo" "$WORK/reference" <<'EOF' >&2
+import sys
+from flowgrpo.services.coordinator.outputs import read_metrics
+for name, run in zip(("containers", "in process"), sys.argv[1:]):
+    steps = [f"{r['timing_s/step']:.1f}" for r in read_metrics(run)]
+    print(f"  step times, {name}: {' '.join(steps)} s")
+EOF
 podman image inspect "$COORDINATOR_IMAGE" "$CPU_IMAGE" --format '{{index .RepoTags 0}} {{.Size}}' \
     | awk '{printf "  %s %.0f MB\n", $1, $2 / 1e6}' >&2
 say "OK: containers smoke test passed"
