@@ -288,20 +288,22 @@ def test_async_with_eta_1_trains_at_lag_1_while_the_next_batch_is_drawn(tiny: Pa
         assert nxt["time/drawn_from"] < done["time/trained_until"]
 
 
-def paired_rewards(run_dir: Path, tiny: Path, *overrides: str) -> tuple[list[float], list[float], str]:
-    """The mean reward of every step of the recipe trained and of its control (``lr = 0``, the same
-    seeds: the same prompts and noise at every step, so the two differ only by what was learnt),
-    both in process (the same numbers as local processes, see above), and the trained run's log."""
-    runs = {}
-    for name, lr in (("trained", []), ("control", ["trainer.optim.lr=0"])):
-        cmd = [*CLI, "train", str(RECIPE), f"run_dir={run_dir / name}", f"model.checkpoint={tiny}",
-               "launch.launcher=inprocess", "schedule.save_every=0", *overrides, *lr]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-        assert done.returncode == 0, done.stderr[-4000:]
-        runs[name] = ([r["critic/rewards/mean"] for r in read_metrics(run_dir / name)], done.stderr)
-    (trained, log), (control, _) = runs["trained"], runs["control"]
+def mean_rewards(run_dir: Path, tiny: Path, *overrides: str) -> tuple[list[float], str]:
+    """The mean reward of every step of the recipe, in process (the same numbers as local
+    processes, see above), and the run's log."""
+    cmd = [*CLI, "train", str(RECIPE), f"run_dir={run_dir}", f"model.checkpoint={tiny}",
+           "launch.launcher=inprocess", "schedule.save_every=0", *overrides]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [r["critic/rewards/mean"] for r in read_metrics(run_dir)], done.stderr
+
+
+CONTROL = "trainer.optim.lr=0"  # the same seeds: the same prompts and noise at every step
+
+
+def assert_paired(trained: list[float], control: list[float]) -> None:
+    """The two runs differ only by what was learnt: step 1 precedes any update."""
     assert len(trained) == len(control) and trained[0] == control[0], "step 1 precedes any update"
-    return trained, control, log
 
 
 def assert_learns(trained: list[float], control: list[float], min_gain: float, spreads: float) -> None:
@@ -322,26 +324,45 @@ def assert_learns(trained: list[float], control: list[float], min_gain: float, s
 
 @pytest.mark.timeout(900)
 def test_the_demo_learns_against_its_control(tiny: Path, tmp_path: Path) -> None:
-    """The README's demo recipe as it ships, JPEG compressibility (measured here, 20 steps: the
-    paired gain grows every step from step 3 to +7.2e-4 on a reward of -4.8e-3, 11x the control's
-    spread)."""
-    trained, control, log = paired_rewards(tmp_path, tiny)
+    """The README's demo recipe as it ships, JPEG compressibility, against its control (``lr = 0``)
+    (measured here, 20 steps: the paired gain grows every step from step 3 to +7.2e-4 on a reward
+    of -4.8e-3, 11x the control's spread)."""
+    trained, log = mean_rewards(tmp_path / "trained", tiny)
+    control, _ = mean_rewards(tmp_path / "control", tiny, CONTROL)
+    assert_paired(trained, control)
     assert len(trained) == load_run_config(RECIPE).schedule.steps
     assert_learns(trained, control, min_gain=0.05, spreads=5)
     assert "mean reward of the first 4 steps" in log
 
 
 BRIGHTNESS = "flowgrpo.services.bench.reward:mean_brightness"  # a plug-in: the image's mean in [0, 1]
+BRIGHTNESS_RUN = ["schedule.steps=8", "schedule.eval_every=0"]
+
+
+def brightness_scorer(weight: float) -> str:
+    return f"reward.scorers=[{{name: brightness, weight: {weight}, plugin: {BRIGHTNESS}}}]"
+
+
+@pytest.fixture(scope="module")
+def brightness_control(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The control of both directions: with lr = 0 the images do not depend on the reward, so the
+    negated reward's control is this one negated (exactly)."""
+    rewards, _ = mean_rewards(tmp_path_factory.mktemp("control"), tiny, *BRIGHTNESS_RUN,
+                              brightness_scorer(1.0), CONTROL)  # fmt: skip
+    return rewards
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("weight", [1.0, -1.0], ids=["brighter", "darker"])
-def test_a_second_reward_is_learnt_in_both_directions(tiny: Path, tmp_path: Path, weight: float) -> None:
+def test_a_second_reward_is_learnt_in_both_directions(
+    tiny: Path, tmp_path: Path, brightness_control: list[float], weight: float
+) -> None:
     """A plug-in reward of another image statistic, mean brightness, and its negation: the policy
     moves the images the way each asks, so the demo's gain is learning, not drift (measured here,
     8 steps: +0.13 and -0.28 on a brightness of 0.58, 6x and 14x the control's spread)."""
-    scorer = f"reward.scorers=[{{name: brightness, weight: {weight}, plugin: {BRIGHTNESS}}}]"
-    trained, control, _ = paired_rewards(tmp_path, tiny, "schedule.steps=8", "schedule.eval_every=0", scorer)
+    trained, _ = mean_rewards(tmp_path, tiny, *BRIGHTNESS_RUN, brightness_scorer(weight))
+    control = [weight * r for r in brightness_control]
+    assert_paired(trained, control)
     assert_learns(trained, control, min_gain=0.02, spreads=3)
 
 
