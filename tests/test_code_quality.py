@@ -1,4 +1,4 @@
-"""ruff on everything, mypy --strict on the torch-free library, run as tests so CI enforces them."""
+"""ruff on everything, mypy --strict on the library and every service, run as tests so CI enforces them."""
 
 from __future__ import annotations
 
@@ -26,6 +26,6 @@ def test_ruff_format() -> None:
 
 
 @pytest.mark.timeout(600)
-def test_mypy_strict_on_torch_free_modules() -> None:
-    out = _run("mypy")  # files and the torch modules it skips: [tool.mypy] in pyproject.toml
+def test_mypy_strict_on_the_library_and_every_service() -> None:
+    out = _run("mypy")  # what it checks: [tool.mypy] in pyproject.toml
     assert out.returncode == 0, out.stdout + out.stderr
