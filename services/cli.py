@@ -6,9 +6,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flowgrpo import PROTOCOL_VERSION, __version__
+
+if TYPE_CHECKING:
+    from flowgrpo.models.bagel.policy import PolicyUpdate
 
 DESCRIPTION = """\
 FlowGRPO: online RL fine-tuning of image generators (BAGEL-7B-MoT) with separate rollout,
@@ -32,6 +35,7 @@ examples:
   flowgrpo bench rollout          BAGEL-7B sampling images/s and MFU on a GPU (bench/rollout_gpu.sh)
   flowgrpo bench schedule         async vs sync images/s and their overlap (the CPU demo, or --recipe)
   flowgrpo bench paths            launchers, replica counts, schedules: do they train the same?
+  flowgrpo bench learning --isa default avx2 --threads 1 2   the demo against its lr=0 control, per seed
   flowgrpo columns                the column schema every service checks its data against
   flowgrpo make-tiny-bagel /tmp/tiny   a tiny random BAGEL checkpoint in the published layout
   flowgrpo data prepare ocr --model-path /tmp/tiny --input-dir examples/data/tiny_ocr --output-dir /tmp/ocr
@@ -106,6 +110,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from flowgrpo.config import ConfigError
     from flowgrpo.data import DatasetError
     from flowgrpo.services.coordinator.config import load_run_config
+    from flowgrpo.services.coordinator.lifecycle import RunFolderBusy, RunInterrupted
     from flowgrpo.services.coordinator.pool import RunError
     from flowgrpo.services.coordinator.train import train
 
@@ -120,7 +125,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 0
     try:
         train(config)
-    except (RunError, DatasetError, TimeoutError) as error:
+    except RunInterrupted as stop:  # SIGTERM / SIGINT: saved and drained (a second one: forced)
+        print(f"flowgrpo train: {stop.line()}", file=sys.stderr)
+        return 130 if stop.forced else 0
+    except KeyboardInterrupt:  # before the run's own handlers were installed
+        print("flowgrpo train: interrupted before the run started; nothing was trained", file=sys.stderr)
+        return 130
+    except (RunError, RunFolderBusy, DatasetError, TimeoutError) as error:
         print(f"flowgrpo train: {error}", file=sys.stderr)
         return 1
     return 0
@@ -182,20 +193,93 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from flowgrpo.generate import GenerateOptions, generate_images
+    from flowgrpo.config import ConfigError
+    from flowgrpo.generate import GenerateError, GenerateOptions, generate_images
+    from flowgrpo.models.bagel.checkpoint import CheckpointError as ModelFolderError
+    from flowgrpo.models.bagel.policy import PolicyUpdateError
+    from flowgrpo.services.trainer.checkpoint import CheckpointError
 
-    prompts = list(args.prompt) + _read_prompt_file(args.prompt_file)
-    if not prompts:
-        print("flowgrpo generate: give at least one --prompt or a --prompt-file", file=sys.stderr)
+    if args.step is not None and args.run is None:
+        print("flowgrpo generate: --step picks a checkpoint of a --run", file=sys.stderr)
         return 2
-    options = GenerateOptions(
-        num_images=args.num_images, num_points=args.steps + 1, cfg_text_scale=args.cfg,
-        noise_level=args.noise_level, height=args.height, width=args.width, seed=args.seed,
-        device=args.device, dtype=args.dtype, batch_size=args.batch_size,
-    )  # fmt: skip
-    written = generate_images(args.checkpoint, prompts, args.out, options, lora=args.lora)
+    if args.run is not None and args.lora is not None:
+        print("flowgrpo generate: --lora goes with --checkpoint (a --run has its weights)", file=sys.stderr)
+        return 2
+    errors = (GenerateError, CheckpointError, ModelFolderError, PolicyUpdateError, ConfigError, OSError)
+    try:
+        prompts = list(args.prompt) + _read_prompt_file(args.prompt_file)
+        if not prompts:
+            print("flowgrpo generate: give at least one --prompt or a --prompt-file", file=sys.stderr)
+            return 2
+        checkpoint, update, default_size = _generate_weights(args)
+        options = GenerateOptions(
+            num_images=args.num_images, num_points=args.steps + 1, cfg_text_scale=args.cfg,
+            noise_level=args.noise_level, height=args.height, width=args.width,
+            default_size=default_size, seed=args.seed, device=args.device, dtype=args.dtype,
+            batch_size=args.batch_size,
+        )  # fmt: skip
+        written = generate_images(checkpoint, prompts, args.out, options, update)
+    except errors as error:  # what the user gave is wrong: one line, no traceback
+        print(f"flowgrpo generate: {error}", file=sys.stderr)
+        return 1
     print(f"wrote {len(written)} images and images.jsonl to {args.out}")
     return 0
+
+
+def _generate_weights(args: argparse.Namespace) -> tuple[str, PolicyUpdate | None, int]:
+    """(base checkpoint, policy update to apply, default image side) of ``--checkpoint
+    [--lora]``, or of ``--run [--step]``: the run's base, the checkpoint's weights and the run's
+    sampling resolution."""
+    from flowgrpo.generate import USUAL_SIZE
+    from flowgrpo.models.bagel.peft_format import load_peft_adapter
+    from flowgrpo.services.trainer.checkpoint import find_run_checkpoint, read_policy_update
+
+    if args.run is None:
+        return args.checkpoint, load_peft_adapter(args.lora) if args.lora else None, USUAL_SIZE
+    found = find_run_checkpoint(args.run, args.step)
+    update = read_policy_update(found.path)
+    kind = "LoRA" if update.kind == "lora" else "full gen-path"
+    print(f"{args.run}: the {kind} policy of step {found.step}, on {found.base}")
+    return found.base, update, found.resolution
+
+
+def _add_generate(add: Callable[..., argparse.ArgumentParser]) -> None:
+    gen = add(
+        "generate",
+        "generate images as PNG files with a BAGEL checkpoint (and a LoRA adapter), or with any "
+        "checkpoint of a training run (LoRA or the full gen path, on the run's base model)",
+        _cmd_generate,
+    )
+    weights = gen.add_mutually_exclusive_group(required=True)
+    weights.add_argument("--checkpoint", help="BAGEL folder in the published layout")
+    weights.add_argument(
+        "--run", metavar="RUN_DIR", help="a training run's folder (its config.yaml names the base)"
+    )
+    gen.add_argument("--step", type=int, help="with --run: the checkpoint of this step (default: the latest)")
+    gen.add_argument("--lora", help="with --checkpoint: a PEFT LoRA adapter folder (as the trainer saves it)")
+    gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    gen.add_argument("--prompt-file", help="a text file, one prompt per line")
+    gen.add_argument(
+        "--out", required=True,
+        help="output folder for <prompt>_<sample>.png (<prompt>: the prompt as a file-name slug, "
+        "'a-red-fox_0.png'; a repeated slug gets -2, -3, ...) and images.jsonl",
+    )  # fmt: skip
+    gen.add_argument("--num-images", type=int, default=1, help="images per prompt")
+    gen.add_argument("--steps", type=int, default=49, help="denoising steps (schedule points - 1)")
+    gen.add_argument("--cfg", type=float, default=4.0, help="text CFG scale")
+    gen.add_argument("--noise-level", type=float, default=0.0, help="SDE noise level; 0 = deterministic ODE")
+    size = (
+        "px, a multiple of 16, at most the checkpoint's limit (max_latent_size x 16: 1024 for "
+        "BAGEL-7B-MoT); default: that limit capped at 1024 (with --run: at the run's sampling.resolution)"
+    )
+    gen.add_argument("--height", type=int, help=size)
+    gen.add_argument("--width", type=int, help=size)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--device", default="cuda" if _has_cuda() else "cpu")
+    gen.add_argument(
+        "--dtype", choices=["bfloat16", "float32"], default="bfloat16" if _has_cuda() else "float32"
+    )
+    gen.add_argument("--batch-size", type=int, default=4, help="samples per forward batch")
 
 
 def _read_prompt_file(path: str | None) -> list[str]:
@@ -320,7 +404,7 @@ def _add_data_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )  # fmt: skip
     prep.add_argument(
         "--data-source", default="", metavar="NAME",
-        help="dataset name in metrics, val-core/NAME/reward/mean@1 (default: the kind)",
+        help="the data set's name in its data_source column (default: the kind)",
     )  # fmt: skip
     prep.add_argument(
         "--no-progress", action="store_true", help="no progress bar (it shows only on a terminal)"
@@ -477,26 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("dir", help="output folder (created; existing files are replaced)")
     tiny.add_argument("--seed", type=int, default=0, help="the same seed writes byte-identical files")
     _add_data_commands(sub)
-    gen = add(
-        "generate", "generate images with a BAGEL checkpoint (and a LoRA adapter) as PNG files", _cmd_generate
-    )
-    gen.add_argument("--checkpoint", required=True, help="BAGEL folder in the published layout")
-    gen.add_argument("--lora", help="a PEFT LoRA adapter folder (as the trainer saves it)")
-    gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    gen.add_argument("--prompt-file", help="a text file, one prompt per line")
-    gen.add_argument("--out", required=True, help="output folder for <prompt>_<sample>.png and images.jsonl")
-    gen.add_argument("--num-images", type=int, default=1, help="images per prompt")
-    gen.add_argument("--steps", type=int, default=49, help="denoising steps (schedule points - 1)")
-    gen.add_argument("--cfg", type=float, default=4.0, help="text CFG scale")
-    gen.add_argument("--noise-level", type=float, default=0.0, help="SDE noise level; 0 = deterministic ODE")
-    gen.add_argument("--height", type=int, default=512)
-    gen.add_argument("--width", type=int, default=512)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--device", default="cuda" if _has_cuda() else "cpu")
-    gen.add_argument(
-        "--dtype", choices=["bfloat16", "float32"], default="bfloat16" if _has_cuda() else "float32"
-    )
-    gen.add_argument("--batch-size", type=int, default=4, help="samples per forward batch")
+    _add_generate(add)
     bench = add(
         "bench",
         "run a benchmark and print ratios against a baseline measured in the same run",
@@ -504,11 +569,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "target",
-        choices=["bus", "paths", "reward", "rollout", "schedule", "trainer"],
+        choices=["bus", "learning", "paths", "reward", "rollout", "schedule", "trainer"],
         help="bus: the ZeroMQ data bus against memcpy; reward: images/s per scorer; rollout: BAGEL "
         "sampling images/s and MFU against the matmul peak (GPU); trainer: FlowGRPO training "
         "throughput and MFU (GPU); schedule: async vs sync images/s and their overlap (the CPU demo); "
-        "paths: do the launchers, replica counts and schedules train the same (the CPU demo)",
+        "paths: do the launchers, replica counts and schedules train the same (the CPU demo); "
+        "learning: the demo against its lr=0 control per seed, CPU capability and thread count",
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options of the benchmark (see --help)")
     return parser

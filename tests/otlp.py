@@ -9,11 +9,13 @@ from typing import Any
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from opentelemetry.proto.trace.v1 import trace_pb2
+
+from flowgrpo.telemetry import span_records
 
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """A minimal OTLP/gRPC collector: keeps every exported span as a dict like the JSONL records."""
+    """A minimal OTLP/gRPC collector: keeps every exported span as the record ``read_spans``
+    gives for the same span read from a traces file."""
 
     def __init__(self) -> None:
         self.spans: list[dict[str, Any]] = []
@@ -21,31 +23,8 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
     def Export(
         self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.ServicerContext
     ) -> trace_service_pb2.ExportTraceServiceResponse:
-        for resource_spans in request.resource_spans:
-            resource = {kv.key: kv.value.string_value for kv in resource_spans.resource.attributes}
-            for scope_spans in resource_spans.scope_spans:
-                self.spans.extend(_record(span, resource) for span in scope_spans.spans)
+        self.spans.extend(span_records(request.resource_spans))
         return trace_service_pb2.ExportTraceServiceResponse()
-
-
-def _record(span: trace_pb2.Span, resource: dict[str, str]) -> dict[str, Any]:
-    return {
-        "name": span.name,
-        "trace_id": span.trace_id.hex(),
-        "span_id": span.span_id.hex(),
-        "parent_span_id": span.parent_span_id.hex() or None,
-        "kind": trace_pb2.Span.SpanKind.Name(span.kind).removeprefix("SPAN_KIND_"),
-        "links": [{"trace_id": link.trace_id.hex(), "span_id": link.span_id.hex()} for link in span.links],
-        "attributes": {kv.key: _value(kv.value) for kv in span.attributes},
-        "service.name": resource["service.name"],
-        "resource": resource,
-    }
-
-
-def _value(value: Any) -> Any:
-    """An OTLP AnyValue as the Python value it holds."""
-    kind = value.WhichOneof("value")
-    return getattr(value, kind) if kind else None
 
 
 @contextlib.contextmanager

@@ -279,6 +279,11 @@ class RunConfig:
                 f"schedule.eval_every={self.schedule.eval_every} validates on data.val_prompts=0 prompts: "
                 "set data.val_prompts > 0, or schedule.eval_every=0 for no validation"
             )
+        if self.rollout.max_request_samples < self.data.group_size:
+            raise ValueError(
+                f"rollout.max_request_samples={self.rollout.max_request_samples} is below "
+                f"data.group_size={self.data.group_size}: a prompt's group goes in one request; raise it"
+            )
         if self.schedule.mode == "async" and self.trainer.loss.logp_old == "bypass":
             raise ValueError(
                 "schedule.mode=async needs trainer.loss.logp_old=recompute: the decoupled loss "

@@ -26,7 +26,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -35,8 +35,10 @@ from flowgrpo.columns import COLUMNS, StageSpec, check_pipeline
 from flowgrpo.config import dump_yaml
 from flowgrpo.runtime import open_channel, wait_ready
 from flowgrpo.runtime.config import ServerConfig
+from flowgrpo.runtime.launch import PARENT_FD_ENV
 from flowgrpo.services.coordinator.config import RunConfig, with_checkpoint
 from flowgrpo.services.coordinator.handles import STUBS, Replica
+from flowgrpo.services.coordinator.lifecycle import record_process
 from flowgrpo.services.coordinator.registry import CoordinatorService
 from flowgrpo.services.reward.config import RewardServiceConfig
 from flowgrpo.services.rollout.config import RolloutServiceConfig
@@ -57,11 +59,17 @@ class Services:
     trainer: Replica
     infos: list[common_pb2.ServiceInfo] = field(default_factory=list)
     _stop: list[Any] = field(default_factory=list)  # what shutdown() undoes, last first
+    _kill: list[Callable[[], None]] = field(default_factory=list)  # a forced stop: at once, no drain
 
     async def shutdown(self) -> None:
         for stop in reversed(self._stop):
             await stop()
         self._stop.clear()
+
+    def kill(self) -> None:
+        """Kill the service processes now (a forced stop); :meth:`shutdown` then finds them gone."""
+        for kill in self._kill:
+            kill()
 
 
 def role_config(cfg: RunConfig, role: str, **process: Any) -> Any:
@@ -186,32 +194,44 @@ async def _launch_local(cfg: RunConfig, coordinator: str) -> Services:
     (run_dir / "services").mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     procs: dict[str, subprocess.Popen[bytes]] = {}
-    configs = service_configs(cfg, coordinator)
+    # launched, not deployed: a replica that hears nothing from its coordinator for lost_after_s
+    # drains and exits (besides the pipe that tells it at once when the coordinator dies)
+    configs = {rid: replace(c, orphan_after_s=cfg.launch.lost_after_s)
+               for rid, c in service_configs(cfg, coordinator).items()}  # fmt: skip
     timeout = cfg.launch.start_timeout_s
+    lifeline = _Lifeline()
     try:
         for rid, config in configs.items():
-            procs[rid] = _spawn(rid, config, run_dir, cfg.launch.trainer_nproc if rid == "trainer" else 1)
+            nproc = cfg.launch.trainer_nproc if rid == "trainer" else 1
+            procs[rid] = _spawn(rid, config, run_dir, nproc, lifeline)
         waits = [_ready_address(rid, procs[rid], config, run_dir, timeout) for rid, config in configs.items()]
         by_id = dict(zip(procs, await asyncio.gather(*waits), strict=True))
     except BaseException:
         _terminate(procs.values(), grace_s=10)
+        lifeline.close()
         raise
     rollouts = [a for r, a in by_id.items() if r.startswith("rollout")]
     rewards = [a for r, a in by_id.items() if r.startswith("reward")]
     services = await _connect(cfg, rollouts, rewards, by_id["trainer"])
-    supervisor = asyncio.create_task(_supervise(procs, configs, run_dir, cfg.launch.restarts))
+    supervisor = asyncio.create_task(_supervise(procs, configs, run_dir, cfg.launch.restarts, lifeline))
 
     async def stop_processes() -> None:
         supervisor.cancel()
         await asyncio.gather(supervisor, return_exceptions=True)
         await asyncio.to_thread(_terminate, list(procs.values()), 60.0)
+        lifeline.close()
 
     services._stop.insert(0, stop_processes)
+    services._kill.append(lambda: _kill(procs.values()))
     return services
 
 
 async def _supervise(
-    procs: dict[str, subprocess.Popen[bytes]], configs: dict[str, Any], run_dir: Path, restarts: int
+    procs: dict[str, subprocess.Popen[bytes]],
+    configs: dict[str, Any],
+    run_dir: Path,
+    restarts: int,
+    lifeline: _Lifeline,
 ) -> None:
     """Start a rollout or reward process that died again (``restarts`` times each); the new one
     registers with the coordinator and rejoins. A dead trainer is not restarted: the run stops
@@ -225,10 +245,25 @@ async def _supervise(
             started[rid] += 1
             log.warning("%s exited with status %s; starting it again (%d of launch.restarts=%d); see %s", rid,
                         proc.returncode, started[rid], restarts, run_dir / "logs" / f"{rid}.log")  # fmt: skip
-            procs[rid] = _spawn(rid, configs[rid], run_dir, 1)
+            procs[rid] = _spawn(rid, configs[rid], run_dir, 1, lifeline)
 
 
-def _spawn(rid: str, config: Any, run_dir: Path, nproc: int) -> subprocess.Popen[bytes]:
+class _Lifeline:
+    """A pipe whose read end every launched single-process replica inherits: when this process
+    dies (even SIGKILL), the kernel closes the write end and each replica sees end-of-file at
+    once and drains (``runtime.launch``). torchrun's workers do not inherit it; they rely on
+    ``orphan_after_s``."""
+
+    def __init__(self) -> None:
+        self.read_fd, self._write_fd = os.pipe()  # neither inheritable (PEP 446) unless passed
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self._write_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _spawn(rid: str, config: Any, run_dir: Path, nproc: int, lifeline: _Lifeline) -> subprocess.Popen[bytes]:
     path = run_dir / "services" / f"{rid}.yaml"
     dump_yaml(config, path)
     Path(config.server.ready_file).unlink(missing_ok=True)
@@ -239,11 +274,19 @@ def _spawn(rid: str, config: Any, run_dir: Path, nproc: int) -> subprocess.Popen
         cmd = [sys.executable, *launcher, *serve]
     else:
         cmd = [sys.executable, *serve]
-    log = open(run_dir / "logs" / f"{rid}.log", "ab")  # noqa: SIM115 (the child holds it)
-    # its own process group: stopping the run stops torchrun's workers too
-    return subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ)
+    logfile = open(run_dir / "logs" / f"{rid}.log", "ab")  # noqa: SIM115 (the child holds it)
+    env = dict(os.environ)
+    passed: tuple[int, ...] = ()
+    if nproc == 1:
+        env[PARENT_FD_ENV], passed = str(lifeline.read_fd), (lifeline.read_fd,)
+    # its own process group: stopping the run stops torchrun's workers too, and a Ctrl-C in the
+    # terminal reaches only the coordinator, which stops the services in order
+    proc = subprocess.Popen(
+        cmd, stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True, env=env, pass_fds=passed
     )
+    logfile.close()
+    record_process(run_dir / "services", rid, proc.pid)
+    return proc
 
 
 async def _ready_address(
@@ -280,6 +323,14 @@ def _terminate(procs: Sequence[subprocess.Popen[bytes]] | Any, grace_s: float) -
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _kill(procs: Any) -> None:
+    """SIGKILL every process group still running (a forced stop)."""
+    for proc in list(procs):
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _tail(path: Path, lines: int = 30) -> str:

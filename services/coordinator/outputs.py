@@ -4,8 +4,9 @@
 training step, and one per validation), ``run_state.json`` (written atomically after each
 checkpoint: step, dataset cursor, policy version, the trainer checkpoint it matches),
 ``checkpoints/`` (the trainer's), ``tensorboard/`` (event files: every metric, image grids),
-``images/`` (a PNG grid of sampled images per step and per validation), ``traces/`` (spans, when
-no OTLP collector is set), ``logs/``; ``wandb/`` with ``logger.wandb=true``.
+``images/`` (a PNG grid of sampled images per step and per validation), ``traces/``
+(every process's spans in OTLP/JSON), ``logs/``, ``run.lock`` (who runs in the folder);
+``wandb/`` with ``logger.wandb=true``.
 
 Progress goes to the terminal as a bar with the key metrics (``logger.progress=auto`` on a
 terminal) or as one line per step (in a log file, or ``logger.progress=lines``).
@@ -35,6 +36,7 @@ from flowgrpo.services.coordinator.config import LoggerConfig
 
 STATE_FILE = "run_state.json"
 GRID_COLUMNS = 4
+GRID_CELL_PX = 256  # smaller images are enlarged (nearest neighbour) towards this: 64 px is a stamp
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -137,6 +139,24 @@ class RunOutputs:
     def save_state(self, state: RunState) -> None:
         atomic_write(self.dir / STATE_FILE, json.dumps(asdict(state), indent=2) + "\n")
 
+    def rewind(self, step: int) -> None:
+        """Drop the metrics records after ``step`` (the run resumes there and logs them again),
+        atomically: a crash leaves the old file or the new one, never half of one."""
+        path = self.dir / METRICS_FILE
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True) if path.is_file() else []
+        kept = [line for line in lines if _step_of(line) <= step]
+        if len(kept) == len(lines):
+            return
+        self._metrics.close()
+        atomic_write(path, "".join(kept))
+        self._metrics = open(path, "a", encoding="utf-8")  # noqa: SIM115 (run-long)
+
+    @staticmethod
+    def saved_step(run_dir: str | Path) -> int:
+        """The step of the run state on disk (0 when none was saved): where a resume starts."""
+        path = Path(run_dir) / STATE_FILE
+        return int(json.loads(path.read_text())["step"]) if path.is_file() else 0
+
     def load_state(self) -> RunState | None:
         path = self.dir / STATE_FILE
         if not path.is_file():
@@ -196,14 +216,24 @@ def read_metrics(run_dir: str | Path, kind: str = "train") -> list[dict[str, Any
     by_step: dict[int, dict[str, Any]] = {}
     path = Path(run_dir) / METRICS_FILE
     for line in path.read_text().splitlines() if path.is_file() else []:
-        record = json.loads(line)
+        try:
+            record = json.loads(line)
+        except ValueError:  # a torn last line: the run died while writing it
+            continue
         if record.get("kind") == kind:
             by_step[int(record["step"])] = record
     return [by_step[s] for s in sorted(by_step)]
 
 
-def image_grid(images: list[npt.NDArray[np.uint8]], columns: int = GRID_COLUMNS) -> npt.NDArray[np.uint8]:
-    """Images of one size side by side, ``columns`` per row, padded with black."""
+def image_grid(
+    images: list[npt.NDArray[np.uint8]], columns: int = GRID_COLUMNS, cell_px: int = GRID_CELL_PX
+) -> npt.NDArray[np.uint8]:
+    """Images of one size side by side, ``columns`` per row, padded with black; each enlarged by
+    the whole factor that brings its longer side closest to ``cell_px`` from below (at least 1),
+    pixels repeated, not interpolated: what the policy drew, only bigger."""
+    factor = max(1, cell_px // max(images[0].shape[:2]))
+    if factor > 1:
+        images = [image.repeat(factor, axis=0).repeat(factor, axis=1) for image in images]
     h, w, c = images[0].shape
     rows = -(-len(images) // columns)
     grid = np.zeros((rows * h, min(columns, len(images)) * w, c), dtype=np.uint8)
@@ -211,6 +241,14 @@ def image_grid(images: list[npt.NDArray[np.uint8]], columns: int = GRID_COLUMNS)
         r, col = divmod(i, columns)
         grid[r * h : (r + 1) * h, col * w : (col + 1) * w] = image
     return grid
+
+
+def _step_of(line: str) -> float:
+    """A metrics line's step; a torn last line (a crash mid-write) sorts after every step."""
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 def _finite(values: dict[str, Any]) -> dict[str, Any]:

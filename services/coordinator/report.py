@@ -3,7 +3,8 @@ inside it as PNG data), written to ``<run_dir>/report.html``.
 
 What it shows: the reward (mean, min-max band, validation), the loss and clip fraction, the
 rollout/trainer log-prob gap, the policy lag, the time per step by phase, each service's busy
-time per step (from the traces), the validation image grids with each cell's prompt and reward,
+time per step (from the traces), the first (step 0) and last validation grids side by side with
+each cell's prompt and its reward at both, the validations in between,
 and the resolved config. Torch-free (matplotlib, Agg backend).
 """
 
@@ -30,7 +31,7 @@ COUNTS = (
 )
 STYLE = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}
 table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:.25em .6em;text-align:left}
-img{max-width:100%}.plots{display:grid;grid-template-columns:1fr 1fr;gap:1em}
+img{max-width:100%}.plots,.pair{display:grid;grid-template-columns:1fr 1fr;gap:1em}
 pre{background:#f6f6f6;padding:1em;overflow:auto;font-size:.85em}figcaption{color:#555;font-size:.9em}"""
 
 
@@ -176,29 +177,72 @@ def _busy_per_service(run_dir: Path, steps: Sequence[int]) -> dict[str, list[flo
 
 
 def _validation(run_dir: Path, val: list[dict[str, Any]]) -> str:
+    """The first validation (step 0: before any update) and the last side by side, with each
+    cell's prompt and its reward at both; every validation in between below, folded."""
     parts = ["<h2>Validation</h2>"]
-    grids = sorted((run_dir / "images").glob("val_*.png"))
+    grids = sorted((run_dir / "images").glob("val_*.png"), key=lambda g: int(g.stem.split("_")[-1]))
     if not grids:
         return "".join(parts) + "<p>No validation in this run (schedule.eval_every=0 or not reached).</p>"
     by_step = {r["step"]: r for r in val}
-    for grid in grids:
-        step = int(grid.stem.split("_")[-1])
-        scores = ", ".join(f"{k.removeprefix('val-core/')} {v:+.6g}" for k, v in by_step.get(step, {}).items()
-                           if k.startswith("val-core/") and v is not None)  # fmt: skip
-        parts.append(f"<h3>Step {step}</h3><p>{html.escape(scores)}</p>")
-        data = base64.b64encode(grid.read_bytes()).decode()
-        parts.append(_figure(f"validation samples at step {step}", data))
-        captions = grid.with_suffix(".json")
-        if captions.is_file():
-            cells = json.loads(captions.read_text())
-            columns = cells["columns"]
-            rows = "".join(
-                f"<tr><td>{i // columns + 1}, {i % columns + 1}</td><td>{html.escape(c['prompt'])}</td>"
-                f"<td>{'' if c.get('reward') is None else format(c['reward'], '+.6g')}</td></tr>"
-                for i, c in enumerate(cells["cells"])
-            )
-            parts.append(f"<table><tr><th>row, column</th><th>prompt</th><th>reward</th></tr>{rows}</table>")
+    first, last = grids[0], grids[-1]
+    pair = [first, last] if first != last else [first]
+    parts.append(
+        "<p>The same prompts and the same initial noise every time (ODE sampling): "
+        "what differs between the grids is what the policy learnt.</p>"
+    )
+    parts.append('<div class="pair">' + "".join(_validation_grid(g, by_step) for g in pair) + "</div>")
+    parts.append(_validation_cells(first, last))
+    between = grids[1:-1]
+    if between:
+        inner = "".join(_validation_grid(g, by_step) + _validation_cells(g) for g in between)
+        parts.append(f"<details><summary>{len(between)} validation(s) in between</summary>{inner}</details>")
     return "".join(parts)
+
+
+def _grid_step(grid: Path) -> int:
+    return int(grid.stem.split("_")[-1])
+
+
+def _validation_grid(grid: Path, by_step: dict[int, dict[str, Any]]) -> str:
+    step = _grid_step(grid)
+    scores = ", ".join(f"{k.removeprefix('val-core/')} {v:+.6g}" for k, v in by_step.get(step, {}).items()
+                       if k.startswith("val-core/") and v is not None)  # fmt: skip
+    label = "before training" if step == 0 else f"after step {step}"
+    figure = _figure(f"validation at step {step}", base64.b64encode(grid.read_bytes()).decode())
+    return f"<div><h3>Step {step} ({label})</h3><p>{html.escape(scores)}</p>{figure}</div>"
+
+
+def _cells(grid: Path) -> tuple[int, list[dict[str, Any]]]:
+    captions = grid.with_suffix(".json")
+    if not captions.is_file():
+        return 1, []
+    cells = json.loads(captions.read_text())
+    return int(cells["columns"]), list(cells["cells"])
+
+
+def _validation_cells(grid: Path, later: Path | None = None) -> str:
+    """Each cell's prompt and reward at ``grid``'s step (and at ``later``'s, with the change)."""
+    columns, cells = _cells(grid)
+    after = _cells(later)[1] if later is not None else []
+    if not cells:
+        return ""
+    head = ["row, column", "prompt", f"reward at step {_grid_step(grid)}"]
+    if later is not None and len(after) == len(cells):
+        head += [f"at step {_grid_step(later)}", "change"]
+    rows = []
+    for i, cell in enumerate(cells):
+        values = [f"{i // columns + 1}, {i % columns + 1}", html.escape(cell["prompt"]), _reward(cell)]
+        if len(head) > 3:
+            first, last = cell.get("reward"), after[i].get("reward")
+            change = "" if first is None or last is None else _change(first, last)
+            values += [_reward(after[i]), change]
+        rows.append("<tr>" + "".join(f"<td>{v}</td>" for v in values) + "</tr>")
+    header = "".join(f"<th>{h}</th>" for h in head)
+    return f"<table><tr>{header}</tr>{''.join(rows)}</table>"
+
+
+def _reward(cell: dict[str, Any]) -> str:
+    return "" if cell.get("reward") is None else format(cell["reward"], "+.6g")
 
 
 def _figure(caption: str, png_base64: str) -> str:

@@ -16,23 +16,27 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 from opentelemetry import trace
 
 from flowgrpo.bus import BusClient, TensorRef, TensorStore
 from flowgrpo.data import PromptRow, PromptSplit
+from flowgrpo.rewards.config import ScorerSpec
 from flowgrpo.services.coordinator.advantages import group_advantages
 from flowgrpo.services.coordinator.config import RunConfig
 from flowgrpo.services.coordinator.handles import Replica, ReplicaError
+from flowgrpo.services.coordinator.lifecycle import RunInterrupted
 from flowgrpo.services.coordinator.outputs import RunOutputs, RunState
 from flowgrpo.services.coordinator.pool import ReplicaPool, RunError
 from flowgrpo.services.coordinator.registry import CoordinatorService
 from flowgrpo.v1 import common_pb2, reward_pb2, rollout_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 tracer = trace.get_tracer(__name__)
 
 TRAIN_COLUMNS = ("latents", "log_probs", "sigmas")  # + prompt_ids, from the coordinator's store
@@ -97,6 +101,8 @@ class Coordinator:
         self._last_step_end = self._started = time.perf_counter()
         self._testing_s = 0.0  # validation time so far (its share of the run is logged and bounded)
         self._prompt_refs: dict[str, common_pb2.TensorRef] = {}
+        self._stopping = asyncio.Event()  # a signal asked the run to stop after the step it trains
+        self._saved_step = 0  # the step of the run state on disk: where a resume starts
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -118,18 +124,27 @@ class Coordinator:
         ahead = sched.staleness if sched.mode == "async" else 0
         drawing: dict[int, asyncio.Task[tuple[list[Group], dict[str, float]]]] = {}
         try:
-            while self.state.step < sched.steps:
+            if self.val_rows and sched.eval_every and self.state.step == 0:
+                await self._unless_stopping(self.validate())  # the "before" of every later validation
+            while self.state.step < sched.steps and not self._stopping.is_set():
                 step = self.state.step + 1
                 for k in range(step, min(step + ahead, sched.steps) + 1):
                     if k not in drawing:
                         drawing[k] = asyncio.create_task(self._draw(k))
-                groups, timing = await drawing.pop(step)
-                history.append(await self._train_on(step, groups, timing))
+                drawn = await self._unless_stopping(drawing.pop(step))
+                if drawn is None:
+                    break  # stopping while drawing: the draw is abandoned (it changed nothing)
+                history.append(await self._train_on(step, *drawn))  # a step in training finishes
                 last = self.state.step == sched.steps
-                if self.val_rows and sched.eval_every and (last or self.state.step % sched.eval_every == 0):
-                    await self.validate()
+                val = self.val_rows and sched.eval_every and (last or self.state.step % sched.eval_every == 0)
+                if val and not self._stopping.is_set():
+                    await self._unless_stopping(self.validate())
                 if last or (sched.save_every and self.state.step % sched.save_every == 0):
                     await self.save()
+            if self._stopping.is_set():
+                if self.state.step > self._saved_step:
+                    await self.save()
+                raise RunInterrupted(self.state.step, self._saved_step)
         finally:
             for task in [*drawing.values(), follow]:
                 task.cancel()
@@ -138,9 +153,29 @@ class Coordinator:
             self.client.close()
         return history
 
+    def request_stop(self) -> None:
+        """Stop after the step being trained (a draw in flight is abandoned), save, and raise
+        :class:`RunInterrupted` from :meth:`run`."""
+        self._stopping.set()
+
+    async def _unless_stopping(self, work: Awaitable[T]) -> T | None:
+        """``work``'s result, or None (``work`` cancelled) when a stop is requested first."""
+        task = asyncio.ensure_future(work)
+        stop = asyncio.create_task(self._stopping.wait())
+        try:
+            await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+
     async def validate(self) -> dict[str, float]:
         """Sample the fixed validation prompts once each with the ODE (noise 0,
-        ``eval_num_points``) and the same noise every time, score them, log ``val-core/...``."""
+        ``eval_num_points``) and the same noise every time, score them, log ``val-core/...``
+        (at step 0, before any update, then every ``eval_every`` steps and at the last)."""
         with tracer.start_as_current_span("coordinator.validate", attributes={"step": self.state.step}):
             return await self._validate_now()
 
@@ -162,7 +197,9 @@ class Coordinator:
                 min_policy_version=self.state.policy_version,
                 release_tag=tag,
             )
-            for chunk in _split(groups, len(self.pool.healthy_rollouts()))
+            for chunk in _requests(
+                groups, len(self.pool.healthy_rollouts()), self.config.rollout.max_request_samples
+            )
         ]
         answers = await asyncio.gather(*(self.pool.call_rollout("Generate", r) for r in requests))
         by_uid = {g.row.prompt_uid: g for g in groups}
@@ -176,18 +213,15 @@ class Coordinator:
         self._testing_s += testing
         share = self._testing_s / max(time.perf_counter() - self._started, 1e-9)
         metrics: dict[str, float] = {"timing_s/testing": testing, "timing/testing_share": share}
-        if share > VALIDATION_SHARE:
+        if share > VALIDATION_SHARE and self.state.step > 0:  # at step 0 validation is all the run did
             log.warning(
                 "validation has taken %.0f%% of the run's time so far; raise schedule.eval_every, or lower "
                 "data.val_prompts or sampling.eval_num_points", 100 * share,
             )  # fmt: skip
-        for source in sorted({g.row.data_source for g in groups}):
-            rewards = [r for g in groups if g.row.data_source == source for r in g.rewards]
-            metrics[f"val-core/{source}/reward/mean@1"] = float(np.mean(rewards)) if rewards else math.nan
+        metrics.update(validation_metrics(groups, self.config.reward.scorers))
         self.outputs.log("val", self.state.step, metrics)
-        self.outputs.say(
-            "  validation: " + "  ".join(f"{k} {v:+.5f}" for k, v in metrics.items() if k.startswith("val"))
-        )
+        shown = "  ".join(f"{k} {v:+.5f}" for k, v in metrics.items() if k.startswith("val-core"))
+        self.outputs.say(f"  validation: {shown}")
         return metrics
 
     async def _draw(self, step: int) -> tuple[list[Group], dict[str, float]]:
@@ -264,6 +298,7 @@ class Coordinator:
         )
         self.state.trainer_checkpoint = response.path
         self.outputs.save_state(self.state)
+        self._saved_step = self.state.step
 
     # --- rollout and reward --------------------------------------------------------------------
 
@@ -272,7 +307,8 @@ class Coordinator:
     ) -> list[Group]:
         """Every group generated and scored; groups that failed for good are dropped (counted)."""
         begin = time.perf_counter()
-        chunks = _split(groups, len(self.pool.healthy_rollouts()))
+        per_request = self.config.rollout.max_request_samples // self.config.data.group_size
+        chunks = _requests(groups, len(self.pool.healthy_rollouts()), per_request)
         done = await asyncio.gather(*(self._generate_and_score(step, chunk) for chunk in chunks))
         timing["timing_s/gen_and_reward"] = time.perf_counter() - begin
         kept = [g for chunk in done for g in chunk]
@@ -378,13 +414,15 @@ class Coordinator:
                     f"the trainer resumed at step {trainer.step} but {self.outputs.dir} has no run state: "
                     "point trainer.checkpoint_dir at this run's checkpoints or use a fresh run_dir"
                 )
+            self.outputs.rewind(0)  # what a run that saved nothing logged is trained again
             return
         if trainer.step != state.step:
             raise RunError(
                 f"run state at step {state.step} but the trainer resumed at step {trainer.step}: "
                 f"both must come from the same save (see {state.trainer_checkpoint})"
             )
-        self.state = state
+        self.state, self._saved_step = state, state.step
+        self.outputs.rewind(state.step)  # the steps after the checkpoint are trained again: logged once
         if trainer.current.policy_version:
             await self.pool.load_weights(trainer.current)
         self.outputs.say(f"resumed at step {state.step} (policy version {state.policy_version})")
@@ -428,6 +466,31 @@ class Coordinator:
             values = [s[name] for g in groups for s in g.scores if name in s]
             metrics[f"critic/{name}/mean"] = float(np.mean(values))
         return metrics
+
+
+def validation_metrics(groups: list[Group], scorers: Sequence[ScorerSpec]) -> dict[str, float]:
+    """``val-core/<scorer>/reward/mean@1`` per scorer (its own score, unweighted: what it measures)
+    and ``val-aux/<scorer>/<detail>/mean@1`` for the details a scorer reports beside its score;
+    ``val-core/total/reward/mean@1`` (the weighted sum that is trained on) when it differs from
+    the one scorer's score. Keyed by scorer, not data source: the data set does not say what was
+    scored. A scorer with no result anywhere logs NaN, so a missing curve is a visible gap."""
+    scores = [s for g in groups if g.rewards for s in g.scores]
+    metrics: dict[str, float] = {}
+    for key in sorted({k for s in scores for k in s} | {spec.name for spec in scorers}):
+        values = [s[key] for s in scores if key in s]
+        name = f"val-core/{key}/reward/mean@1" if "/" not in key else f"val-aux/{key}/mean@1"
+        metrics[name] = float(np.mean(values)) if values else math.nan
+    if len(scorers) > 1 or any(spec.weight != 1.0 for spec in scorers):
+        totals = [r for g in groups for r in g.rewards]
+        metrics["val-core/total/reward/mean@1"] = float(np.mean(totals)) if totals else math.nan
+    return metrics
+
+
+def _requests(groups: list[Group], replicas: int, most: int) -> list[list[Group]]:
+    """The groups of one draw as Generate requests: one share per replica, each share cut into
+    requests of at most ``most`` groups (``rollout.max_request_samples``: the replica refuses
+    more, and a request that size is what one deadline covers)."""
+    return [share[i : i + most] for share in _split(groups, replicas) for i in range(0, len(share), most)]
 
 
 def _split(groups: list[Group], parts: int) -> list[list[Group]]:

@@ -1,5 +1,6 @@
 """``flowgrpo trace RUN_DIR --step N``: one training step as a waterfall across the services,
-from the span files of the run (``<run_dir>/traces/*.jsonl``; every process writes its own).
+from the trace files of the run (``<run_dir>/traces/*.otlp.jsonl``, OTLP/JSON: one per service
+replica and host), read by :func:`flowgrpo.telemetry.read_spans` into plain span records.
 
 A step is the coordinator's ``coordinator.draw`` (rollouts and rewards of its samples) and
 ``coordinator.train`` (the trainer step, the weight loads) spans with that step, plus every span

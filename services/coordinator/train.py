@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from flowgrpo.bus import serve_store
-from flowgrpo.data import load_split
+from flowgrpo.data import PromptSplit, load_split
 from flowgrpo.data.prepare import PrepareOptions, prepare_dataset
 from flowgrpo.runtime import Service, ServiceServer
 from flowgrpo.services.coordinator.config import RunConfig, with_checkpoint
-from flowgrpo.services.coordinator.launch import launch
+from flowgrpo.services.coordinator.launch import Services, launch
+from flowgrpo.services.coordinator.lifecycle import RunInterrupted, RunLock, StopSignals, stop_leftovers
 from flowgrpo.services.coordinator.outputs import RunOutputs
 from flowgrpo.services.coordinator.registry import CoordinatorService
 from flowgrpo.services.coordinator.run import Coordinator, reward_summary
@@ -68,14 +69,43 @@ def prepare_data(cfg: RunConfig) -> RunConfig:
 
 
 async def train_async(cfg: RunConfig, progress: Any = sys.stderr) -> list[dict[str, float]]:
-    cfg = prepare_data(prepare_model(cfg))
-    split = load_split(cfg.data.dataset, "train", model_path=cfg.model.checkpoint)
-    test = None
-    if cfg.schedule.eval_every and cfg.data.val_prompts:
-        test = load_split(cfg.data.dataset, "test", model_path=cfg.model.checkpoint)
+    """The run, holding its folder's lock throughout (a second run there is refused)."""
+    lock = RunLock(cfg.run_dir)
+    note = lock.acquire()
+    try:
+        if note:
+            log.warning("%s: %s", cfg.run_dir, note)
+        stopped = stop_leftovers(Path(cfg.run_dir) / "services")
+        if stopped:
+            log.warning("stopped %s, left running by an earlier run of %s", ", ".join(stopped), cfg.run_dir)
+        return await _train_holding_lock(cfg, progress)
+    finally:
+        lock.release()
+
+
+async def _train_holding_lock(cfg: RunConfig, progress: Any) -> list[dict[str, float]]:
+    task = asyncio.current_task()
+    assert task is not None
+    coordinator: Coordinator | None = None
+    services: Services | None = None
+
+    def stop() -> None:
+        if coordinator is not None:
+            coordinator.request_stop()
+
+    def force() -> None:
+        if services is not None:
+            services.kill()
+
+    signals = StopSignals(task, on_stop=stop, on_force=force)
+    try:
+        cfg, split, test = _prepare(cfg)
+    except asyncio.CancelledError:
+        signals.remove()
+        raise _interrupted(cfg, None, signals) from None
     outputs = RunOutputs(cfg.run_dir, progress, cfg.logger)
     outputs.write_config(cfg, cfg.name)
-    # spans to <run_dir>/traces (or an OTLP collector); the services' processes write theirs there too
+    # spans to <run_dir>/traces (and an OTLP collector if set); the services write theirs there too
     setup_tracing("coordinator", replica_id="coordinator", run_dir=str(Path(cfg.run_dir).resolve()))
     outputs.say(
         f"run {cfg.name}: {len(split)} training prompts, {cfg.launch.launcher} launcher, {cfg.run_dir}"
@@ -98,15 +128,38 @@ async def train_async(cfg: RunConfig, progress: Any = sys.stderr) -> list[dict[s
         try:
             coordinator = Coordinator(cfg, split, services.rollouts, services.rewards, services.trainer,
                                       store.store, outputs, registry, test)  # fmt: skip
+            signals.running()
             history = await coordinator.run()
             if summary := reward_summary(history):
                 outputs.say(summary)
             return history
         finally:
             await services.shutdown()
+    except asyncio.CancelledError:
+        if not signals.signals:
+            raise
+        raise _interrupted(cfg, coordinator, signals) from None
     finally:
+        signals.remove()
         if server.address:
             await server.stop(0)
         store.close()
         outputs.close()
         shutdown_tracing()
+
+
+def _prepare(cfg: RunConfig) -> tuple[RunConfig, PromptSplit, PromptSplit | None]:
+    """The model and data of the run (made or checked), its training and validation prompts."""
+    cfg = prepare_data(prepare_model(cfg))
+    split = load_split(cfg.data.dataset, "train", model_path=cfg.model.checkpoint)
+    test = None
+    if cfg.schedule.eval_every and cfg.data.val_prompts:
+        test = load_split(cfg.data.dataset, "test", model_path=cfg.model.checkpoint)
+    return cfg, split, test
+
+
+def _interrupted(cfg: RunConfig, coordinator: Coordinator | None, signals: StopSignals) -> RunInterrupted:
+    """Where a cancelled run stands: the steps trained, and the saved state a resume starts from."""
+    saved = RunOutputs.saved_step(cfg.run_dir)
+    step = coordinator.state.step if coordinator is not None else saved
+    return RunInterrupted(step, saved, forced=signals.forced)

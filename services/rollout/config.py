@@ -14,6 +14,9 @@ class EngineConfig:
     device: str = "cpu"  # "cuda", "cuda:1", "cpu"
     dtype: Literal["bfloat16", "float32"] = "float32"  # weights; sampler math always runs in fp32
     max_batch_samples: int = 32  # samples per forward batch; a request is split into such batches
+    # a Generate asking for more is refused (INVALID_ARGUMENT): bounded work per request, so a
+    # deadline means something (the coordinator splits its draws into requests this size)
+    max_request_samples: int = 512
     # LoRA updates: "merge" into the weights (fast sampling) or run them unmerged through peft,
     # the trainer's own computation (behaviour == recomputed log-probs bitwise on CPU; slower)
     lora_mode: Literal["merge", "peft"] = "merge"
@@ -22,6 +25,8 @@ class EngineConfig:
     def validate(self) -> None:
         if self.max_batch_samples < 1:
             raise ValueError(f"rollout.max_batch_samples={self.max_batch_samples} must be >= 1")
+        if self.max_request_samples < 1:
+            raise ValueError(f"rollout.max_request_samples={self.max_request_samples} must be >= 1")
 
 
 @dataclass
@@ -29,5 +34,6 @@ class RolloutServiceConfig(ServiceProcessConfig):
     rollout: EngineConfig = field(default_factory=EngineConfig)
 
     def validate(self) -> None:  # here, not in EngineConfig: in a run config "" follows model.checkpoint
+        super().validate()
         if not self.rollout.checkpoint:
             raise ValueError("rollout.checkpoint is empty: set it to a BAGEL checkpoint folder")

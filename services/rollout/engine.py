@@ -13,7 +13,7 @@ adapter id per version) or an in-place weight reload (``kind="gen_path"``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -38,9 +38,16 @@ class RolloutEngine(Protocol):
     def policy_version(self) -> int: ...
 
     def generate(
-        self, requests: Sequence[SampleRequest], params: SamplerParams, *, seed: int, step: int
+        self,
+        requests: Sequence[SampleRequest],
+        params: SamplerParams,
+        *,
+        seed: int,
+        step: int,
+        between_steps: Callable[[], None] | None = None,
     ) -> Trajectories:
-        """Row i of the result belongs to request i; results never depend on the batch split."""
+        """Row i of the result belongs to request i; results never depend on the batch split.
+        ``between_steps`` is called before every denoising step (it may raise to stop)."""
         ...
 
     def apply_update(self, update: PolicyUpdate) -> None:
@@ -79,11 +86,19 @@ class NativeBagelEngine:
         return self._policy.version
 
     def generate(
-        self, requests: Sequence[SampleRequest], params: SamplerParams, *, seed: int, step: int
+        self,
+        requests: Sequence[SampleRequest],
+        params: SamplerParams,
+        *,
+        seed: int,
+        step: int,
+        between_steps: Callable[[], None] | None = None,
     ) -> Trajectories:
         size = self.max_batch_samples
         parts = [
-            self.sampler.generate(requests[i : i + size], params, seed=seed, step=step)
+            self.sampler.generate(
+                requests[i : i + size], params, seed=seed, step=step, between_steps=between_steps
+            )
             for i in range(0, len(requests), size)
         ]
         return parts[0] if len(parts) == 1 else concat_trajectories(parts)

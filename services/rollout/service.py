@@ -27,7 +27,7 @@ from flowgrpo.bus.torch_tensors import put_tensor, to_torch
 from flowgrpo.models.bagel.policy import PolicyUpdate, PolicyUpdateError
 from flowgrpo.models.bagel.sampling import SampleRequest, SamplerParams, Trajectories
 from flowgrpo.models.bagel.wire import sampler_params_from_proto
-from flowgrpo.runtime import Actor, InvalidArgument, message
+from flowgrpo.runtime import Actor, InvalidArgument, message, raise_if_abandoned
 from flowgrpo.runtime.data import fetch_inputs
 from flowgrpo.services.rollout.config import RolloutServiceConfig
 from flowgrpo.services.rollout.engine import NativeBagelEngine, RolloutEngine
@@ -124,7 +124,9 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
         started = time.perf_counter()
         samples = self._sample_requests(request.groups)
         with tracer.start_as_current_span("rollout.generate", attributes={"samples": len(samples)}):
-            out = self._engine().generate(samples, params, seed=request.seed, step=request.step)
+            out = self._engine().generate(  # a caller that gives up frees us within one denoising step
+                samples, params, seed=request.seed, step=request.step, between_steps=raise_if_abandoned
+            )
             tag = request.release_tag or f"step{request.step}"
             response = rollout_pb2.GenerateResponse(
                 samples=[self._publish(tag, row, s, out) for row, s in enumerate(samples)]
@@ -142,6 +144,12 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
     def _sample_requests(self, groups: Sequence[rollout_pb2.PromptGroup]) -> list[SampleRequest]:
         if not groups or not any(g.sample_indices for g in groups):
             raise InvalidArgument("Generate needs at least one prompt group with sample indices")
+        count, limit = sum(len(g.sample_indices) for g in groups), self.config.rollout.max_request_samples
+        if count > limit:
+            raise InvalidArgument(
+                f"Generate asks for {count} samples; this replica takes at most {limit} per request "
+                "(rollout.max_request_samples): split the request"
+            )
         refs = [TensorRef.from_proto(g.prompt_ids) for g in groups]
         for group, ref in zip(groups, refs, strict=True):
             if ref.column != "prompt_ids":

@@ -27,6 +27,10 @@ No pickle on disk: tensors in safetensors (DCP's ``HuggingFaceStorageWriter`` wr
 save and load plans between ranks as pickled objects over the process group, in memory.
 
 The RNG state is per rank; resumed on more ranks than saved it, the extra ranks take rank 0's.
+
+Outside a trainer (``flowgrpo generate --run``), :func:`find_run_checkpoint` finds a checkpoint
+of a run folder and :func:`read_policy_update` reads its weights, verified, in one process, as
+the policy update a rollout applies.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ import shutil
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
@@ -76,11 +82,21 @@ def latest_checkpoint(folder: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(folder: str | Path, trainer: FlowGRPOStep, step: int, keep_last: int = 3) -> Path | None:
+def checkpoint_steps(folder: str | Path) -> dict[int, Path]:
+    """Step -> checkpoint folder, ascending, of every checkpoint under ``folder`` (none: {})."""
+    folder = Path(folder)
+    found = sorted(p for p in folder.glob(f"{PREFIX}*") if p.is_dir()) if folder.is_dir() else []
+    return {int(p.name.removeprefix(PREFIX)): p for p in found if p.name.removeprefix(PREFIX).isdigit()}
+
+
+def save_checkpoint(
+    folder: str | Path, trainer: FlowGRPOStep, step: int, keep_last: int = 3, base_model: str = ""
+) -> Path | None:
     """Write the checkpoint of ``step`` atomically; keep the ``keep_last`` newest.
 
     Every rank calls it and writes its own shards; rank 0 writes the rest, renames the folder
-    into place and returns its path, the others return None."""
+    into place and returns its path, the others return None. ``base_model``: the BAGEL folder
+    the trainer loaded, named in a LoRA adapter's ``adapter_config.json``."""
     dist, folder = trainer.dist, Path(folder)
     final = folder / checkpoint_name(step)
     tmp = folder / f".{final.name}{PARTIAL}"  # the same name on every rank
@@ -90,7 +106,7 @@ def save_checkpoint(folder: str | Path, trainer: FlowGRPOStep, step: int, keep_l
         tmp.mkdir()
     _barrier(dist)
     try:
-        _write_weights(tmp, trainer)
+        _write_weights(tmp, trainer, base_model)
         _write_optimizer(tmp, trainer)
         _write_rng(tmp / "rng" / _rng_name(dist.rank))
         if dist.rank == 0:
@@ -126,12 +142,7 @@ def load_checkpoint(path: str | Path, trainer: FlowGRPOStep) -> int:
     calls it (the hashes are shared out, DCP reads collectively)."""
     path, dist = Path(path), trainer.dist
     _verify(path, dist)
-    counters = json.loads((path / "trainer.json").read_text())
-    if counters.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{path / 'trainer.json'}: checkpoint format {counters.get('format', 1)}, this trainer "
-            f"reads format {FORMAT} only"
-        )
+    counters = _read_counters(path)
     if counters["kind"] != trainer.policy.kind:
         raise CheckpointError(
             f"{path} holds a {counters['kind']!r} policy, this trainer trains {trainer.policy.kind!r}"
@@ -148,19 +159,86 @@ def load_checkpoint(path: str | Path, trainer: FlowGRPOStep) -> int:
     return int(counters["step"])
 
 
+def _read_counters(path: Path) -> dict[str, Any]:
+    counters: dict[str, Any] = json.loads((path / "trainer.json").read_text())
+    if counters.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path / 'trainer.json'}: checkpoint format {counters.get('format', 1)}, this trainer "
+            f"reads format {FORMAT} only"
+        )
+    return counters
+
+
+# --- reading a run's checkpoints outside the trainer ---------------------------------------
+
+
+@dataclass(frozen=True)
+class RunCheckpoint:
+    """One checkpoint of a training run, with what sampling from it needs."""
+
+    path: Path
+    step: int
+    base: str  # the BAGEL folder the run's trainer loaded (its frozen weights)
+    resolution: int  # the run's sampling.resolution (px, square)
+
+
+def find_run_checkpoint(run_dir: str | Path, step: int | None = None) -> RunCheckpoint:
+    """The checkpoint of ``step`` (None: the latest) of the run in ``run_dir``; its
+    ``config.yaml`` names the base checkpoint and where the trainer saved. What the checkpoint
+    holds (LoRA or the full gen path) its own ``trainer.json`` says: see read_policy_update."""
+    from flowgrpo.services.coordinator.config import read_recipe_sections
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise CheckpointError(f"{run_dir} is not a run folder (no config.yaml): give the run_dir of a run")
+    cfg = read_recipe_sections(run_dir / "config.yaml")
+    folder = Path(cfg.trainer.checkpoint_dir) if cfg.trainer.checkpoint_dir else run_dir / "checkpoints"
+    found = checkpoint_steps(folder)
+    if not found:
+        raise CheckpointError(
+            f"run {run_dir} has no checkpoint in {folder} (it saves every schedule.save_every steps)"
+        )
+    if step is None:
+        step = max(found)
+    if step not in found:
+        steps = ", ".join(str(s) for s in found)
+        raise CheckpointError(
+            f"run {run_dir} has no checkpoint of step {step}; it has steps {steps} (in {folder})"
+        )
+    base = cfg.trainer.checkpoint or cfg.model.checkpoint
+    return RunCheckpoint(found[step], step, base, cfg.sampling.resolution)
+
+
+def read_policy_update(path: str | Path) -> PolicyUpdate:
+    """The policy a checkpoint holds, verified first, as the update a rollout applies (LoRA: the
+    adapter; full: every gen-path tensor, whole, as saved); of the checkpoint's policy version.
+    One process reads it, whatever number of ranks saved it."""
+    path, one = Path(path), Dist()
+    _verify(path, one)
+    counters = _read_counters(path)
+    version = int(counters["version"])
+    if counters["kind"] == "lora":
+        return load_peft_adapter(path / "adapter", version)
+    folder = path / "gen_path"
+    tensors = {name: torch.empty(size, dtype=dtype) for name, (size, dtype) in _stored(folder).items()}
+    if not tensors:
+        raise CheckpointError(f"{folder} holds no gen-path tensors")
+    _dcp_load(HuggingFaceStorageReader(str(folder)), tensors, one)
+    return PolicyUpdate(version, "gen_path", tensors)
+
+
 # --- weights and optimizer -----------------------------------------------------------------
 
 
-def _write_weights(tmp: Path, trainer: FlowGRPOStep) -> None:
+def _write_weights(tmp: Path, trainer: FlowGRPOStep, base_model: str) -> None:
     if trainer.policy.kind == "full":
         _dcp_save(tmp / "gen_path", dict(trainer.policy.trainable()), trainer.dist)
         return
     published = {n: t.detach().cpu().contiguous() for n, t in trainer.policy.published().items()}
-    if trainer.dist.rank == 0:  # LoRA is small: gathered, in the format rollouts load
+    if trainer.dist.rank == 0:  # LoRA is small: gathered, in the format rollouts load (and peft)
         cfg = trainer.policy.config
-        save_peft_adapter(
-            tmp / "adapter", PolicyUpdate(trainer.version, "lora", published, cfg.lora_rank, cfg.lora_alpha)
-        )
+        update = PolicyUpdate(trainer.version, "lora", published, cfg.lora_rank, cfg.lora_alpha)
+        save_peft_adapter(tmp / "adapter", update, str(Path(base_model).resolve()) if base_model else "")
 
 
 def _check_weights(path: Path, trainer: FlowGRPOStep) -> Callable[[], None]:

@@ -100,5 +100,6 @@ class TrainerServiceConfig(ServiceProcessConfig):
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def validate(self) -> None:  # here, not in TrainerConfig: in a run config "" follows model.checkpoint
+        super().validate()
         if not self.trainer.checkpoint:
             raise ValueError("trainer.checkpoint is empty: set it to a BAGEL checkpoint folder")

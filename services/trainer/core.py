@@ -5,6 +5,7 @@ the other ranks (``follow.py``) to call them too, in the same order."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -80,14 +81,18 @@ class TrainerCore:
         except ValueError as error:
             raise InvalidArgument(str(error)) from None
 
-    def train(self, request: trainer_pb2.TrainStepRequest) -> dict[str, float]:
-        """One training step on the request's samples (every rank fetches the whole batch)."""
+    def train(
+        self, request: trainer_pb2.TrainStepRequest, may_stop: Callable[[], None] | None = None
+    ) -> dict[str, float]:
+        """One training step on the request's samples (every rank fetches the whole batch).
+        ``may_stop``: see :meth:`FlowGRPOStep.run`; one process only (ranks that stopped
+        alone would leave the others waiting in a collective)."""
         params = self.check(request)
         batch, traces = self._fetch_batch(request)
         with tracer.start_as_current_span(
             "trainer.step", links=links_from(traces), attributes={"step": request.step}
         ):
-            return self.trainer.run(batch, params)
+            return self.trainer.run(batch, params, may_stop if self.dist.world == 1 else None)
 
     def publish(self) -> common_pb2.WeightUpdate:
         """Publish the current version (a collective under FSDP: every rank calls it; rank 0's
@@ -95,7 +100,8 @@ class TrainerCore:
         return self.publisher.publish(self.trainer.version)
 
     def save(self, folder: str, step: int) -> Path | None:
-        return save_checkpoint(folder, self.trainer, step, self.config.trainer.keep_last)
+        cfg = self.config.trainer
+        return save_checkpoint(folder, self.trainer, step, cfg.keep_last, base_model=cfg.checkpoint)
 
     def close(self) -> None:
         self.client.close()

@@ -14,7 +14,7 @@ import time
 import grpc.aio
 
 from flowgrpo.bus import BusServer, serve_store
-from flowgrpo.runtime import Actor, InvalidArgument, message
+from flowgrpo.runtime import Actor, InvalidArgument, message, raise_if_abandoned
 from flowgrpo.services.trainer.config import TrainerServiceConfig
 from flowgrpo.services.trainer.core import INPUT_COLUMNS, TrainerCore
 from flowgrpo.services.trainer.distributed import Dist
@@ -66,7 +66,7 @@ class TrainerService(Actor, trainer_pb2_grpc.TrainerServicer):
         core = self._core()
         core.check(request)  # refuse a bad request here, before the other ranks join in
         self._announce(TRAIN, request.SerializeToString())
-        metrics = await self.compute(core.train, request)
+        metrics = await self.compute(core.train, request, raise_if_abandoned)  # a caller gone: stop early
         started = time.perf_counter()
         self.current = await self.compute(self._publish)
         metrics["timing_s/update_weights"] = time.perf_counter() - started

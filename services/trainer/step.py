@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -93,14 +93,28 @@ class FlowGRPOStep:
         self.steps_done = 0
         self.mixed_precision = True  # bf16 autocast on a GPU with bf16 frozen weights (compute_autocast)
         self.last_gap = math.inf  # bypass: the rollout/trainer gap measured last time
+        self._may_stop: Callable[[], None] = _nothing  # the running step's stop check (see run)
 
     # --- the step -----------------------------------------------------------------------------
 
-    def run(self, batch: Sequence[Trajectory], params: SamplerParams) -> dict[str, float]:
+    def run(
+        self,
+        batch: Sequence[Trajectory],
+        params: SamplerParams,
+        may_stop: Callable[[], None] | None = None,
+    ) -> dict[str, float]:
+        """Train on ``batch``. ``may_stop`` is called between micro-batches until the first
+        optimizer update (it raises to abandon the step): before it, nothing of the step has
+        touched the weights or the optimizer, so an abandoned step leaves the trainer as it was;
+        once an update is applied the step runs to its end."""
         if not batch:
             raise ValueError("a training step needs at least one trajectory")
-        with self._lora_inputs_uncast():
-            return self._run(batch, params)
+        self._may_stop = may_stop or _nothing
+        try:
+            with self._lora_inputs_uncast():
+                return self._run(batch, params)
+        finally:
+            self._may_stop = _nothing
 
     def _run(self, batch: Sequence[Trajectory], params: SamplerParams) -> dict[str, float]:
         metrics: dict[str, float] = {}
@@ -150,6 +164,7 @@ class FlowGRPOStep:
         recomputed = torch.zeros_like(behaviour)
         with torch.no_grad():
             for part in self._chunks(self.dist.share(list(range(len(batch))))):
+                self._may_stop()
                 logp = self._window_log_probs([batch[r] for r, _ in part], params).log_prob
                 for (row, valid), value in zip(part, logp, strict=True):
                     if valid:
@@ -198,6 +213,7 @@ class FlowGRPOStep:
         total = float(len(mini) * window)  # every (sample, window step) of the mini-batch counts once
         sums = torch.zeros(5, dtype=torch.float64)  # loss, clipped, ratio, ppo_kl, kl: summed over entries
         for part in self._chunks(self.dist.share(mini)):
+            self._may_stop()
             rows = [r for r, _ in part]
             # the reference forward first: full training swaps the reference weights in place,
             # which must not happen while the policy forward's graph holds the parameters
@@ -229,6 +245,8 @@ class FlowGRPOStep:
             parts = [terms.loss_sum.detach(), terms.clipped, terms.ratio_sum, terms.approx_kl_sum, kl_sum]
             sums += torch.stack([p.double().cpu() for p in parts])
         sums = self.dist.sum(sums) / total
+        self._may_stop()
+        self._may_stop = _nothing  # from the first update on, the step finishes
         grad_norm, skipped = self._apply_gradients()
         loss, clipped, ratio, ppo_kl, kl_loss = sums.tolist()
         return {
@@ -298,6 +316,10 @@ class FlowGRPOStep:
     def _chunks(self, rows: list[tuple[int, bool]]) -> list[list[tuple[int, bool]]]:
         size = self.loss.micro_batch_size
         return [rows[i : i + size] for i in range(0, len(rows), size)]
+
+
+def _nothing() -> None:
+    pass
 
 
 def compute_autocast(model: BagelModel) -> contextlib.AbstractContextManager[object]:

@@ -36,6 +36,7 @@ from flowgrpo.services.coordinator.config import load_run_config
 from flowgrpo.services.coordinator.outputs import read_metrics
 from flowgrpo.services.coordinator.status import live_status, status
 from flowgrpo.services.coordinator.trace import step_spans
+from flowgrpo.telemetry import read_spans
 
 CLI = [sys.executable, "-m", "flowgrpo.services.cli"]  # the flowgrpo command of this interpreter
 
@@ -112,15 +113,18 @@ def reference(reference_dir: Path) -> list[dict[str, float]]:
 def test_a_run_writes_its_outputs(reference_dir: Path, reference: list[dict[str, float]]) -> None:
     assert [r["step"] for r in reference] == list(range(1, STEPS + 1))
     validations = read_metrics(reference_dir, kind="val")
-    assert [r["step"] for r in validations] == [2, 4]
-    assert all(r["val-core/pickscore/reward/mean@1"] < 0 and r["timing_s/testing"] > 0 for r in validations)
-    grids = [f"train_{s:06d}" for s in range(1, STEPS + 1)] + ["val_000002", "val_000004"]
+    assert [r["step"] for r in validations] == [0, 2, 4]  # step 0: before any update
+    key = "val-core/jpeg_compressibility/reward/mean@1"  # by scorer: the data set is "pickscore"
+    assert all(r[key] < 0 and r["timing_s/testing"] > 0 for r in validations)
+    assert not any("pickscore" in k for r in validations for k in r)
+    assert validations[0][key] != validations[-1][key]  # the same prompts and noise: learnt
+    grids = [f"train_{s:06d}" for s in range(1, STEPS + 1)] + ["val_000000", "val_000002", "val_000004"]
     images = sorted(p.name for p in (reference_dir / "images").iterdir())
     assert images == sorted(f"{g}.{ext}" for g in grids for ext in ("png", "json"))  # a grid and its captions
     [events] = (reference_dir / "tensorboard").iterdir()
     tags = {(e.step, v.tag) for e in EventFileLoader(str(events)).Load() for v in e.summary.value}
     assert {(s, "critic/rewards/mean") for s in range(1, STEPS + 1)} <= tags
-    assert {(2, "images/val"), (4, "val-core/pickscore/reward/mean@1"), (1, "images/train")} <= tags
+    assert {(0, "images/val"), (4, key), (1, "images/train")} <= tags
     # one process, yet each span names the service whose code made it
     assert {s["service.name"] for s in step_spans(str(reference_dir), 2)} == {
         "coordinator", "rollout", "reward", "trainer"}  # fmt: skip
@@ -142,14 +146,21 @@ def test_the_report_renders_every_part_from_a_real_run(reference_dir: Path) -> N
     assert done.returncode == 0, done.stderr
     page = (reference_dir / "report.html").read_text()
     sources = re.findall(r"src='([^']+)'", page)
-    assert len(sources) == 6 + 2  # six plots (the last: busy time per service, from the traces), 2 grids
+    assert len(sources) == 6 + 3  # six plots (the last: busy time per service, from the traces), 3 grids
     for source in sources:  # every image is inside the page, and is a PNG
         assert source.startswith("data:image/png;base64,")
         assert Image.open(io.BytesIO(base64.b64decode(source.split(",", 1)[1]))).format == "PNG"
-    assert "<h3>Step 2</h3>" in page and "<h3>Step 4</h3>" in page
-    captions = json.loads((reference_dir / "images" / "val_000004.json").read_text())
-    assert len(captions["cells"]) == 4 and all(html.escape(c["prompt"]) in page for c in captions["cells"])
-    assert f"{captions['cells'][0]['reward']:+.6g}" in page
+    grid = Image.open(io.BytesIO(base64.b64decode(sources[6].split(",", 1)[1])))
+    assert grid.size == (4 * 256, 256)  # four 64 px images, each shown at 256 px
+    # before and after side by side, then the one in between folded away
+    before_h3, after_h3 = "<h3>Step 0 (before training)</h3>", "<h3>Step 4 (after step 4)</h3>"
+    assert page.index('<div class="pair">') < page.index(before_h3) < page.index(after_h3)
+    assert page.index(after_h3) < page.index("<details>") < page.index("<h3>Step 2")
+    before, after = (json.loads((reference_dir / "images" / f"val_{s:06d}.json").read_text()) for s in (0, 4))
+    assert len(after["cells"]) == 4 and all(html.escape(c["prompt"]) in page for c in after["cells"])
+    first, last = before["cells"][0]["reward"], after["cells"][0]["reward"]
+    change = (last - first) / abs(first) * 100
+    assert f"<td>{first:+.6g}</td><td>{last:+.6g}</td><td>{change:+.1f}%</td>" in page
     assert "schedule:" in page and "Each service&#x27;s busy time per step" in page
 
 
@@ -226,13 +237,10 @@ def test_a_killed_rollout_replica_loses_no_group_and_rejoins_with_the_current_we
     assert "rollout rollout-1 rejoined the run" in stderr
     for ours, theirs in zip(metrics, reference, strict=False):  # the same samples, wherever drawn
         assert ours["critic/rewards/mean"] == theirs["critic/rewards/mean"]
-    # the new process served Generate after it caught up (its spans: traces/rollout-<pid>.jsonl)
-    [second] = [
-        path for path in (tmp_path / "traces").glob("rollout-*.jsonl")
-        if path.name != f"rollout-{first_pid}.jsonl"
-        and '"service.instance.id": "rollout-1"' in path.read_text()
-    ]  # fmt: skip
-    spans = [json.loads(line) for line in second.open()]
+    # the new process served Generate after it caught up (its spans: in rollout-1's trace file,
+    # told from its predecessor's by the process.pid of their resource)
+    spans = [s for s in read_spans(str(tmp_path)) if s["resource"]["service.instance.id"] == "rollout-1"
+             and s["resource"]["process.pid"] != first_pid]  # fmt: skip
     loads = [s["start_ns"] for s in spans if s["name"] == "/flowgrpo.v1.Rollout/LoadWeights"]
     generates = [s["start_ns"] for s in spans if s["name"] == "rollout.generate"]
     assert loads and generates and min(loads) < min(generates)

@@ -1,26 +1,48 @@
-"""One trace across two processes, exported over OTLP to a receiver run by the test, or to the
-run folder's JSONL files; links from a consumer span to the spans that produced its inputs."""
+"""One trace across two processes, written to the run folder's OTLP/JSON trace files and, with an
+endpoint set, exported over OTLP to a receiver run by the test as well; heartbeats untraced;
+links from a consumer span to the spans that produced its inputs.
+
+The client side runs as this module (``python -m tests.runtime.test_tracing``): one traced step
+that calls a probe server's ``Heartbeat`` and ``RunStatus``, then a consumer linked to two
+producers, as a train step would be.
+"""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
 import os
+import re
 import signal
+import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from google.protobuf import json_format
+from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.proto.trace.v1.trace_pb2 import TracesData
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from flowgrpo.telemetry import carrier, links_from, read_spans
+from flowgrpo.runtime import ClientConfig, open_channel, wait_ready
+from flowgrpo.telemetry import carrier, links_from, read_spans, setup_tracing, shutdown_tracing
+from flowgrpo.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.otlp import Receiver, otlp_receiver
 
-from .probe import kill_if_running, read_ready_file, spawn
+from .probe import heartbeat, kill_if_running, read_ready_file, spawn
 
+ROOT = Path(__file__).resolve().parents[2]
 HEARTBEAT = "/flowgrpo.v1.Coordinator/Heartbeat"
+RUN_STATUS = "/flowgrpo.v1.Coordinator/RunStatus"
+HOST = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())
+tracer = trace.get_tracer(__name__)
 
 
 @pytest.fixture
@@ -34,18 +56,22 @@ def _env(**extra: str) -> dict[str, str]:
     return env | extra
 
 
-def _serve_and_call(tmp_path: Path, env: dict[str, str], *extra: str) -> None:
-    """A server process and a client process calling it once; both end before this returns."""
+def _client(env: dict[str, str], *args: str) -> None:
+    """Run this module's traced client to its end."""
+    done = subprocess.run([sys.executable, "-m", "tests.runtime.test_tracing", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+
+
+def _serve_and_call(tmp_path: Path, env: dict[str, str], run_dir: Path) -> None:
+    """A server process and a client process calling it; both end before this returns."""
     ready = tmp_path / "ready.json"
-    server = spawn("serve", "--name", "probe-server", "--ready-file", str(ready), *extra, env=env)
+    server = spawn(
+        "serve", "--name", "probe-server", "--ready-file", str(ready), "--run-dir", str(run_dir), env=env
+    )
     try:
         address = read_ready_file(ready, server)["grpc_address"]
-        client = spawn("call", "--name", "probe-client", "--address", address, *extra, env=env)
-        try:
-            _, client_err = client.communicate(timeout=30)
-        finally:
-            kill_if_running(client)
-        assert client.returncode == 0, client_err
+        _client(env, "--address", address, "--run-dir", str(run_dir))
         server.send_signal(signal.SIGTERM)
         _, server_err = server.communicate(timeout=30)
         assert server.returncode == 0, server_err
@@ -59,17 +85,19 @@ def _assert_one_trace_across_processes(spans: list[dict[str, Any]]) -> None:
         return span
 
     step = one("client.step", "probe-client")
-    client = one(HEARTBEAT, "probe-client")
-    server = one(HEARTBEAT, "probe-server")
-    handle = one("probe.handle", "probe-server")
-    compute = one("probe.compute", "probe-server")
+    client = one(RUN_STATUS, "probe-client")
+    server = one(RUN_STATUS, "probe-server")
     assert (client["kind"], server["kind"]) == ("CLIENT", "SERVER")
-    assert {span["trace_id"] for span in (client, server, handle, compute)} == {step["trace_id"]}
+    assert {span["trace_id"] for span in (client, server)} == {step["trace_id"]}
     assert client["parent_span_id"] == step["span_id"]
     assert server["parent_span_id"] == client["span_id"]  # the context crossed the process boundary
-    assert handle["parent_span_id"] == server["span_id"]  # ... and the actor's mailbox
-    assert compute["parent_span_id"] == handle["span_id"]  # ... and its worker thread
     assert server["resource"]["service.instance.id"] == "probe-0"
+    assert client["resource"]["service.instance.id"] == "client-0"
+    # the Heartbeat call left no span on either side; what its handler traced is still there
+    assert not [s for s in spans if s["name"] == HEARTBEAT]
+    handle = one("probe.handle", "probe-server")
+    compute = one("probe.compute", "probe-server")
+    assert compute["parent_span_id"] == handle["span_id"]  # the context reached the worker thread
     producers = [one("producer.a", "probe-client"), one("producer.b", "probe-client")]
     consumer = one("consumer", "probe-client")
     assert consumer["trace_id"] not in {p["trace_id"] for p in producers}
@@ -78,21 +106,71 @@ def _assert_one_trace_across_processes(spans: list[dict[str, Any]]) -> None:
     }
 
 
-def test_one_trace_across_two_processes_over_otlp(tmp_path: Path, receiver: tuple[Receiver, int]) -> None:
-    collector, port = receiver
-    _serve_and_call(tmp_path, _env(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}"))
-    assert {span["service.name"] for span in collector.spans} == {"probe-server", "probe-client"}
-    _assert_one_trace_across_processes(collector.spans)
+def _trace_files(run_dir: Path) -> list[str]:
+    return sorted(path.name for path in (run_dir / "traces").iterdir())
 
 
-def test_without_a_collector_spans_land_in_the_run_folder(tmp_path: Path) -> None:
+def test_trace_files_are_otlp_json_one_traces_data_per_line(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    _serve_and_call(tmp_path, _env(), "--run-dir", str(run_dir))
-    files = sorted(path.name.rsplit("-", 1)[0] for path in (run_dir / "traces").glob("*.jsonl"))
-    assert files == ["probe-client", "probe-server"]
+    _serve_and_call(tmp_path, _env(), run_dir)
+    expected = {  # file: (service.name, service.instance.id, some of its spans)
+        f"probe-client-client-0-{HOST}.otlp.jsonl": ("probe-client", "client-0", {"client.step", RUN_STATUS}),
+        f"probe-server-probe-0-{HOST}.otlp.jsonl": ("probe-server", "probe-0", {RUN_STATUS, "probe.handle"}),
+    }
+    assert _trace_files(run_dir) == sorted(expected)
+    for name, (service, replica, some_spans) in expected.items():
+        names = set()
+        for line in (run_dir / "traces" / name).read_text().splitlines():
+            data = json_format.Parse(line, TracesData())  # protobuf's JSON mapping, as OTLP/JSON is
+            for resource_spans in data.resource_spans:
+                resource = {kv.key: kv.value.string_value for kv in resource_spans.resource.attributes}
+                assert (resource["service.name"], resource["service.instance.id"]) == (service, replica)
+                names |= {span.name for scope in resource_spans.scope_spans for span in scope.spans}
+            for resource_spans in json.loads(line)["resourceSpans"]:  # OTLP/JSON's own rules
+                for span in (s for scope in resource_spans["scopeSpans"] for s in scope["spans"]):
+                    assert re.fullmatch("[0-9a-f]{32}", span["traceId"]), span  # hex, not base64
+                    assert re.fullmatch("[0-9a-f]{16}", span["spanId"]), span
+                    assert isinstance(span["kind"], int)  # enums as integers
+        assert names >= some_spans and HEARTBEAT not in names
     spans = read_spans(run_dir)
     assert [s["start_ns"] for s in spans] == sorted(s["start_ns"] for s in spans)
     _assert_one_trace_across_processes(spans)
+
+
+def test_with_an_otlp_endpoint_spans_go_to_the_collector_and_the_files(
+    tmp_path: Path, receiver: tuple[Receiver, int]
+) -> None:
+    collector, port = receiver
+    run_dir = tmp_path / "run"
+    _serve_and_call(tmp_path, _env(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}"), run_dir)
+    assert {span["service.name"] for span in collector.spans} == {"probe-server", "probe-client"}
+    _assert_one_trace_across_processes(collector.spans)
+    files = read_spans(run_dir)
+    _assert_one_trace_across_processes(files)
+    assert sorted(s["span_id"] for s in files) == sorted(s["span_id"] for s in collector.spans)
+
+
+def test_two_replicas_write_two_files_and_a_restart_appends_to_its_own(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    for replica in ("client-0", "client-1", "client-0"):  # the last: client-0 started again
+        _client(_env(), "--replica", replica, "--run-dir", str(run_dir))
+    assert _trace_files(run_dir) == [f"probe-client-client-{i}-{HOST}.otlp.jsonl" for i in (0, 1)]
+    spans = read_spans(run_dir)
+    pids: dict[str, set[int]] = {}
+    for span in spans:
+        pids.setdefault(span["resource"]["service.instance.id"], set()).add(span["resource"]["process.pid"])
+    assert {replica: len(p) for replica, p in pids.items()} == {"client-0": 2, "client-1": 1}
+
+
+def test_a_torn_last_line_is_skipped(tmp_path: Path) -> None:
+    """A process killed mid-write leaves a line without its newline: the rest still reads."""
+    run_dir = tmp_path / "run"
+    _client(_env(), "--run-dir", str(run_dir))
+    [path] = (run_dir / "traces").iterdir()
+    whole = len(read_spans(run_dir))
+    with path.open("a") as f:
+        f.write(path.read_text().splitlines()[0][:100])
+    assert len(read_spans(run_dir)) == whole > 0
 
 
 def test_links_from_links_each_producer_once() -> None:
@@ -119,8 +197,6 @@ def test_links_from_links_each_producer_once() -> None:
 def test_runs_in_turn_in_one_process_each_get_their_spans(tmp_path: Path) -> None:
     """The provider is set once per process; each run's spans still land in that run's folder
     (a benchmark or a test that trains twice in one process)."""
-    from flowgrpo.telemetry import setup_tracing, shutdown_tracing
-
     for run in ("first", "second"):
         setup_tracing("coordinator", run_dir=tmp_path / run)
         with trace.get_tracer("t").start_as_current_span(f"{run}.span"):
@@ -128,3 +204,39 @@ def test_runs_in_turn_in_one_process_each_get_their_spans(tmp_path: Path) -> Non
         shutdown_tracing()
     assert [s["name"] for s in read_spans(tmp_path / "first")] == ["first.span"]
     assert [s["name"] for s in read_spans(tmp_path / "second")] == ["second.span"]
+
+
+async def _call(address: str) -> None:
+    """A traced step calling ``Heartbeat`` (untraced) and ``RunStatus``; then a consumer linked
+    to two producers."""
+    if address:
+        channel = open_channel(address, ClientConfig())
+        await wait_ready(address, role="coordinator", timeout_s=10, channel=channel)
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        with tracer.start_as_current_span("client.step"):
+            await stub.Heartbeat(heartbeat("sleep 0.05", 1))
+            await stub.RunStatus(coordinator_pb2.RunStatusRequest())
+        await channel.close()
+    carriers = []
+    for name in ("producer.a", "producer.b"):
+        with tracer.start_as_current_span(name, context=otel_context.Context()):
+            carriers.append(carrier())
+    with tracer.start_as_current_span("consumer", context=otel_context.Context(), links=links_from(carriers)):
+        pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--address", default="", help="a probe server to call; none: only the linked spans")
+    parser.add_argument("--replica", default="client-0")
+    parser.add_argument("--run-dir", default=None)
+    args = parser.parse_args()
+    setup_tracing("probe-client", replica_id=args.replica, run_dir=args.run_dir)
+    try:
+        asyncio.run(_call(args.address))
+    finally:
+        shutdown_tracing()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,22 +1,32 @@
-"""Trainer checkpoints: resume reproduces the next step bitwise; damage is refused whole."""
+"""Trainer checkpoints: resume reproduces the next step bitwise; damage is refused whole; the
+exported adapter loads in peft; read outside a trainer, a checkpoint gives the published weights."""
 
 from __future__ import annotations
 
+import json
+import logging
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from peft import PeftModel
+from peft.tuners.lora import LoraLayer
 
+from flowgrpo.models.bagel.model import BagelModel
+from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
 from flowgrpo.services.trainer.checkpoint import (
     CheckpointError,
+    checkpoint_steps,
     latest_checkpoint,
     load_checkpoint,
+    read_policy_update,
     save_checkpoint,
 )
-from flowgrpo.services.trainer.config import PolicyConfig
+from flowgrpo.services.trainer.config import DEFAULT_LORA_TARGETS, PolicyConfig
 
-from .test_step import LORA, PARAMS, rollout, sampler_for, tiny, trainer
+from .test_step import LORA, PARAMS, PROMPTS, rollout, sampler_for, tiny, trainer
 
 __all__ = ["tiny"]  # the module-scoped checkpoint fixture
 
@@ -77,3 +87,55 @@ def test_keeps_the_last_n_and_finds_the_latest(tiny: Path, tmp_path: Path) -> No
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000003", "step_00000004"]
     assert latest_checkpoint(tmp_path) == tmp_path / "step_00000004"
     assert latest_checkpoint(tmp_path / "none") is None
+
+
+def test_an_exported_adapter_loads_in_peft_on_exactly_the_trained_modules(
+    tiny: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    step = trainer(tiny)
+    sampler = sampler_for(tiny)
+    step.run(rollout(sampler, [1.0, -1.0, 0.5, -0.5]), PARAMS)
+    path = save_checkpoint(tmp_path, step, step=1, base_model=str(tiny))
+    assert path is not None
+    config = json.loads((path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tiny.resolve())
+
+    caplog.clear()
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
+        warnings.simplefilter("always")
+        loaded = PeftModel.from_pretrained(sampler.model, str(path / "adapter"))
+    logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [str(w.message) for w in caught] == [] and logged == []  # no missing/unexpected keys
+
+    def adapted(model: torch.nn.Module, prefix: str = "") -> set[str]:
+        return {n.removeprefix(prefix) for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+    trained = adapted(step.policy.model)
+    assert len(trained) == 2 * len(DEFAULT_LORA_TARGETS) == 14  # two layers, seven gen-path linears each
+    assert adapted(loaded, "base_model.model.") == trained
+
+    # the model peft loaded samples what the trainer's model samples, bitwise
+    requests = [SampleRequest("p0", 0, torch.tensor(PROMPTS["p0"]))]
+    ours = BagelSampler(step.policy.model, None, sampler.special).generate(requests, PARAMS, seed=5, step=1)
+    peft_loaded = loaded.get_base_model()
+    assert isinstance(peft_loaded, BagelModel)  # the project's own model class, adapted in place
+    theirs = BagelSampler(peft_loaded, None, sampler.special).generate(requests, PARAMS, seed=5, step=1)
+    assert torch.equal(ours.latents, theirs.latents) and torch.equal(ours.log_probs, theirs.log_probs)
+
+
+@pytest.mark.parametrize("policy", [LORA, PolicyConfig(kind="full")], ids=["lora", "full"])
+def test_read_policy_update_gives_what_the_trainer_publishes(
+    tiny: Path, tmp_path: Path, policy: PolicyConfig
+) -> None:
+    step = trainer(tiny, policy)
+    step.run(rollout(sampler_for(tiny), [1.0, -1.0, 0.5, -0.5]), PARAMS)
+    path = save_checkpoint(tmp_path, step, step=1)
+    assert path is not None and checkpoint_steps(tmp_path) == {1: path}
+    update = read_policy_update(path)
+    published = step.policy.published()
+    assert (update.kind, update.version) == ("lora" if policy.kind == "lora" else "gen_path", 1)
+    assert update.tensors.keys() == published.keys()
+    assert all(torch.equal(update.tensors[n], published[n]) for n in published)
+    (path / "trainer.json").write_text("{}")  # verified first: a changed file is refused
+    with pytest.raises(CheckpointError, match=r"trainer\.json is corrupt"):
+        read_policy_update(path)

@@ -17,6 +17,7 @@ from flowgrpo.services.trainer.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
+    read_policy_update,
     save_checkpoint,
 )
 from flowgrpo.services.trainer.config import PolicyConfig
@@ -84,6 +85,10 @@ def test_a_two_rank_checkpoint_loads_into_one_process(tiny: Path, saved_by_two: 
     assert {k.split("/")[0] for k in saved} == {"weight", "step", "exp_avg", "exp_avg_sq", "rng"}
     assert not torch.equal(*saved.pop("rng")), "each rank had a generator state of its own"
     assert_same(whole_state(one), saved)
+    update = read_policy_update(checkpoint)  # outside a trainer (flowgrpo generate --run): whole tensors
+    published = one.policy.published()
+    assert update.tensors.keys() == published.keys()
+    assert all(torch.equal(update.tensors[n], published[n]) for n in published)
     # nothing pickled: JSON and safetensors only (DCP's default writer would add a pickled .metadata)
     for path in (p for p in checkpoint.rglob("*") if p.is_file()):
         if path.suffix == ".json":

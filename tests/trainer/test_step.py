@@ -49,7 +49,7 @@ def rollout(
 
 def trainer(tiny: Path, policy: PolicyConfig = LORA, **loss: object) -> FlowGRPOStep:
     model = load_bagel_model(tiny, dtype=torch.float32)
-    cfg = LossConfig(mini_batches=1, micro_batch_size=1, **loss)  # type: ignore[arg-type]
+    cfg = LossConfig(**{"mini_batches": 1, "micro_batch_size": 1, **loss})  # type: ignore[arg-type]
     return FlowGRPOStep(TrainablePolicy(model, policy), load_special_tokens(tiny), OptimConfig(lr=1e-3), cfg)
 
 
@@ -135,3 +135,39 @@ def test_mini_batches_and_micro_batches_accumulate_to_the_same_first_gradient(ti
             torch.cat([p.grad.flatten() for p in step.policy.trainable().values() if p.grad is not None])
         )
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-8)  # masks, not duplicates
+
+
+class Stop(Exception):
+    pass
+
+
+def test_a_step_abandoned_before_its_first_update_leaves_the_trainer_as_it_was(tiny: Path) -> None:
+    """``may_stop`` raising between micro-batches (a caller that gave up) ends the step with
+    nothing of it applied; from the first optimizer update on, the step is no longer stopped."""
+    batch = rollout(sampler_for(tiny), [1.0, -1.0, 0.5, -0.5])
+    step, fresh = trainer(tiny, mini_batches=2), trainer(tiny, mini_batches=2)
+    before = {k: v.detach().clone() for k, v in step.policy.trainable().items()}
+    calls = 0
+
+    def stop_at_the_sixth_check() -> None:  # checks 1-4: logp_old; 5, 6: the first mini-batch's
+        nonlocal calls  # micro-batches: the 6th comes after the first one's backward
+        calls += 1
+        if calls == 6:
+            raise Stop
+
+    with pytest.raises(Stop):
+        step.run(batch, PARAMS, may_stop=stop_at_the_sixth_check)
+    assert step.version == 0 and step.steps_done == 0 and not step.optimizer.state
+    assert all(torch.equal(v, before[k]) for k, v in step.policy.trainable().items())
+    # the abandoned step left nothing behind: the next one is the step a fresh trainer takes
+    ours, theirs = step.run(batch, PARAMS), fresh.run(batch, PARAMS)
+    assert ours["actor/loss"] == theirs["actor/loss"] and ours["actor/grad_norm"] == theirs["actor/grad_norm"]
+    # once the first mini-batch's update is applied, a stop request is no longer honoured
+    seen = 0
+
+    def count() -> None:
+        nonlocal seen
+        seen += 1
+
+    step.run(batch, PARAMS, may_stop=count)
+    assert seen == 4 + 2 + 1  # 4 logp_old parts, 2 micro-batches, before the update; then never

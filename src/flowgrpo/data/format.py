@@ -36,7 +36,7 @@ SPLITS = ("train", "test")
 
 # column -> (arrow type, meaning); the order is the files' column order
 COLUMNS: dict[str, tuple[pa.DataType, str]] = {
-    "data_source": (pa.string(), "dataset name used in metrics (val-core/<data_source>/...)"),
+    "data_source": (pa.string(), "the data set's name (verl's column; metrics are keyed by scorer)"),
     "split": (pa.string(), "train or test"),
     "index": (pa.int64(), "row number within the split, 0..n-1"),
     "line": (pa.int64(), "1-based line number in the input text file"),

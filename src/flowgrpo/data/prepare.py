@@ -65,7 +65,7 @@ class PrepareOptions:
     max_length: int = MAX_PROMPT_TOKENS  # tokens per prompt, both markers included
     splits: tuple[str, ...] = SPLITS  # which <split>.txt files to read; each must exist
     on_bad_line: Literal["drop", "fail"] = "drop"
-    data_source: str = ""  # the name in metrics; empty: the kind
+    data_source: str = ""  # the data set's name in every row; empty: the kind
     progress: bool = True  # a progress bar on stderr (shown only on a terminal)
 
 

@@ -3,6 +3,7 @@ dotted overrides (``rollout.server.port=50051``) reach every field."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -56,8 +57,16 @@ class ServiceProcessConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     bus: BusConfig = field(default_factory=BusConfig)
     replica_id: str = ""  # default: <role>-<random>
-    run_dir: str = ""  # traces go to <run_dir>/traces when no OTLP endpoint is set
+    run_dir: str = ""  # trace files go to <run_dir>/traces (beside any OTLP export)
     # host:port of the run's coordinator: register there, send heartbeats, leave on drain
     # (how replicas started by compose or Kubernetes join a run); empty: the coordinator dials us
     coordinator: str = ""
+    # > 0: this replica was launched by its coordinator (the local launcher), not deployed: after
+    # this long without an answer from the coordinator it drains and exits, so a coordinator that
+    # died leaves nothing running. 0 (deployed): it waits for a coordinator however long it takes.
+    orphan_after_s: float = 0.0
     log_format: Literal["json", "text"] = "json"
+
+    def validate(self) -> None:
+        if not math.isfinite(self.orphan_after_s) or self.orphan_after_s < 0:
+            raise ValueError(f"orphan_after_s={self.orphan_after_s}: give seconds >= 0 (0: never)")

@@ -33,6 +33,13 @@ class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Abandoned(ServiceError):
+    """The caller gave up (its deadline passed, or it cancelled): the work stopped at a safe point
+    (:func:`~flowgrpo.runtime.mailbox.raise_if_abandoned`)."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
 class NotReadyError(TimeoutError):
     """A service did not answer the READY handshake before the deadline."""
 

@@ -1,9 +1,13 @@
 """The two queues behind an actor: a mailbox that runs its messages one at a time in arrival
 order, and a worker thread that runs its blocking compute off the event loop.
 
-A message, once started, runs to completion: a caller that gives up (deadline, cancel) only
-abandons the reply, so the actor's state is never left half-updated. Only a drain that runs out
-of grace cancels a running message. A message whose caller gave up before its turn is skipped.
+A message, once started, runs to completion unless its code says where it may stop: a caller
+that gives up (deadline, cancel) abandons the reply and marks the message abandoned, and compute
+that calls :func:`raise_if_abandoned` at its safe points (between denoising steps, between
+micro-batches before any update) ends there with :class:`Abandoned`, so a replica is free again
+within one such step instead of computing an answer nobody waits for. Code that never calls it
+runs to the end, so the actor's state is never left half-updated. A drain that runs out of grace
+cancels a running message. A message whose caller gave up before its turn is skipped.
 Messages run in the caller's context (a copy), so the trace span of the RPC that sent a message
 is the parent of the spans the message opens.
 """
@@ -15,10 +19,10 @@ import contextvars
 import queue
 import threading
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from flowgrpo.runtime.errors import Unavailable
+from flowgrpo.runtime.errors import Abandoned, Unavailable
 
 T = TypeVar("T")
 
@@ -27,6 +31,17 @@ DRAINING = "draining: send it to another replica"
 
 # The mailbox whose message is running in this context: posting to it again would wait forever.
 _RUNNING_IN: contextvars.ContextVar[Mailbox | None] = contextvars.ContextVar("mailbox", default=None)
+# Set when the caller of the message running in this context gave up (read from any thread).
+_ABANDONED: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar("abandoned", default=None)
+
+
+def raise_if_abandoned() -> None:
+    """Raise :class:`Abandoned` when the caller of the message this code runs for has given up.
+    Call it only where stopping leaves the actor's state as it was (nothing half-applied). Cheap
+    (an event lookup) and callable from the worker thread; outside a message it does nothing."""
+    abandoned = _ABANDONED.get()
+    if abandoned is not None and abandoned.is_set():
+        raise Abandoned("the caller gave up (deadline or cancel); stopped at the next safe point")
 
 
 @dataclass
@@ -34,6 +49,7 @@ class _Letter:
     handler: Callable[[], Coroutine[Any, Any, Any]]
     context: contextvars.Context
     reply: asyncio.Future[Any]
+    abandoned: threading.Event = field(default_factory=threading.Event)
 
 
 class Mailbox:
@@ -75,10 +91,15 @@ class Mailbox:
             raise RuntimeError(f"{self.name}: a message posted to its own mailbox would wait forever")
         letter = _Letter(handler, contextvars.copy_context(), asyncio.get_running_loop().create_future())
         letter.context.run(_RUNNING_IN.set, self)
+        letter.context.run(_ABANDONED.set, letter.abandoned)
         self._in_flight += 1
         self._idle.clear()
         self._letters.put_nowait(letter)
-        reply: T = await letter.reply
+        try:
+            reply: T = await letter.reply
+        except asyncio.CancelledError:  # the caller gave up: compute stops at its next safe point
+            letter.abandoned.set()
+            raise
         return reply
 
     async def wait_idle(self, timeout_s: float) -> bool:

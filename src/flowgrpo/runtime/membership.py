@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from typing import cast
 
 import grpc
@@ -31,10 +33,20 @@ CALL_TIMEOUT_S = 10.0
 class Membership:
     """Keeps ``actor`` registered with the coordinator at ``address`` until :meth:`leave`."""
 
-    def __init__(self, actor: Actor, address: str, client: ClientConfig | None = None) -> None:
+    def __init__(
+        self,
+        actor: Actor,
+        address: str,
+        client: ClientConfig | None = None,
+        orphan_after_s: float = 0.0,
+        on_orphaned: Callable[[], None] | None = None,
+    ) -> None:
         self.actor = actor
         self.address = address
         self.run_id = ""
+        # a launched replica: call on_orphaned once the coordinator has been silent this long
+        self.orphan_after_s, self.on_orphaned = orphan_after_s, on_orphaned
+        self._answered = time.monotonic()  # the coordinator's last answer (or our start)
         self._channel = open_channel(address, client)
         self._stub = cast(
             "coordinator_pb2_grpc.CoordinatorAsyncStub", coordinator_pb2_grpc.CoordinatorStub(self._channel)
@@ -61,11 +73,13 @@ class Membership:
 
     async def _run(self) -> None:
         failures = 0
-        while True:
+        while not self._orphaned():
             try:
                 interval = await self._register()
                 failures = 0
                 while await self._heartbeat(interval):
+                    if self._orphaned():
+                        return
                     await asyncio.sleep(interval)
                 log.warning(
                     "the coordinator at %s no longer knows this replica; registering again", self.address
@@ -85,6 +99,7 @@ class Membership:
             request, timeout=CALL_TIMEOUT_S
         )
         self.run_id = response.run_id
+        self._answered = time.monotonic()
         log.info("registered with the coordinator at %s (run %s)", self.address, response.run_id)
         return max(response.heartbeat_interval_s, 0.1)
 
@@ -103,4 +118,14 @@ class Membership:
                 log.warning("heartbeat to %s failed (%s); trying again", self.address, error.code().name)
                 return True  # the next beat may pass; the coordinator decides when we are lost
             raise
+        self._answered = time.monotonic()
         return response.known
+
+    def _orphaned(self) -> bool:
+        """True (once ``on_orphaned`` was called) when a launched replica's coordinator has been
+        silent for ``orphan_after_s``."""
+        silent = time.monotonic() - self._answered
+        if not self.orphan_after_s or silent < self.orphan_after_s or self.on_orphaned is None:
+            return False
+        self.on_orphaned()
+        return True

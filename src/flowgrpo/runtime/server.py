@@ -293,19 +293,55 @@ def call_policy(where: str) -> MethodGuard:
 
 
 async def serve(
-    actor: Actor, config: ServerConfig, services: Sequence[Service] = (), coordinator: str = ""
+    actor: Actor,
+    config: ServerConfig,
+    services: Sequence[Service] = (),
+    *,
+    coordinator: str = "",
+    orphan_after_s: float = 0.0,
+    parent_fd: int | None = None,
 ) -> None:
     """Run ``actor`` until SIGTERM, SIGINT or Drain has drained it: the body of a service main.
     With ``coordinator`` (host:port) the replica registers there once started, sends heartbeats,
-    and leaves when the drain begins.
+    and leaves when the drain begins; with ``orphan_after_s`` it also drains when the coordinator
+    has not answered for that long. ``parent_fd``: a pipe from the process that launched this one;
+    its end-of-file (that process died) drains too.
 
     Signals are handled once the actor has started; one during start-up ends the process.
     """
     server = ServiceServer(actor, config, services)
     await server.start()
     if coordinator:
-        membership = Membership(actor, coordinator)
+        orphaned = functools.partial(_orphaned, server, f"the coordinator at {coordinator} has not answered "
+                                     f"for {orphan_after_s:g} s (orphan_after_s)")  # fmt: skip
+        membership = Membership(actor, coordinator, orphan_after_s=orphan_after_s, on_orphaned=orphaned)
         membership.start()
         server.on_drain.append(functools.partial(membership.leave, "draining"))
+    if parent_fd is not None:
+        _watch_parent(server, parent_fd)
     server.install_signal_handlers()
     await server.wait_stopped()
+
+
+def _watch_parent(server: ServiceServer, fd: int) -> None:
+    loop = asyncio.get_running_loop()
+
+    def readable() -> None:
+        try:
+            data = os.read(fd, 1)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            return  # nothing is ever written; ignore it
+        loop.remove_reader(fd)
+        _orphaned(server, "the coordinator that launched this replica is gone (its pipe closed)")
+
+    os.set_blocking(fd, False)
+    loop.add_reader(fd, readable)
+
+
+def _orphaned(server: ServiceServer, why: str) -> None:
+    log.warning("%s: draining and exiting", why)
+    server.drain()

@@ -1,10 +1,16 @@
 """LoRA adapters in the standard PEFT folder format, as policy updates.
 
-A PEFT adapter folder holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``)
-and ``adapter_model.safetensors`` with keys ``base_model.model.<module>.lora_A.weight`` /
-``.lora_B.weight``, where ``<module>`` is the published BAGEL module name. The trainer saves its
-checkpoints in this format (``peft`` itself can load them) and ``flowgrpo generate --lora``
-reads them; on the bus the same tensors travel without the ``base_model.model.`` prefix.
+A PEFT adapter folder holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``,
+``base_model_name_or_path``) and ``adapter_model.safetensors`` with keys
+``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight``, where ``<module>`` is the
+published BAGEL module name. The trainer saves its checkpoints in this format and
+``flowgrpo generate --lora`` reads them; on the bus the same tensors travel without the
+``base_model.model.`` prefix.
+
+``peft.PeftModel.from_pretrained(BagelModel, folder)`` loads them too: ``target_modules`` lists
+the full name of every adapted module, because peft takes a list entry as a name *suffix*, and
+a bare ``down_proj`` would also wrap the und path's ``mlp.down_proj`` (frozen, with no weights
+in the file: peft then warns of missing adapter keys).
 """
 
 from __future__ import annotations
@@ -46,7 +52,9 @@ def load_peft_adapter(folder: str | Path, version: int = 1) -> PolicyUpdate:
 
 
 def save_peft_adapter(folder: str | Path, update: PolicyUpdate, base_model: str = "") -> Path:
-    """Write ``update`` (kind "lora") as a PEFT adapter folder; each file atomically."""
+    """Write ``update`` (kind "lora") as a PEFT adapter folder; each file atomically.
+    ``base_model``: the BAGEL checkpoint folder the adapter was trained on (peft's
+    ``base_model_name_or_path``)."""
     if update.kind != "lora":
         raise PolicyUpdateError(f"only LoRA updates have a PEFT adapter form, not {update.kind!r}")
     folder = Path(folder)
@@ -55,7 +63,7 @@ def save_peft_adapter(folder: str | Path, update: PolicyUpdate, base_model: str 
         "peft_type": "LORA",
         "r": update.lora_rank,
         "lora_alpha": update.lora_alpha,
-        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules}),
+        "target_modules": modules,  # full names: exactly the adapted modules, nothing else
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,

@@ -15,7 +15,7 @@ CPU; otherwise they agree within float rounding.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -193,20 +193,34 @@ class BagelSampler:
 
     @torch.no_grad()
     def generate(
-        self, requests: Sequence[SampleRequest], params: SamplerParams, *, seed: int, step: int
+        self,
+        requests: Sequence[SampleRequest],
+        params: SamplerParams,
+        *,
+        seed: int,
+        step: int,
+        between_steps: Callable[[], None] | None = None,
     ) -> Trajectories:
-        """Sample every request; row i of the result belongs to request i."""
+        """Sample every request; row i of the result belongs to request i. ``between_steps`` is
+        called before each denoising step: a caller's way to stop a long request there (it
+        raises), since nothing is half-done between two steps."""
         params.validate()
         if not requests:
             raise ValueError("generate() needs at least one request")
+        check = between_steps or _nothing
         if params.deterministic:
             with deterministic_kernels():
-                parts = [self._generate_batch([r], params, seed, step) for r in requests]
+                parts = [self._generate_batch([r], params, seed, step, check) for r in requests]
             return concat_trajectories(parts)
-        return self._generate_batch(list(requests), params, seed, step)
+        return self._generate_batch(list(requests), params, seed, step, check)
 
     def _generate_batch(
-        self, requests: list[SampleRequest], params: SamplerParams, seed: int, step: int
+        self,
+        requests: list[SampleRequest],
+        params: SamplerParams,
+        seed: int,
+        step: int,
+        between_steps: Callable[[], None],
     ) -> Trajectories:
         device = self.model.vae2llm.weight.device
         rows, cols = params.token_grid()
@@ -230,6 +244,7 @@ class BagelSampler:
             [x.new_zeros(len(requests)) for _ in range(size)],
         )
         for i in range(params.num_steps):
+            between_steps()
             sigma, sigma_next = schedule[i].expand(len(requests)), schedule[i + 1].expand(len(requests))
             v = guided_velocity(self.model, context, x, sigma, pos_ids, cfg=params.cfg, special=self.special)
             offset = i - begins  # position of step i inside each sample's window
@@ -309,6 +324,10 @@ def concat_trajectories(parts: list[Trajectories]) -> Trajectories:
         final_latents=torch.cat([p.final_latents for p in parts]),
         images=None if any(i is None for i in images) else torch.cat(images),  # type: ignore[arg-type]
     )
+
+
+def _nothing() -> None:
+    pass
 
 
 @contextlib.contextmanager

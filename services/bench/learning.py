@@ -1,0 +1,172 @@
+"""Does the demo learn, on this machine, for every seed and CPU code path? (``flowgrpo bench learning``)
+
+For each run seed, each ATen CPU capability (``ATEN_CPU_CAPABILITY``: which vectorised kernels
+ATen dispatches to) and each intra-op thread count, the recipe is trained twice with the same
+seeds, so the same prompts and the same noise at every step: once as it is and once as a control
+with ``trainer.optim.lr=0``. Step 1 precedes any update, so the two runs agree there; what they
+differ by afterwards is what was learnt. A single run's first-vs-last comparison cannot tell
+learning from the step-to-step spread of the prompts, the pairing can.
+
+Per row: the trained run's first and last quarter (mean reward), the control's last quarter, the
+paired gain (trained minus control over the last quarter) absolute and relative to the control,
+the control's step-to-step spread (standard deviation of its per-step means) and the gain in
+units of it, the steps after the first quarter at which the trained run is ahead, and a digest of
+the trained run's rewards (equal digests: bitwise the same trajectory).
+
+Every run is its own ``flowgrpo train`` process (the ``inprocess`` launcher: the same numbers
+as local processes), so the capability and thread count apply from its first kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+RECIPE = Path(__file__).resolve().parents[2] / "examples" / "tiny_demo.yaml"
+CLI = [sys.executable, "-m", "flowgrpo.services.cli"]
+
+
+@dataclass(frozen=True)
+class Case:
+    seed: int
+    isa: str  # an ATEN_CPU_CAPABILITY value, "" for this CPU's best
+    threads: int
+    control: bool
+
+    @property
+    def label(self) -> str:
+        run = "control" if self.control else "trained"
+        return f"seed{self.seed}-{self.isa or 'native'}-t{self.threads}-{run}"
+
+
+@dataclass
+class Row:
+    seed: int
+    isa: str
+    threads: int
+    first_quarter: float
+    last_quarter: float
+    control_last_quarter: float
+    gain: float
+    relative_gain: float
+    control_spread: float
+    gain_over_spread: float
+    ahead: str
+    digest: str
+    seconds: float
+
+
+def rewards_of(run_dir: Path) -> list[float]:
+    """The mean reward of each step, the last record of a step winning (as the report does)."""
+    steps: dict[int, float] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "critic/rewards/mean" in record:
+            steps[int(record["step"])] = record["critic/rewards/mean"]
+    return [steps[k] for k in sorted(steps)]
+
+
+def run_case(case: Case, args: argparse.Namespace, folder: Path) -> tuple[list[float], float]:
+    run_dir = folder / case.label
+    env = {**os.environ, "OMP_NUM_THREADS": str(case.threads)}
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    if case.isa:
+        env["ATEN_CPU_CAPABILITY"] = case.isa
+    cmd = [*CLI, "train", args.recipe, f"run_dir={run_dir}", f"schedule.seed={case.seed}",
+           "launch.launcher=inprocess", "schedule.save_every=0", "schedule.eval_every=0",
+           *(["trainer.optim.lr=0"] if case.control else []), *args.overrides]  # fmt: skip
+    start = time.perf_counter()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise SystemExit(f"{case.label} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return rewards_of(run_dir), time.perf_counter() - start
+
+
+def paired_row(case: Case, trained: list[float], seconds: float, control: list[float]) -> Row:
+    if len(trained) != len(control) or trained[0] != control[0]:
+        raise SystemExit(f"seed {case.seed}: the runs are not paired (step 1 must precede any update)")
+    quarter = max(len(trained) // 4, 2)
+    paired = [t - c for t, c in zip(trained, control, strict=True)]
+    later = paired[len(paired) // 4 :]
+    gain = statistics.fmean(paired[-quarter:])
+    control_last = statistics.fmean(control[-quarter:])
+    spread = statistics.stdev(control)
+    return Row(
+        seed=case.seed,
+        isa=case.isa or "native",
+        threads=case.threads,
+        first_quarter=statistics.fmean(trained[:quarter]),
+        last_quarter=statistics.fmean(trained[-quarter:]),
+        control_last_quarter=control_last,
+        gain=gain,
+        relative_gain=gain / abs(control_last),
+        control_spread=spread,
+        gain_over_spread=gain / spread,
+        ahead=f"{sum(d > 0 for d in later)}/{len(later)}",
+        digest=hashlib.sha256(json.dumps(trained).encode()).hexdigest()[:10],
+        seconds=seconds,
+    )
+
+
+COLUMNS = (  # header, width, format of each Row field
+    ("seed", 4, "d"), ("isa", 7, "s"), ("threads", 7, "d"), ("first_quarter", 13, ".6f"),
+    ("last_quarter", 12, ".6f"), ("control_last_quarter", 20, ".6f"), ("gain", 9, "+.2e"),
+    ("relative_gain", 13, ".1%"), ("control_spread", 14, ".1e"), ("gain_over_spread", 16, ".1f"),
+    ("ahead", 6, "s"), ("digest", 10, "s"), ("seconds", 7, ".0f"),
+)  # fmt: skip
+
+
+def print_table(rows: list[Row]) -> None:
+    print(" ".join(f"{name:>{width}}" for name, width, _ in COLUMNS))
+    for row in rows:
+        print(" ".join(f"{format(getattr(row, name), fmt):>{width}}" for name, width, fmt in COLUMNS))
+    weakest = min(rows, key=lambda r: min(r.relative_gain / 0.1, r.gain_over_spread / 10))
+    w = weakest
+    print(f"weakest pair: seed {w.seed}, {w.isa}, {w.threads} thread(s): "
+          f"{w.relative_gain:.1%} above its control, {w.gain_over_spread:.1f}x its spread")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flowgrpo bench learning", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", default=str(RECIPE))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="schedule.seed values")
+    parser.add_argument("--isa", nargs="+", default=[""], metavar="CAPABILITY",
+                        help="ATEN_CPU_CAPABILITY values: default, avx2, avx512 ('' = the best)")  # fmt: skip
+    parser.add_argument("--threads", type=int, nargs="+", default=[2], help="OMP_NUM_THREADS values")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="runs at once (each deterministic run computes on 1 thread)"
+    )
+    parser.add_argument("--json", help="also write every row and every step's rewards here")
+    parser.add_argument("--keep", metavar="DIR", help="keep the run folders under DIR (default: removed)")
+    parser.add_argument("overrides", nargs="*", help="KEY=VALUE overrides of both runs of every pair")
+    args = parser.parse_args(argv)
+    cases = [
+        Case(s, i, t, c)
+        for s, i, t, c in itertools.product(args.seeds, args.isa, args.threads, (False, True))
+    ]
+    with tempfile.TemporaryDirectory(prefix="bench-learning-") as tmp:
+        folder = Path(args.keep) if args.keep else Path(tmp)
+        with ThreadPoolExecutor(args.jobs) as pool:
+            results = dict(zip(cases, pool.map(lambda c: run_case(c, args, folder), cases), strict=True))
+    rows = [paired_row(case, *results[case], results[replace(case, control=True)][0]) for case in cases[::2]]
+    print_table(rows)
+    if args.json:
+        steps = {case.label: results[case][0] for case in cases}
+        report = {"rows": [asdict(r) for r in rows], "rewards": steps}
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
