@@ -27,7 +27,13 @@ PATHS = {  # name -> overrides; the first is the reference
     "async eta=0": ["launch.launcher=inprocess", "schedule.mode=async", "schedule.staleness=0"],
     "async eta=1": ["launch.launcher=inprocess", "schedule.mode=async", "schedule.staleness=1"],
 }
-KEYS = ("critic/rewards/mean", "actor/loss", "actor/grad_norm", "actor/ratio_mean", "critic/advantages/max")
+KEYS = (
+    "critic/rewards/mean",
+    "actor/pg_loss",
+    "actor/grad_norm",
+    "actor/ratio_mean",
+    "critic/advantages/max",
+)
 
 
 def run_paths(steps: int, folder: Path, model: str = "") -> dict[str, Path]:

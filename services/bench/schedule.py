@@ -34,9 +34,11 @@ def overlap_fraction(history: list[dict[str, float]]) -> float:
     """Sum over k of |draw(k+1) intersect train(k)| / sum over k of |train(k)|."""
     shared = busy = 0.0
     for done, nxt in itertools.pairwise(history):
-        start, end = done["time/trained_from"], done["time/trained_until"]
+        start, end = done["timestamp_s/trained_from"], done["timestamp_s/trained_until"]
         busy += end - start
-        shared += max(0.0, min(end, nxt["time/drawn_until"]) - max(start, nxt["time/drawn_from"]))
+        shared += max(
+            0.0, min(end, nxt["timestamp_s/drawn_until"]) - max(start, nxt["timestamp_s/drawn_from"])
+        )
     return shared / busy if busy else 0.0
 
 

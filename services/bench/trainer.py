@@ -380,7 +380,7 @@ def measure_variant(  # noqa: PLR0917
         / update_s
         / peak,
         "peak_gib": max(r.get("peak_gib", math.nan) for r in runs),
-        "loss": med.get("actor/loss", math.nan),
+        "loss": med.get("actor/pg_loss", math.nan),
         "grad_norm": med.get("actor/grad_norm", math.nan),
         "step_s_all": [r["wall_s"] for r in runs],
     }

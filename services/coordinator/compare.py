@@ -1,8 +1,8 @@
 """``flowgrpo compare RUN_A RUN_B [...]``: did a change of launcher, replica count or schedule keep
 training the same? Per metric, over the steps all runs have: the largest absolute and relative
 difference from the first run, and the first step where they part (beyond ``atol`` / ``rtol``;
-0 / 0 asks for bitwise equality). Wall-clock keys (``time/``, ``timing``, ``perf/``) differ by
-nature and are left out unless asked for."""
+0 / 0 asks for bitwise equality). Wall-clock keys (``timestamp_s/``, ``timing_s/``, ``perf/``)
+differ by nature and are left out unless asked for."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from flowgrpo.services.coordinator.outputs import read_metrics
 
-CLOCK_PREFIXES = ("time/", "timing_s/", "timing/", "perf/")
+CLOCK_PREFIXES = ("timestamp_s/", "timing_s/", "perf/")
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ def plot_comparison(result: Comparison, path: str | Path, keys: tuple[str, ...] 
     from matplotlib import pyplot as plt
 
     keys = keys or tuple(
-        k for k in ("critic/rewards/mean", "actor/loss", "actor/grad_norm") if k in result.keys
+        k for k in ("critic/rewards/mean", "actor/pg_loss", "actor/grad_norm") if k in result.keys
     )
     runs = [{int(r["step"]): r for r in read_metrics(run)} for run in result.runs]
     fig, axes = plt.subplots(2, len(keys), figsize=(4.5 * len(keys), 6), dpi=100, squeeze=False)

@@ -10,6 +10,7 @@ config is written to ``<run_dir>/config.yaml``. Torch-free: the coordinator impo
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
@@ -291,14 +292,34 @@ class RunConfig:
             )
 
 
+def _relative_to_recipe(cfg: RunConfig, folder: Path, overrides: Sequence[str]) -> RunConfig:
+    for key in RECIPE_RELATIVE:
+        if any(o.split("=", 1)[0].strip() == key for o in overrides):
+            continue  # typed on the command line: relative to where it was typed
+        section, field_name = key.split(".")
+        part = getattr(cfg, section)
+        value = getattr(part, field_name)
+        if value and not Path(value).is_absolute():
+            cfg = replace(cfg, **{section: replace(part, **{field_name: str(folder / value)})})
+    return cfg
+
+
 def _names_a_gen_linear(target: str) -> bool:
     """Whether a LoRA target (a module-name suffix, as peft matches them) names a gen-path linear."""
     return any(name == target or name.endswith("." + target) for name in GEN_PATH_LINEARS)
 
 
+# Paths a recipe may give relative to itself (so `flowgrpo train /abs/path/recipe.yaml` works from
+# any folder); the same keys given on the command line are relative to the working directory.
+RECIPE_RELATIVE = ("data.prompts", "data.dataset", "model.checkpoint")
+
+
 def load_run_config(recipe: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """A recipe plus ``section.key=value`` overrides, validated (``ConfigError`` names the key)."""
+    """A recipe plus ``section.key=value`` overrides, validated (``ConfigError`` names the key).
+    The recipe's own relative paths (:data:`RECIPE_RELATIVE`) are resolved against its folder."""
     cfg = load_config(RunConfig, recipe, overrides)
+    if recipe is not None:
+        cfg = _relative_to_recipe(cfg, Path(recipe).resolve().parent, overrides)
     if not cfg.run_dir:
         cfg = replace(cfg, run_dir=str(Path("runs") / cfg.name))
     return cfg

@@ -195,7 +195,7 @@ class WandbSink:
         )  # fmt: skip
 
     def log(self, kind: str, step: int, metrics: dict[str, float]) -> None:
-        values = {k: v for k, v in metrics.items() if math.isfinite(v) and not k.startswith("time/")}
+        values = {k: v for k, v in metrics.items() if math.isfinite(v) and not k.startswith("timestamp_s/")}
         self.run.log(values, step=step)
 
     def image(self, tag: str, step: int, grid: npt.NDArray[np.uint8]) -> None:

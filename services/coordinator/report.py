@@ -126,7 +126,7 @@ def _plots(train: list[dict[str, Any]], val: list[dict[str, Any]], run_dir: Path
         ax.set_ylabel("reward")
 
     def loss(ax: Any) -> None:
-        ax.plot(steps, series("actor/loss"), label="loss")
+        ax.plot(steps, series("actor/pg_loss"), label="loss")
         ax.set_ylabel("loss")
         twin = ax.twinx()
         twin.plot(steps, series("actor/pg_clipfrac"), color="C1", label="clip fraction")

@@ -212,7 +212,7 @@ class Coordinator:
         testing = time.perf_counter() - started
         self._testing_s += testing
         share = self._testing_s / max(time.perf_counter() - self._started, 1e-9)
-        metrics: dict[str, float] = {"timing_s/testing": testing, "timing/testing_share": share}
+        metrics: dict[str, float] = {"timing_s/testing": testing, "perf/testing_share": share}
         if share > VALIDATION_SHARE and self.state.step > 0:  # at step 0 validation is all the run did
             log.warning(
                 "validation has taken %.0f%% of the run's time so far; raise schedule.eval_every, or lower "
@@ -234,9 +234,9 @@ class Coordinator:
         started = time.perf_counter()
         first = (step - 1) * self.config.data.prompts_per_step
         groups = [self._group(self.order[first + i]) for i in range(self.config.data.prompts_per_step)]
-        timing: dict[str, float] = {"time/drawn_from": started}
+        timing: dict[str, float] = {"timestamp_s/drawn_from": started}
         groups = await self._rollout_and_score(step, groups, timing)
-        timing["time/drawn_until"] = time.perf_counter()
+        timing["timestamp_s/drawn_until"] = time.perf_counter()
         return groups, timing
 
     async def _train_on(self, step: int, groups: list[Group], timing: dict[str, float]) -> dict[str, float]:
@@ -253,7 +253,7 @@ class Coordinator:
         await self.pool.load_weights(response.update)
         timing["timing_s/load_weights"] = time.perf_counter() - trained
         timing["timing_s/train"] = trained - started
-        timing["time/trained_from"], timing["time/trained_until"] = started, trained
+        timing["timestamp_s/trained_from"], timing["timestamp_s/trained_until"] = started, trained
         await self._log_images("train", step, groups)
         await self.pool.release(f"step{step}")
         self.state.step, self.state.cursor = step, step * self.config.data.prompts_per_step
@@ -309,13 +309,20 @@ class Coordinator:
         begin = time.perf_counter()
         per_request = self.config.rollout.max_request_samples // self.config.data.group_size
         chunks = _requests(groups, len(self.pool.healthy_rollouts()), per_request)
-        done = await asyncio.gather(*(self._generate_and_score(step, chunk) for chunk in chunks))
+        phases: dict[str, list[tuple[float, float]]] = {"gen": [], "reward": []}
+        done = await asyncio.gather(*(self._generate_and_score(step, chunk, phases) for chunk in chunks))
         timing["timing_s/gen_and_reward"] = time.perf_counter() - begin
+        for phase, spans in phases.items():  # from the first start to the last end (they overlap)
+            timing[f"timing_s/{phase}"] = (
+                max(e for _, e in spans) - min(s for s, _ in spans) if spans else 0.0
+            )
         kept = [g for chunk in done for g in chunk]
         self.counters["dropped_groups"] += len(groups) - len(kept)
         return kept
 
-    async def _generate_and_score(self, step: int, chunk: list[Group]) -> list[Group]:
+    async def _generate_and_score(
+        self, step: int, chunk: list[Group], phases: dict[str, list[tuple[float, float]]]
+    ) -> list[Group]:
         request = rollout_pb2.GenerateRequest(
             step=step,
             seed=self.config.schedule.seed,
@@ -331,7 +338,9 @@ class Coordinator:
             min_policy_version=self.state.policy_version,
             release_tag=f"step{step}",
         )
+        started = time.perf_counter()
         response = await self.pool.call_rollout("Generate", request)
+        phases["gen"].append((started, time.perf_counter()))
         by_uid = {g.row.prompt_uid: g for g in chunk}
         for sample in response.samples:
             by_uid[sample.prompt_uid].samples.append(sample)
@@ -340,7 +349,9 @@ class Coordinator:
             log.warning("group %s: a sample failed in rollout (%s); dropped", group.row.prompt_uid,
                         next(s.error.message for s in group.samples if s.HasField("error")))  # fmt: skip
         ok = [g for g in chunk if g not in failed]
+        started = time.perf_counter()
         await self._score(ok)
+        phases["reward"].append((started, time.perf_counter()))
         return [g for g in ok if len(g.rewards) == len(g.samples) == self.config.data.group_size]
 
     async def _score(self, groups: list[Group]) -> None:
@@ -448,6 +459,11 @@ class Coordinator:
         rewards = np.array([r for g in groups for r in g.rewards])
         metrics = dict(response.metrics.values)
         metrics |= {
+            # verl's score is the reward function's value, its rewards that minus an in-reward KL
+            # penalty; FlowGRPO puts KL in the loss (actor/kl_loss), so the two are equal here
+            "critic/score/mean": float(rewards.mean()),
+            "critic/score/max": float(rewards.max()),
+            "critic/score/min": float(rewards.min()),
             "critic/rewards/mean": float(rewards.mean()),
             "critic/rewards/max": float(rewards.max()),
             "critic/rewards/min": float(rewards.min()),
@@ -456,15 +472,17 @@ class Coordinator:
             "coordinator/retries": float(self.pool.retries),
             "coordinator/rejoins": float(self.pool.rejoins),
             "coordinator/stale_groups": float(self.counters["stale_groups"]),
-            "policy_version": float(response.update.policy_version),
+            "training/global_step": float(self.state.step),
+            "training/policy_version": float(response.update.policy_version),
             "timing_s/step": wall,
-            "perf/images_per_s": len(rewards) / wall,
+            "perf/time_per_step": wall,
+            "perf/throughput": len(rewards) / wall,  # images per second (verl: tokens per second)
             **timing,
         }
         names = {n for g in groups for s in g.scores for n in s}
         for name in sorted(names):
             values = [s[name] for g in groups for s in g.scores if name in s]
-            metrics[f"critic/{name}/mean"] = float(np.mean(values))
+            metrics[f"critic/score/{name}/mean"] = float(np.mean(values))  # each scorer, unweighted
         return metrics
 
 
@@ -500,10 +518,11 @@ def _split(groups: list[Group], parts: int) -> list[list[Group]]:
 
 
 def _progress_line(step: int, steps: int, m: dict[str, float]) -> str:
+    loss, clipfrac = m.get("actor/pg_loss", math.nan), m.get("actor/pg_clipfrac", math.nan)
+    version, lag = int(m["training/policy_version"]), m.get("trainer/lag/max", 0)
     return (
-        f"step {step}/{steps}  reward {m['critic/rewards/mean']:+.6f}  "
-        f"loss {m.get('actor/loss', math.nan):+.5f}  clipfrac {m.get('actor/pg_clipfrac', math.nan):.2f}  "
-        f"lag {m.get('trainer/lag/max', 0):.0f}  v{int(m['policy_version'])}  {m['timing_s/step']:.1f} s"
+        f"step {step}/{steps}  reward {m['critic/rewards/mean']:+.6f}  loss {loss:+.5f}  "
+        f"clipfrac {clipfrac:.2f}  lag {lag:.0f}  v{version}  {m['timing_s/step']:.1f} s"
     )
 
 
@@ -511,10 +530,10 @@ def _postfix(m: dict[str, float]) -> dict[str, str]:
     """The progress bar's key metrics."""
     return {
         "reward": f"{m['critic/rewards/mean']:+.6f}",
-        "loss": f"{m.get('actor/loss', math.nan):+.5f}",
+        "loss": f"{m.get('actor/pg_loss', math.nan):+.5f}",
         "clipfrac": f"{m.get('actor/pg_clipfrac', math.nan):.2f}",
         "lag": f"{m.get('trainer/lag/max', 0):.0f}",
-        "v": f"{int(m['policy_version'])}",
+        "v": f"{int(m['training/policy_version'])}",
     }
 
 

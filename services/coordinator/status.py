@@ -17,7 +17,7 @@ from flowgrpo.runtime import open_channel
 from flowgrpo.services.coordinator.outputs import read_metrics
 from flowgrpo.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-KEYS = ("critic/rewards/mean", "actor/loss", "actor/pg_clipfrac", "trainer/lag/max", "timing_s/step",
+KEYS = ("critic/rewards/mean", "actor/pg_loss", "actor/pg_clipfrac", "trainer/lag/max", "timing_s/step",
         "coordinator/dropped_groups", "coordinator/retries")  # fmt: skip
 
 

@@ -19,6 +19,7 @@ from torch import Tensor
 @dataclass(frozen=True)
 class LossTerms:
     loss_sum: Tensor  # sum over valid entries of w * surrogate (+ beta * KL), differentiable
+    pg_loss_sum: Tensor  # the same without the KL term (verl's actor/pg_loss), detached
     count: Tensor  # valid entries
     clipped: Tensor  # valid entries where the clipped branch is the active one
     ratio_sum: Tensor
@@ -70,12 +71,14 @@ def flow_grpo_terms(
     per_entry, clipped = clipped_surrogate(logp, logp_old.detach(), advantages, clip_eps)
     if weights is not None:
         per_entry = per_entry * weights.detach()
+    valid = mask.to(per_entry.dtype)
+    pg_loss_sum = (per_entry.detach() * valid).sum()
     if kl is not None and kl_beta > 0:
         per_entry = per_entry + kl_beta * kl
-    valid = mask.to(per_entry.dtype)
     ratio = torch.exp(logp.detach() - logp_old.detach())
     return LossTerms(
         loss_sum=(per_entry * valid).sum(),
+        pg_loss_sum=pg_loss_sum,
         count=valid.sum(),
         clipped=(clipped.to(valid.dtype) * valid).sum(),
         ratio_sum=(ratio * valid).sum(),

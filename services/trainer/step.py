@@ -193,7 +193,13 @@ class FlowGRPOStep:
             for key, value in self._optimizer_step(batch, mini, params, logp_old, weights).items():
                 totals[key] = totals.get(key, 0.0) + value
         n = math.ceil(len(rows) / size)
-        for key in ("actor/loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/ratio_mean", "actor/ppo_kl"):
+        for key in (
+            "actor/pg_loss",
+            "actor/grad_norm",
+            "actor/pg_clipfrac",
+            "actor/ratio_mean",
+            "actor/ppo_kl",
+        ):
             metrics[key] = totals[key] / n
         metrics["actor/skipped_steps"] = totals["actor/skipped_steps"]
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
@@ -242,7 +248,7 @@ class FlowGRPOStep:
             # FSDP averages gradients over ranks: scale by world to get the mini-batch mean
             torch.autograd.backward(terms.loss_sum * (self.dist.world / total))
             kl_sum = kl.detach().sum() if kl is not None else torch.zeros(())
-            parts = [terms.loss_sum.detach(), terms.clipped, terms.ratio_sum, terms.approx_kl_sum, kl_sum]
+            parts = [terms.pg_loss_sum, terms.clipped, terms.ratio_sum, terms.approx_kl_sum, kl_sum]
             sums += torch.stack([p.double().cpu() for p in parts])
         sums = self.dist.sum(sums) / total
         self._may_stop()
@@ -250,7 +256,7 @@ class FlowGRPOStep:
         grad_norm, skipped = self._apply_gradients()
         loss, clipped, ratio, ppo_kl, kl_loss = sums.tolist()
         return {
-            "actor/loss": loss,
+            "actor/pg_loss": loss,
             "actor/grad_norm": grad_norm,
             "actor/pg_clipfrac": clipped,
             "actor/ratio_mean": ratio,

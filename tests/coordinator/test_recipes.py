@@ -389,3 +389,17 @@ def test_the_gpu_benchmark_recipe_loads() -> None:
     assert cfg.launch.rollout_devices == ["cuda:0"] and cfg.trainer.device == "cuda:1"
     assert cfg.trainer.policy.kind == "lora" and cfg.samples_per_step == 16
     assert [s.name for s in cfg.reward.scorers] == ["jpeg_compressibility"]
+
+
+def test_a_recipes_paths_are_relative_to_it_and_the_command_lines_to_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`flowgrpo train /abs/path/recipe.yaml` from any folder finds the recipe's data."""
+    monkeypatch.chdir(tmp_path)
+    cfg = load_run_config(ROOT / "examples" / "tiny_demo.yaml")
+    assert cfg.data.prompts == str(ROOT / "examples" / "data" / "tiny")
+    assert (Path(cfg.data.prompts) / "train.txt").is_file()
+    typed = load_run_config(
+        ROOT / "examples" / "tiny_demo.yaml", ["data.prompts=mine", "model.checkpoint=/ckpt"]
+    )
+    assert typed.data.prompts == "mine" and typed.model.checkpoint == "/ckpt"

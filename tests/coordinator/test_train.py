@@ -45,7 +45,8 @@ RECIPE = ROOT / "examples" / "tiny_demo.yaml"
 STEPS = 4
 SAMPLES = load_run_config(RECIPE).samples_per_step
 SHORT = [f"schedule.steps={STEPS}", "schedule.save_every=2", "schedule.eval_every=2"]
-EXACT = ("critic/rewards/mean", "actor/loss", "actor/grad_norm", "actor/ratio_mean", "critic/advantages/max")
+EXACT = ("critic/rewards/mean", "actor/pg_loss", "actor/grad_norm", "actor/ratio_mean",
+         "critic/advantages/max")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +137,7 @@ def test_a_run_writes_its_outputs(reference_dir: Path, reference: list[dict[str,
     for record in reference:
         assert record["trainer/samples"] == SAMPLES
         assert record["actor/rollout_logp_gap/max"] == 0.0  # sync, deterministic: the same function
-        assert record["policy_version"] == record["step"]
+        assert record["training/policy_version"] == record["step"] == record["training/global_step"]
         assert record["coordinator/dropped_groups"] == 0
 
 
@@ -177,18 +178,18 @@ def test_compare_reports_identical_runs_and_finds_an_injected_difference(
     for line in lines:
         record = json.loads(line)
         if record["kind"] == "train" and record["step"] == 3:
-            record["actor/loss"] *= 1 + 1e-6  # a change far below what a plot would show
+            record["actor/pg_loss"] *= 1 + 1e-6  # a change far below what a plot would show
         edited.append(json.dumps(record))
     (changed / "metrics.jsonl").write_text("\n".join(edited) + "\n")
     result = compare_runs([reference_dir, changed])
     assert not result.identical
     parting = result.first_parting()
-    assert parting is not None and (parting.first_step, parting.key) == (3, "actor/loss")
-    assert [d.key for d in result.diffs if d.first_step is not None] == ["actor/loss"]
+    assert parting is not None and (parting.first_step, parting.key) == (3, "actor/pg_loss")
+    assert [d.key for d in result.diffs if d.first_step is not None] == ["actor/pg_loss"]
     assert compare_runs([reference_dir, changed], rtol=1e-5).identical  # within a tolerance
     plot = ["--fail-on-difference", "--plot", str(tmp_path / "c.png")]
     shown = subprocess.run([*cmd[:-1], str(changed), *plot], capture_output=True, text=True, cwd=ROOT)
-    assert shown.returncode == 1 and "they part at step 3 (actor/loss" in shown.stdout
+    assert shown.returncode == 1 and "they part at step 3 (actor/pg_loss" in shown.stdout
     assert Image.open(tmp_path / "c.png").format == "PNG"
 
 
@@ -293,7 +294,7 @@ def test_async_with_eta_1_trains_at_lag_1_while_the_next_batch_is_drawn(tiny: Pa
     assert all(r["coordinator/stale_groups"] == 0 for r in metrics)
     assert all(0 < r["actor/is_ess"] <= 1 for r in metrics[1:])  # off-policy: importance weights
     for done, nxt in itertools.pairwise(metrics):  # step k+1 drawn while step k trains
-        assert nxt["time/drawn_from"] < done["time/trained_until"]
+        assert nxt["timestamp_s/drawn_from"] < done["timestamp_s/trained_until"]
 
 
 def mean_rewards(run_dir: Path, tiny: Path, *overrides: str) -> tuple[list[float], str]:

@@ -34,7 +34,7 @@ def test_two_fsdp_processes_give_the_update_of_one(tmp_path: Path, kind: str) ->
         torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6, msg=name)
     assert m1["actor/kl_loss"] > 0
     for key in (
-        "actor/loss",
+        "actor/pg_loss",
         "actor/ratio_mean",
         "actor/pg_clipfrac",
         "actor/rollout_logp_gap/max",
