@@ -28,7 +28,7 @@ examples:
   flowgrpo trace runs/tiny-demo --step 3   one step as a waterfall across the four services
   flowgrpo serve rollout --recipe RECIPE coordinator=HOST:50050   a replica that joins a running run
   flowgrpo probe HOST:50051       the gRPC health of a service (exit 0 when SERVING)
-  flowgrpo bench bus              data-bus throughput (ipc, tcp, shared memory) vs memcpy
+  flowgrpo bench bus              data-bus throughput (ipc, tcp, shared memory; plain and CURVE) vs memcpy
   flowgrpo bench bus --json b.json --sizes-mib 1 64
   flowgrpo bench reward           images/s of every reward scorer (JPEG, OCR, PickScore, plug-ins)
   flowgrpo bench trainer          FlowGRPO LoRA / full gen-path training MFU (bench/trainer_gpu.sh)
@@ -83,7 +83,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.print_config:
         _print_config(config)
         return 0
-    main_module.run(config)
+    from flowgrpo.runtime.security import InsecureBindError
+
+    try:
+        main_module.run(config)
+    except InsecureBindError as error:
+        print(f"flowgrpo serve {args.role}: {error}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -91,9 +97,9 @@ def _print_config(config: Any) -> None:
     """The resolved config as YAML: every key with its value (it loads back as a file)."""
     import yaml
 
-    from flowgrpo.config import to_dict
+    from flowgrpo.config import redacted, to_dict
 
-    print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+    print(yaml.safe_dump(to_dict(redacted(config)), sort_keys=False), end="")  # secrets emptied
 
 
 def _recipe_role_config(recipe: str, role: str) -> Any:
@@ -109,6 +115,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     from flowgrpo.config import ConfigError
     from flowgrpo.data import DatasetError
+    from flowgrpo.runtime.security import InsecureBindError
     from flowgrpo.services.coordinator.config import load_run_config
     from flowgrpo.services.coordinator.lifecycle import RunFolderBusy, RunInterrupted
     from flowgrpo.services.coordinator.pool import RunError
@@ -134,6 +141,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except (RunError, RunFolderBusy, DatasetError, TimeoutError) as error:
         print(f"flowgrpo train: {error}", file=sys.stderr)
         return 1
+    except InsecureBindError as error:
+        print(f"flowgrpo train: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

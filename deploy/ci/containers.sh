@@ -116,17 +116,16 @@ SERVICE_PID=$!
 for _ in $(seq 100); do [[ -S $WORK/podman.sock ]] && break; sleep 0.1; done
 export DOCKER_HOST=unix://$WORK/podman.sock
 mkdir -p "$WORK/runs"
-token=$("$PY" -c 'import secrets; print(secrets.token_hex(16))')
 (
-    umask 077
+    umask 077  # the run's secrets: readable by this user only
     cat >"$WORK/.env" <<EOF
 COMPOSE_PROJECT_NAME=$PROJECT
 CPU_IMAGE=$CPU_IMAGE
 COORDINATOR_IMAGE=$COORDINATOR_IMAGE
 RUNS_DIR=$WORK/runs
 STEPS=$STEPS
-FLOWGRPO_TOKEN=$token
 EOF
+    "$PY" "$ROOT/deploy/compose/generate.py" --secrets >>"$WORK/.env"
 )
 COMPOSE_ARGS=(--env-file "$WORK/.env" -f "$ROOT/deploy/compose/docker-compose.cpu.yml")
 start=$SECONDS

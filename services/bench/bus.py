@@ -10,9 +10,15 @@ Rows:
 - ``shm-view``: same host, in place: the fetch maps the segment copy-on-write (a private,
   writable array without a copy) and every page is touched once.
 
+- ``ipc+curve``, ``tcp+curve``: the same transfers from a producer with a bus secret: CURVE
+  handshake once, then every frame encrypted and authenticated (XSalsa20-Poly1305).
+
 Small messages: PING and a 1-key 64-byte FETCH round trip, p50/p99 in microseconds, beside
 the round trip of a bare pyzmq DEALER/ROUTER echo in the producer process: the floor that
-thread wake-ups put under any ZMQ message on this machine.
+thread wake-ups put under any ZMQ message on this machine; with and without CURVE.
+
+The cost of authentication is printed as the ratio of each ``+curve`` row to its plain row.
+The secret is made for the run and reaches the producers through their environment.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import argparse
 import functools
 import json
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -36,6 +43,7 @@ import numpy.typing as npt
 import zmq
 
 from flowgrpo.bus import BusClient, BusConfig, TensorRef, serve_store
+from flowgrpo.bus.config import SECRET_ENV, SECRET_FILE_ENV
 
 MiB = 1 << 20
 GOALS = {"shm": 0.5, "tcp": 0.2}  # ratio to memcpy at 64 MiB on the reference 2-core machine
@@ -63,9 +71,18 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.producer:
         return _produce(args.producer, args.sizes_mib)
-    with _Producer("ipc", args.sizes_mib) as ipc, _Producer("tcp", args.sizes_mib) as tcp:
-        rows = _throughput(ipc, tcp, args.sizes_mib, args.repeats)
-        latencies = _latencies({"ipc": ipc, "tcp": tcp}, args.latency_n)
+    for name in (SECRET_ENV, SECRET_FILE_ENV):  # each producer and client gets its own
+        os.environ.pop(name, None)
+    secret = secrets.token_urlsafe(32)
+    with (
+        _Producer("ipc", args.sizes_mib) as ipc,
+        _Producer("tcp", args.sizes_mib) as tcp,
+        _Producer("ipc", args.sizes_mib, secret) as ipc_curve,
+        _Producer("tcp", args.sizes_mib, secret) as tcp_curve,
+    ):
+        producers = {"ipc": ipc, "tcp": tcp, "ipc+curve": ipc_curve, "tcp+curve": tcp_curve}
+        rows = _throughput(producers, secret, args.sizes_mib, args.repeats)
+        latencies = _latencies(producers, secret, args.latency_n)
     _print(rows, latencies)
     if args.json:
         Path(args.json).write_text(json.dumps(_report(rows, latencies), indent=2) + "\n")
@@ -89,6 +106,7 @@ def _produce(transport: str, sizes_mib: Sequence[int]) -> int:
     """Serve one tensor per size plus a 64-byte one and a bare pyzmq echo socket (the latency
     floor of this machine); print their addresses; serve until stdin closes."""
     rng = np.random.default_rng(0)
+    # A secret in the environment (set by _Producer) makes this store CURVE-only.
     with serve_store(BusConfig(transport="ipc" if transport == "ipc" else "tcp")) as server:
         refs = {
             str(mib): server.store.put(f"t{mib}", "weights", rng.random(mib * MiB // 4, np.float32))
@@ -98,8 +116,8 @@ def _produce(transport: str, sizes_mib: Sequence[int]) -> int:
         echo = _start_echo(server.endpoint.replace(".sock", ".echo.sock") if transport == "ipc" else None)
         print(json.dumps({"refs": {k: r.to_dict() for k, r in refs.items()}, "echo": echo}), flush=True)
         sys.stdin.read()
-    if echo.startswith("ipc://"):  # the echo socket is never closed (its thread blocks in recv)
-        Path(echo.removeprefix("ipc://")).unlink(missing_ok=True)
+        if echo.startswith("ipc://"):  # the echo socket is never closed (its thread blocks in recv)
+            Path(echo.removeprefix("ipc://")).unlink(missing_ok=True)  # before the store's folder goes
     return 0
 
 
@@ -116,12 +134,14 @@ def _start_echo(ipc_endpoint: str | None) -> str:
 
 
 class _Producer:
-    """A producer child process and the refs it printed; ended by closing its stdin."""
+    """A producer child process and the refs it printed; ended by closing its stdin. With a
+    ``secret`` (passed in its environment, never on its command line) it serves CURVE only."""
 
-    def __init__(self, transport: str, sizes_mib: Sequence[int]) -> None:
+    def __init__(self, transport: str, sizes_mib: Sequence[int], secret: str | None = None) -> None:
         cmd = [sys.executable, "-m", "flowgrpo.services.bench.bus", "--producer", transport, "--sizes-mib"]
+        env = dict(os.environ, **({SECRET_ENV: secret} if secret else {}))
         self.proc = subprocess.Popen(
-            [*cmd, *map(str, sizes_mib)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            [*cmd, *map(str, sizes_mib)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
@@ -163,33 +183,47 @@ def _memcpy_s(nbytes: int, repeats: int) -> float:
     return _median_s(lambda: np.copyto(dst, src), repeats)
 
 
-def _throughput(ipc: _Producer, tcp: _Producer, sizes_mib: Sequence[int], repeats: int) -> list[Row]:
-    socket_only = BusClient(BusConfig(shm=False))
-    same_host = BusClient(BusConfig(shm=True))
+def _throughput(
+    producers: dict[str, _Producer], secret: str, sizes_mib: Sequence[int], repeats: int
+) -> list[Row]:
+    clients = _Clients(secret)
     rows = []
     for mib in sizes_mib:
         nbytes = mib * MiB
         reps = repeats if mib < 256 else max(3, repeats // 2)
         base = _memcpy_s(nbytes, reps)
         rows.append(Row(mib, "memcpy", nbytes / base / 1e9, 1.0))
-        for path, fn in _paths(str(mib), ipc, tcp, socket_only, same_host).items():
+        for path, fn in _paths(str(mib), producers, clients).items():
             seconds = _median_s(fn, reps)
             rows.append(Row(mib, path, nbytes / seconds / 1e9, base / seconds))
-    socket_only.close()
-    same_host.close()
+    clients.close()
     return rows
 
 
-def _paths(
-    key: str, ipc: _Producer, tcp: _Producer, socket_only: BusClient, same_host: BusClient
-) -> dict[str, Callable[[], object]]:
+class _Clients:
+    """The clients the rows use: sockets only, same host (shared memory), sockets with CURVE."""
+
+    def __init__(self, secret: str) -> None:
+        self.socket_only = BusClient(BusConfig(shm=False))
+        self.same_host = BusClient(BusConfig(shm=True))
+        self.curve = BusClient(BusConfig(shm=False, secret=secret))
+
+    def close(self) -> None:
+        for client in (self.socket_only, self.same_host, self.curve):
+            client.close()
+
+
+def _paths(key: str, producers: dict[str, _Producer], clients: _Clients) -> dict[str, Callable[[], object]]:
     """What each row times: one fetch of tensor ``key``, made usable the way the row says."""
-    dst = np.empty(ipc.refs[key].nbytes // 4, np.float32)
+    refs = {name: producer.refs[key] for name, producer in producers.items()}
+    dst = np.empty(refs["ipc"].nbytes // 4, np.float32)
     return {
-        "ipc": lambda: socket_only.fetch([ipc.refs[key]]),
-        "tcp": lambda: socket_only.fetch([tcp.refs[key]]),
-        "shm": lambda: np.copyto(dst, _fetch_shm(same_host, ipc.refs[key])),
-        "shm-view": lambda: _touch(_fetch_shm(same_host, ipc.refs[key])),
+        "ipc": lambda: clients.socket_only.fetch([refs["ipc"]]),
+        "tcp": lambda: clients.socket_only.fetch([refs["tcp"]]),
+        "shm": lambda: np.copyto(dst, _fetch_shm(clients.same_host, refs["ipc"])),
+        "shm-view": lambda: _touch(_fetch_shm(clients.same_host, refs["ipc"])),
+        "ipc+curve": lambda: clients.curve.fetch([refs["ipc+curve"]]),
+        "tcp+curve": lambda: clients.curve.fetch([refs["tcp+curve"]]),
     }
 
 
@@ -206,28 +240,28 @@ def _touch(array: npt.NDArray[Any]) -> int:
     return int(array.reshape(-1).view(np.uint8)[::_PAGE].sum())
 
 
-def _latencies(producers: dict[str, _Producer], n: int) -> list[Latency]:
-    client = BusClient(BusConfig(shm=False))
+def _latencies(producers: dict[str, _Producer], secret: str, n: int) -> list[Latency]:
+    plain, curve = BusClient(BusConfig(shm=False)), BusClient(BusConfig(shm=False, secret=secret))
     out = []
     for transport, producer in producers.items():
         ref = producer.refs["small"]
-        bare: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-        bare.connect(producer.echo)
-        echo = _round_trips(functools.partial(_echo_round_trip, bare), n)
-        bare.close(linger=0)
+        client = curve if transport.endswith("+curve") else plain
+        if client is plain:
+            bare: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+            bare.connect(producer.echo)
+            echo = _round_trips(functools.partial(_echo_round_trip, bare), n)
+            bare.close(linger=0)
+            out.append(Latency(transport, "pyzmq echo (floor)", *echo))
         ping = _round_trips(functools.partial(client.ping, ref.endpoint), n)
         fetch = _round_trips(functools.partial(client.fetch, [ref]), n)
-        out += [
-            Latency(transport, "pyzmq echo (floor)", *echo),
-            Latency(transport, "PING", *ping),
-            Latency(transport, "FETCH 1 key 64 B", *fetch),
-        ]
-    client.close()
+        out += [Latency(transport, "PING", *ping), Latency(transport, "FETCH 1 key 64 B", *fetch)]
+    plain.close()
+    curve.close()
     return out
 
 
 def _echo_round_trip(sock: zmq.Socket[bytes]) -> None:
-    sock.send_multipart([b"P", b"{}", b""])
+    sock.send_multipart([b"P", b"{}"])
     sock.recv_multipart()
 
 
@@ -255,8 +289,31 @@ def _print(rows: list[Row], latencies: list[Latency]) -> None:
     print(f"{'transport':<10} {'message':<20} {'p50':>8} {'p99':>8}")
     for lat in latencies:
         print(f"{lat.transport:<10} {lat.message:<20} {lat.p50_us:>8.1f} {lat.p99_us:>8.1f}")
-    for line in _goal_lines(rows, latencies):
+    for line in [*_auth_lines(rows, latencies), *_goal_lines(rows, latencies)]:
         print(line)
+
+
+def _auth_ratios(rows: list[Row], latencies: list[Latency]) -> dict[str, dict[str, float]]:
+    """Each +curve figure over its plain one: throughput per size, round-trip p50 per message."""
+    speed = {(r.size_mib, r.path): r.gb_s for r in rows}
+    p50 = {(lat.transport, lat.message): lat.p50_us for lat in latencies}
+    out: dict[str, dict[str, float]] = {}
+    for transport in ("ipc", "tcp"):
+        curve = f"{transport}+curve"
+        ratios = {f"{mib} MiB": speed[mib, curve] / speed[mib, transport] for mib, p in speed if p == curve}
+        for (t, message), value in p50.items():
+            if t == curve and (transport, message) in p50:
+                ratios[f"{message} p50"] = value / p50[transport, message]
+        out[transport] = ratios
+    return out
+
+
+def _auth_lines(rows: list[Row], latencies: list[Latency]) -> list[str]:
+    lines = ["\nauthentication cost (CURVE on / off; throughput < 1 and latency > 1 cost):"]
+    for transport, ratios in _auth_ratios(rows, latencies).items():
+        figures = ", ".join(f"{name} {ratio:.2f}x" for name, ratio in ratios.items())
+        lines.append(f"  {transport}: {figures}")
+    return lines
 
 
 def _goal_lines(rows: list[Row], latencies: list[Latency]) -> list[str]:
@@ -280,6 +337,7 @@ def _report(rows: list[Row], latencies: list[Latency]) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "throughput": [asdict(r) for r in rows],
         "latency": [asdict(lat) for lat in latencies],
+        "curve_over_plain": _auth_ratios(rows, latencies),
         "goals": {"ratio_at_64_mib": GOALS, "ping_p50_us": LATENCY_GOAL_US},
     }
 

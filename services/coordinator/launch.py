@@ -31,11 +31,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from flowgrpo.bus.config import SECRET_ENV
 from flowgrpo.columns import COLUMNS, StageSpec, check_pipeline
 from flowgrpo.config import dump_yaml
 from flowgrpo.runtime import open_channel, wait_ready
 from flowgrpo.runtime.config import ServerConfig
 from flowgrpo.runtime.launch import PARENT_FD_ENV
+from flowgrpo.runtime.security import TOKEN_ENV
 from flowgrpo.services.coordinator.config import RunConfig, with_checkpoint
 from flowgrpo.services.coordinator.handles import STUBS, Replica
 from flowgrpo.services.coordinator.lifecycle import record_process
@@ -276,6 +278,11 @@ def _spawn(rid: str, config: Any, run_dir: Path, nproc: int, lifeline: _Lifeline
         cmd = [sys.executable, *serve]
     logfile = open(run_dir / "logs" / f"{rid}.log", "ab")  # noqa: SIM115 (the child holds it)
     env = dict(os.environ)
+    # a secret set in the config reaches the child through its environment: the file it reads
+    # is written with secrets emptied (dump_yaml)
+    for name, value in ((TOKEN_ENV, config.server.token), (SECRET_ENV, config.bus.secret)):
+        if value:
+            env[name] = value
     passed: tuple[int, ...] = ()
     if nproc == 1:
         env[PARENT_FD_ENV], passed = str(lifeline.read_fd), (lifeline.read_fd,)

@@ -26,7 +26,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -74,7 +73,7 @@ class RunLock:
     def acquire(self) -> str:
         """Take the lock or raise :class:`RunFolderBusy` naming its holder; returns a note about a
         previous holder that died without releasing it ("" when there was none)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # checkpoints: the weights
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -105,7 +104,11 @@ class RunLock:
 
 
 def _me() -> dict[str, Any]:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "argv": sys.argv}
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.time(),
+    }  # no argv: it may hold a secret
 
 
 def _read_holder(fd: int) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from PIL import Image
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-from flowgrpo.config import dump_yaml, to_dict
+from flowgrpo.config import dump_yaml, redacted, to_dict
 from flowgrpo.fileio import atomic_write
 from flowgrpo.services.coordinator.config import LoggerConfig
 
@@ -62,9 +62,9 @@ class RunOutputs:
         self._wandb: WandbSink | None = None
 
     def write_config(self, config: Any, name: str = "run") -> None:
-        dump_yaml(config, self.dir / "config.yaml")
+        dump_yaml(config, self.dir / "config.yaml")  # secrets emptied, as in W&B
         if self.logger.wandb:
-            self._wandb = WandbSink(self.dir, name, to_dict(config), self.logger)
+            self._wandb = WandbSink(self.dir, name, to_dict(redacted(config)), self.logger)
 
     def start_progress(self, done: int, total: int) -> None:
         """A bar from ``done`` to ``total`` steps when ``logger.progress`` asks for one (``auto``:

@@ -21,12 +21,14 @@ from dataclasses import dataclass
 import grpc
 
 from flowgrpo import PROTOCOL_VERSION
-from flowgrpo.runtime import Actor, InvalidArgument, message
+from flowgrpo.runtime import Actor, InvalidArgument, ServiceError, message, wait_ready
+from flowgrpo.runtime.errors import HandshakeError, NotReadyError
 from flowgrpo.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 ROLES = ("rollout", "reward", "trainer")
+VERIFY_S = 3.0  # how long a registrant (or the replica it would replace) has to answer the handshake
 
 
 @dataclass
@@ -48,9 +50,13 @@ class MemberEvent:
 class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
     role = "coordinator"
 
-    def __init__(self, run_id: str, heartbeat_interval_s: float = 2.0, lost_after_s: float = 20.0) -> None:
+    def __init__(
+        self, run_id: str, heartbeat_interval_s: float = 2.0, lost_after_s: float = 20.0, verify: bool = True
+    ) -> None:
         super().__init__(replica_id="coordinator")
         self.run_id = run_id
+        # call a registrant back before accepting it (False only for tests of the bookkeeping)
+        self.verify = verify
         self.heartbeat_interval_s = heartbeat_interval_s
         self.lost_after_s = lost_after_s
         self.members: dict[str, Member] = {}
@@ -74,11 +80,28 @@ class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
 
     # --- the RPCs ------------------------------------------------------------------------------
 
-    @message
     async def Register(
         self, request: coordinator_pb2.RegisterRequest, context: grpc.aio.ServicerContext | None
     ) -> coordinator_pb2.RegisterResponse:
-        self.join(request.info)
+        """Verified outside the mailbox (a handshake may take seconds; heartbeats must not wait
+        behind it), then joined as a message."""
+        info = request.info
+        self.check(info)
+        known = self.members.get(info.replica_id)
+        moved = known is not None and known.state == "up" and known.info.grpc_address != info.grpc_address
+        if moved and known is not None and known.beats and await self._answers_as(known.info):
+            raise ServiceError(
+                f"replica id {info.replica_id!r} is registered at {known.info.grpc_address}, which still "
+                f"answers as it; {info.grpc_address} cannot take it over (give each replica its own id, "
+                f"or stop the old one first)",
+                grpc.StatusCode.ALREADY_EXISTS,
+            )
+        if self.verify and not await self._answers_as(info):  # work and weights go only where verified
+            raise InvalidArgument(
+                f"{info.grpc_address} does not answer the READY handshake as {info.role} {info.replica_id}: "
+                "register the address this replica serves at (server.advertise_host, server.port)"
+            )
+        await self.call(self._join, info)
         return coordinator_pb2.RegisterResponse(
             run_id=self.run_id, heartbeat_interval_s=self.heartbeat_interval_s
         )
@@ -134,8 +157,22 @@ class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
     # --- for the launcher and the run loop (same process) --------------------------------------
 
     def join(self, info: common_pb2.ServiceInfo, beats: bool = True) -> None:
-        """Register ``info`` (the Register RPC; the ``inprocess`` launcher calls it directly, with
-        ``beats=False``: its actors send no heartbeats)."""
+        """Register ``info`` (after the Register RPC's checks; the ``inprocess`` launcher calls it
+        directly, with ``beats=False``: its actors send no heartbeats)."""
+        self.check(info)
+        known = self.members.get(info.replica_id)
+        member = Member(info, last_seen=time.monotonic(), joins=known.joins + 1 if known else 1, beats=beats)
+        self.members[info.replica_id] = member
+        log.info(
+            "%s %s registered at %s (join %d)", info.role, info.replica_id, info.grpc_address, member.joins
+        )
+        self._emit("joined", info)
+
+    async def _join(self, info: common_pb2.ServiceInfo) -> None:
+        self.join(info)
+
+    def check(self, info: common_pb2.ServiceInfo) -> None:
+        """Refuse a registration this coordinator cannot use (version, role, id, address)."""
         if info.protocol_version != PROTOCOL_VERSION:
             raise InvalidArgument(
                 f"{info.replica_id or '(unnamed)'} speaks {info.protocol_version or '(none)'!r}, this "
@@ -151,12 +188,17 @@ class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
             raise InvalidArgument(
                 f"replica id {info.replica_id!r} is already a {known.info.role}; give each replica its own id"
             )
-        member = Member(info, last_seen=time.monotonic(), joins=known.joins + 1 if known else 1, beats=beats)
-        self.members[info.replica_id] = member
-        log.info(
-            "%s %s registered at %s (join %d)", info.role, info.replica_id, info.grpc_address, member.joins
-        )
-        self._emit("joined", info)
+
+    async def _answers_as(self, info: common_pb2.ServiceInfo) -> bool:
+        """Whether ``info.grpc_address`` answers the READY handshake as that replica (with this
+        run's credential: an endpoint without it cannot answer)."""
+        try:
+            got = await wait_ready(
+                info.grpc_address, role=info.role, timeout_s=VERIFY_S, client_role="coordinator"
+            )
+        except (NotReadyError, HandshakeError, grpc.aio.AioRpcError, ValueError):
+            return False
+        return got.replica_id == info.replica_id
 
     def up(self, role: str) -> list[common_pb2.ServiceInfo]:
         return [m.info for m in self.members.values() if m.state == "up" and m.info.role == role]

@@ -10,6 +10,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import grpc
 import grpc.aio
 
 from flowgrpo.bus.shm import pid_alive
@@ -57,6 +58,9 @@ def live_status(address: str, timeout_s: float = 5.0) -> str:
     try:
         response = asyncio.run(_run_status(address, timeout_s))
     except grpc.aio.AioRpcError as error:
+        if error.code() == grpc.StatusCode.UNAUTHENTICATED:
+            return (f"coordinator at {address}: the live view needs the run's token: set FLOWGRPO_TOKEN "
+                    "(a local run makes its own unless FLOWGRPO_TOKEN is set when it starts)")  # fmt: skip
         return f"coordinator at {address}: no answer ({error.code().name}: {error.details()})"
     lines = [f"coordinator at {address}: run {response.run_id}, {response.schedule}, step "
              f"{response.step}/{response.steps}, policy v{response.policy_version}"]  # fmt: skip

@@ -9,18 +9,24 @@ services. Torch is never imported here (the tiny model is made by a ``flowgrpo``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import secrets
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from flowgrpo.bus import serve_store
+from flowgrpo.bus.config import SECRET_ENV
 from flowgrpo.data import PromptSplit, load_split
 from flowgrpo.data.prepare import PrepareOptions, prepare_dataset
 from flowgrpo.runtime import Service, ServiceServer
+from flowgrpo.runtime.security import TOKEN_ENV, resolve_token
 from flowgrpo.services.coordinator.config import RunConfig, with_checkpoint
 from flowgrpo.services.coordinator.launch import Services, launch
 from flowgrpo.services.coordinator.lifecycle import RunInterrupted, RunLock, StopSignals, stop_leftovers
@@ -78,9 +84,33 @@ async def train_async(cfg: RunConfig, progress: Any = sys.stderr) -> list[dict[s
         stopped = stop_leftovers(Path(cfg.run_dir) / "services")
         if stopped:
             log.warning("stopped %s, left running by an earlier run of %s", ", ".join(stopped), cfg.run_dir)
-        return await _train_holding_lock(cfg, progress)
+        with run_credentials(cfg):
+            return await _train_holding_lock(cfg, progress)
     finally:
         lock.release()
+
+
+@contextlib.contextmanager
+def run_credentials(cfg: RunConfig) -> Iterator[None]:
+    """The services this coordinator starts itself (``local``, ``inprocess``) share a token and a
+    bus secret of this run's own, made here unless the environment gives them: in the
+    environment of this process, so its servers, its clients and the children it starts all have
+    them, and nowhere on disk (the config files the children read hold no secret). Restored after
+    the run. ``remote``: the operator distributes them (docs/security.md)."""
+    if cfg.launch.launcher == "remote":
+        yield
+        return
+    made = {}
+    if not resolve_token(cfg.server.token):
+        made[TOKEN_ENV] = secrets.token_urlsafe(32)
+    if cfg.bus.resolve_secret() is None:
+        made[SECRET_ENV] = secrets.token_urlsafe(32)
+    os.environ.update(made)
+    try:
+        yield
+    finally:
+        for name in made:
+            os.environ.pop(name, None)
 
 
 async def _train_holding_lock(cfg: RunConfig, progress: Any) -> list[dict[str, float]]:

@@ -9,25 +9,30 @@ compute thread, and its results go back at once, while the stream is still open.
 
 Rewards are scalars: they return in the ScoreResults (the coordinator turns them into
 advantages), not on the bus. A sample that cannot be scored comes back with a typed Error and
-no reward, never a silent 0.
+no reward, never a silent 0; a request whose fields are out of range (``_request_error``: the
+image reference, sizes, text lengths) is such a sample, INVALID_ARGUMENT naming the field, and
+the stream goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
 import grpc.aio
+from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 from flowgrpo.bus import BusClient, BusError, Fetched, TensorRef
 from flowgrpo.rewards import RewardModel, Sample, build_reward
 from flowgrpo.rewards.combine import Batch, Scored
-from flowgrpo.runtime import Actor, message
+from flowgrpo.runtime import Actor, InvalidArgument, message
 from flowgrpo.services.reward.config import RewardServiceConfig
 from flowgrpo.services.reward.stream import Pump, take_batch
 from flowgrpo.telemetry import links_from
@@ -38,6 +43,13 @@ tracer = trace.get_tracer(__name__)
 
 STAGE = common_pb2.StageSpec(stage="reward", consumes=["images"], produces=[])
 ErrorCode = common_pb2.ErrorCode
+MAX_IMAGE_SIDE = 8192  # pixels
+MAX_TEXT_CHARS = 65536  # prompt, ground truth
+MAX_ID_CHARS = 1024  # sample id, bus key, store id
+MAX_METADATA = 64  # entries; keys of at most MAX_ID_CHARS, values of at most MAX_TEXT_CHARS
+MAX_VERSION = 2**53  # policy versions (as the rollout and trainer take them)
+_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+_HOST = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
 
 
 @dataclass
@@ -108,7 +120,7 @@ class RewardService(Actor, reward_pb2_grpc.RewardServicer):
                 yield item
 
     def _fetch(self, chunk: list[Pending]) -> list[Ready]:
-        ready = [Ready(p, error=self._ref_error(p.request)) for p in chunk]
+        ready = [Ready(p, error=self._request_error(p.request)) for p in chunk]
         wanted = [r for r in ready if r.error is None]
         refs = [TensorRef.from_proto(r.pending.request.image) for r in wanted]
         for item, got in zip(wanted, self.client.fetch(refs, errors="return"), strict=True):
@@ -152,21 +164,26 @@ class RewardService(Actor, reward_pb2_grpc.RewardServicer):
             result.error.CopyFrom(self._error(error.kind.upper(), error.message, item.pending.request))
         return result
 
-    def _ref_error(self, request: reward_pb2.ScoreRequest) -> common_pb2.Error | None:
-        """What is wrong with the image reference itself (checked before any fetch), or None."""
+    def _request_error(self, request: reward_pb2.ScoreRequest) -> common_pb2.Error | None:
+        """What is wrong with the request itself (checked before any fetch), or None."""
+        problem = _text_problem(request)
+        if problem is not None:
+            return self._error("INVALID_ARGUMENT", problem, request)
         ref = request.image
         if not request.HasField("image") or not ref.key:
-            return self._error("INVALID_ARGUMENT", "the request has no image reference", request)
+            message = "ScoreRequest.image: the request has no image reference"
+            return self._error("INVALID_ARGUMENT", message, request)
         if ref.column != "images":
-            message = f"image refers to column {ref.column!r}, not 'images'"
+            message = f"ScoreRequest.image.column: image refers to column {ref.column[:64]!r}, not 'images'"
             return self._error("INVALID_ARGUMENT", message, request)
         if ref.dtype != "uint8" or len(ref.shape) != 3 or ref.shape[2] != 3:
-            message = f"image is {ref.dtype}{list(ref.shape)}; expected uint8 [H, W, 3]"
+            message = f"ScoreRequest.image is {ref.dtype[:64]}{list(ref.shape)[:8]}; expected uint8 [H, W, 3]"
             return self._error("SCHEMA_VIOLATION", message, request)
-        return None
+        problem = _ref_problem(ref)
+        return None if problem is None else self._error("INVALID_ARGUMENT", problem, request)
 
     def _error(self, code: str, message: str, request: reward_pb2.ScoreRequest) -> common_pb2.Error:
-        where = f"reward {self.replica_id} sample {request.sample_id!r} ({request.image.key})"
+        where = f"reward {self.replica_id} sample {request.sample_id[:200]!r} ({request.image.key[:200]})"
         return common_pb2.Error(code=ErrorCode.Value(f"ERROR_CODE_{code}"), message=message, where=where)
 
     def _log_batch(self, replies: list[reward_pb2.ScoreResult], scored: Batch) -> None:
@@ -186,8 +203,74 @@ class RewardService(Actor, reward_pb2_grpc.RewardServicer):
 
 
 async def _stamped(requests: AsyncIterator[reward_pb2.ScoreRequest]) -> AsyncIterator[Pending]:
-    async for request in requests:
-        yield Pending(request, time.perf_counter())
+    """The stream's requests, stamped; one that cannot be parsed ends the stream with
+    INVALID_ARGUMENT (the results sent before it stand)."""
+    count = 0
+    try:
+        async for request in requests:
+            count += 1
+            yield Pending(request, time.perf_counter())
+    except DecodeError as error:
+        raise InvalidArgument(f"ScoreRequest {count + 1} of this stream cannot be parsed: {error}") from None
+
+
+def _text_problem(request: reward_pb2.ScoreRequest) -> str | None:
+    """Which text field is empty or too long (the sample id must be set), or None."""
+    if not request.sample_id or len(request.sample_id) > MAX_ID_CHARS:
+        return f"ScoreRequest.sample_id: need 1 to {MAX_ID_CHARS} characters, got {len(request.sample_id)}"
+    for name in ("prompt", "ground_truth"):
+        if len(getattr(request, name)) > MAX_TEXT_CHARS:
+            return (
+                f"ScoreRequest.{name}: at most {MAX_TEXT_CHARS} characters, got {len(getattr(request, name))}"
+            )
+    metadata = request.metadata
+    too_long = [k for k, v in metadata.items() if len(k) > MAX_ID_CHARS or len(v) > MAX_TEXT_CHARS]
+    if len(metadata) > MAX_METADATA or too_long:
+        return (
+            f"ScoreRequest.metadata: at most {MAX_METADATA} entries, keys of at most {MAX_ID_CHARS} and "
+            f"values of at most {MAX_TEXT_CHARS} characters; got {len(metadata)} entries"
+        )
+    return None
+
+
+def _ref_problem(ref: common_pb2.TensorRef) -> str | None:
+    """What is wrong with an image reference of dtype uint8 [H, W, 3], or None."""
+    height, width = ref.shape[0], ref.shape[1]
+    if not (1 <= height <= MAX_IMAGE_SIDE and 1 <= width <= MAX_IMAGE_SIDE):
+        return (
+            f"ScoreRequest.image.shape={list(ref.shape)}: need [H, W, 3] with 1 <= H, W <= {MAX_IMAGE_SIDE}"
+        )
+    if ref.nbytes != height * width * 3:
+        return f"ScoreRequest.image.nbytes={ref.nbytes}: uint8{list(ref.shape)} is {height * width * 3} bytes"
+    if len(ref.key) > MAX_ID_CHARS or not ref.key.isprintable():
+        return f"ScoreRequest.image.key: need 1 to {MAX_ID_CHARS} printable characters"
+    if not ref.store_id or len(ref.store_id) > MAX_ID_CHARS:
+        return f"ScoreRequest.image.store_id: need 1 to {MAX_ID_CHARS} characters"
+    if not _is_endpoint(ref.endpoint):
+        return f"ScoreRequest.image.endpoint={ref.endpoint[:80]!r}: need tcp://HOST:PORT or ipc:///PATH"
+    if not -1 <= ref.policy_version <= MAX_VERSION:
+        version = ref.policy_version
+        return f"ScoreRequest.image.policy_version={version}: need -1 <= policy_version <= {MAX_VERSION}"
+    return None
+
+
+def _is_endpoint(endpoint: str) -> bool:
+    """A bus endpoint this process can connect to: tcp://HOST:PORT (port 1-65535) or ipc:///PATH."""
+    if endpoint.startswith("ipc://"):
+        path = endpoint.removeprefix("ipc://")
+        return path.startswith("/") and 1 < len(path) <= 107 and path.isprintable()
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if not endpoint.startswith("tcp://") or not (len(port) <= 5 and port.isascii() and port.isdigit()):
+        return False
+    if not 0 < int(port) < 65536:
+        return False
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return False
+        return True
+    return len(host) <= 253 and _HOST.fullmatch(host) is not None
 
 
 def _sample(request: reward_pb2.ScoreRequest, fetched: Fetched) -> Sample:

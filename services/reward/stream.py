@@ -65,9 +65,11 @@ class Pump(Generic[T]):
 
 async def take_batch(pump: Pump[T], max_items: int, max_wait_s: float = 0.0) -> list[T]:
     """Wait for one item, then add what is waiting (or arrives within ``max_wait_s``), up to
-    ``max_items``. An empty list means the source ended."""
+    ``max_items``. An empty list means the source ended; a source that failed raises its error
+    (here, or from the next call when a batch was being assembled), never ends quietly."""
     first = await pump.get()
     if first is None:
+        await pump.get()  # raises the source's error, if that is how it ended
         return []
     batch = [first]
     loop = asyncio.get_running_loop()

@@ -4,12 +4,18 @@ State: the engine (model, VAE, policy version), this replica's bus store (trajec
 images it produced, kept until the coordinator releases their tag) and a bus client (prompt ids
 and weights come from other producers' stores). Messages run one at a time, so a policy update
 always lands between two Generate requests, never inside one.
+
+Every field of a request is checked as it comes in, before any work (``_check_*``): a bad one
+is INVALID_ARGUMENT naming the field and its range, and the replica keeps serving. What the
+request points at is checked once fetched: prompt ids inside the vocabulary, finite weights.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import grpc
 import grpc.aio
@@ -23,10 +29,27 @@ from flowgrpo.bus import (
     TensorStore,
     serve_store,
 )
+from flowgrpo.bus.dtypes import itemsize
 from flowgrpo.bus.torch_tensors import put_tensor, to_torch
+from flowgrpo.models.bagel.checkpoint import read_bagel_config
 from flowgrpo.models.bagel.policy import PolicyUpdate, PolicyUpdateError
 from flowgrpo.models.bagel.sampling import SampleRequest, SamplerParams, Trajectories
-from flowgrpo.models.bagel.wire import sampler_params_from_proto
+from flowgrpo.models.bagel.wire import (
+    MAX_DIM,
+    MAX_SAMPLE_INDEX,
+    MAX_STEP,
+    MAX_VERSION,
+    WEIGHT_DTYPES,
+    FieldError,
+    ModelLimits,
+    check_finite,
+    check_float,
+    check_id,
+    check_int,
+    check_ref,
+    check_token_ids,
+    sampler_params_from_proto,
+)
 from flowgrpo.runtime import Actor, InvalidArgument, message, raise_if_abandoned
 from flowgrpo.runtime.data import fetch_inputs
 from flowgrpo.services.rollout.config import RolloutServiceConfig
@@ -38,6 +61,9 @@ tracer = trace.get_tracer(__name__)
 
 OUTPUT_COLUMNS = ("latents", "log_probs", "sigmas", "timesteps", "images")
 STAGE = common_pb2.StageSpec(stage="rollout", consumes=["prompt_ids"], produces=list(OUTPUT_COLUMNS))
+MAX_RELEASE_TAGS = 4096  # tags of one Release
+MAX_LORA_RANK = 4096
+MAX_LORA_ALPHA = 1e6
 
 
 class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
@@ -50,8 +76,10 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
         self.bus: BusServer | None = None  # this replica's store of produced tensors
         self.client = BusClient(config.bus)
         self.stages = [STAGE]
+        self.limits: ModelLimits | None = None  # the checkpoint's image side, prompt length, vocabulary
 
     async def start(self) -> None:
+        self.limits = ModelLimits.of(await self.compute(read_bagel_config, self.config.rollout.checkpoint))
         if self.engine is None:
             self.engine = await self.compute(self._load_engine)
         self.bus = serve_store(self.config.bus)
@@ -80,22 +108,15 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
     async def Generate(
         self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.GenerateResponse:
-        if self.policy_version < request.min_policy_version:
-            raise InvalidArgument(
-                f"this replica holds policy version {self.policy_version}, the request needs >= "
-                f"{request.min_policy_version}: send LoadWeights first"
-            )
-        try:
-            params = sampler_params_from_proto(request.params)
-        except ValueError as error:
-            raise InvalidArgument(str(error)) from None
-        return await self.compute(self._generate, request, params)
+        params, refs = self._check_generate(request)
+        return await self.compute(self._generate, request, params, refs)
 
     @message
     async def LoadWeights(
         self, request: rollout_pb2.LoadWeightsRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.LoadWeightsResponse:
         started = time.perf_counter()
+        self._check_update(request.update)
         update = await self.compute(self._fetch_update, request.update)
         try:
             await self.compute(self._engine().apply_update, update)
@@ -110,19 +131,101 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
     async def Release(
         self, request: rollout_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.ReleaseResponse:
+        if len(request.tags) > MAX_RELEASE_TAGS:
+            raise InvalidArgument(
+                f"ReleaseRequest.tags: {len(request.tags)} tags; at most {MAX_RELEASE_TAGS}"
+            )
+        with _invalid_argument():
+            for i, tag in enumerate(request.tags):
+                check_id(f"ReleaseRequest.tags[{i}]", tag)
         store = self._store()
         before = store.info().used_bytes
         for tag in request.tags:
             store.release(tag=tag)
         return rollout_pb2.ReleaseResponse(released_bytes=before - store.info().used_bytes)
 
+    # --- request checks (before any work) ------------------------------------------------------
+
+    def _check_generate(self, request: rollout_pb2.GenerateRequest) -> tuple[SamplerParams, list[TensorRef]]:
+        """The sampler settings and the prompt-id references of a well-formed request. The seed
+        takes any int64: it is hashed into the noise coordinates, never used as a seed itself."""
+        with _invalid_argument():
+            check_int("GenerateRequest.step", request.step, 0, MAX_STEP)
+            check_int("GenerateRequest.min_policy_version", request.min_policy_version, 0, MAX_VERSION)
+            if request.release_tag:
+                check_id("GenerateRequest.release_tag", request.release_tag)
+            params = sampler_params_from_proto(request.params, self._limits(), "GenerateRequest.params")
+            refs = self._check_groups(request.groups)
+        if self.policy_version < request.min_policy_version:
+            raise InvalidArgument(
+                f"this replica holds policy version {self.policy_version}, the request needs >= "
+                f"{request.min_policy_version}: send LoadWeights first"
+            )
+        return params, refs
+
+    def _check_groups(self, groups: Sequence[rollout_pb2.PromptGroup]) -> list[TensorRef]:
+        if not groups or not any(g.sample_indices for g in groups):
+            raise InvalidArgument("Generate needs at least one prompt group with sample indices")
+        count, limit = sum(len(g.sample_indices) for g in groups), self.config.rollout.max_request_samples
+        if count > limit:
+            raise InvalidArgument(
+                f"Generate asks for {count} samples; this replica takes at most {limit} per request "
+                "(rollout.max_request_samples): split the request"
+            )
+        limits, seen, refs = self._limits(), set(), []
+        for i, group in enumerate(groups):
+            where = f"GenerateRequest.groups[{i}]"
+            check_id(f"{where}.prompt_uid", group.prompt_uid)
+            for index in group.sample_indices:
+                check_int(f"{where}.sample_indices", index, 0, MAX_SAMPLE_INDEX)
+                if (group.prompt_uid, index) in seen:
+                    raise FieldError(
+                        f"{where}.sample_indices: sample {index} of prompt {group.prompt_uid!r} is asked "
+                        "for twice in this request; need distinct (prompt_uid, sample index) pairs"
+                    )
+                seen.add((group.prompt_uid, index))
+            dims = [(1, limits.max_prompt_tokens)]
+            max_bytes = self.config.bus.max_bytes
+            refs.append(check_ref(f"{where}.prompt_ids", group.prompt_ids, "prompt_ids", ("int64",),
+                                  dims=dims, max_bytes=max_bytes))  # fmt: skip
+        return refs
+
+    def _check_update(self, update: common_pb2.WeightUpdate) -> None:
+        """A policy update this replica could apply, checked before anything is fetched."""
+        with _invalid_argument():
+            if update.kind not in ("lora", "gen_path"):
+                raise FieldError(f"WeightUpdate.kind={update.kind[:64]!r}: expected 'lora' or 'gen_path'")
+            check_int("WeightUpdate.policy_version", update.policy_version, 1, MAX_VERSION)
+            if update.kind == "lora":
+                check_int("WeightUpdate.lora.rank", update.lora.rank, 1, MAX_LORA_RANK)
+                check_float("WeightUpdate.lora.alpha", update.lora.alpha, 1e-12, MAX_LORA_ALPHA)
+            elif update.lora.rank or update.lora.alpha:
+                raise FieldError("WeightUpdate.lora: set for kind 'gen_path'; it belongs to kind 'lora' only")
+            names = [t.name for t in update.tensors]
+            for i, tensor in enumerate(update.tensors):
+                check_id(f"WeightUpdate.tensors[{i}].name", tensor.name)
+                check_ref(f"WeightUpdate.tensors[{i}].ref", tensor.ref, "weights", WEIGHT_DTYPES,
+                          dims=None, max_bytes=self.config.bus.max_bytes)  # fmt: skip
+            for b, bucket in enumerate(update.cuda_ipc):
+                names += [t.name for t in bucket.tensors]
+                _check_bucket(f"WeightUpdate.cuda_ipc[{b}]", bucket)
+            if not names:
+                raise FieldError("WeightUpdate: no tensors (neither tensors nor cuda_ipc name any)")
+            if len(set(t.name for t in update.tensors)) != len(update.tensors):
+                raise FieldError("WeightUpdate.tensors: a tensor name appears twice")
+        if update.policy_version <= self.policy_version:
+            raise InvalidArgument(
+                f"WeightUpdate.policy_version={update.policy_version} is not newer than the loaded "
+                f"version {self.policy_version}"
+            )
+
     # --- work (on the actor's compute thread) --------------------------------------------------
 
     def _generate(
-        self, request: rollout_pb2.GenerateRequest, params: SamplerParams
+        self, request: rollout_pb2.GenerateRequest, params: SamplerParams, refs: list[TensorRef]
     ) -> rollout_pb2.GenerateResponse:
         started = time.perf_counter()
-        samples = self._sample_requests(request.groups)
+        samples = self._sample_requests(request.groups, refs)
         with tracer.start_as_current_span("rollout.generate", attributes={"samples": len(samples)}):
             out = self._engine().generate(  # a caller that gives up frees us within one denoising step
                 samples, params, seed=request.seed, step=request.step, between_steps=raise_if_abandoned
@@ -141,24 +244,15 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
         )
         return response
 
-    def _sample_requests(self, groups: Sequence[rollout_pb2.PromptGroup]) -> list[SampleRequest]:
-        if not groups or not any(g.sample_indices for g in groups):
-            raise InvalidArgument("Generate needs at least one prompt group with sample indices")
-        count, limit = sum(len(g.sample_indices) for g in groups), self.config.rollout.max_request_samples
-        if count > limit:
-            raise InvalidArgument(
-                f"Generate asks for {count} samples; this replica takes at most {limit} per request "
-                "(rollout.max_request_samples): split the request"
-            )
-        refs = [TensorRef.from_proto(g.prompt_ids) for g in groups]
-        for group, ref in zip(groups, refs, strict=True):
-            if ref.column != "prompt_ids":
-                raise InvalidArgument(
-                    f"group {group.prompt_uid!r}: prompt_ids refers to column {ref.column!r}"
-                )
+    def _sample_requests(
+        self, groups: Sequence[rollout_pb2.PromptGroup], refs: list[TensorRef]
+    ) -> list[SampleRequest]:
         fetched = fetch_inputs(self.client, refs, "prompt ids")
         with tracer.start_as_current_span("rollout.prompts", links=links_from(f.trace for f in fetched)):
             ids = [to_torch(f).clone() for f in fetched]
+        with _invalid_argument():
+            for i, prompt in enumerate(ids):
+                check_token_ids(f"GenerateRequest.groups[{i}].prompt_ids", prompt, self._limits().vocab)
         return [
             SampleRequest(group.prompt_uid, int(index), prompt)
             for group, prompt in zip(groups, ids, strict=True)
@@ -193,12 +287,14 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
         )
 
     def _fetch_update(self, update: common_pb2.WeightUpdate) -> PolicyUpdate:
-        if update.kind not in ("lora", "gen_path"):
-            raise InvalidArgument(f"WeightUpdate.kind {update.kind!r}: expected 'lora' or 'gen_path'")
+        tensors = self._update_tensors(update)
+        with _invalid_argument():
+            for name, tensor in tensors.items():
+                check_finite(f"WeightUpdate tensor {name!r}", tensor)
         return PolicyUpdate(
             version=update.policy_version,
             kind=update.kind,  # type: ignore[arg-type]
-            tensors=self._update_tensors(update),
+            tensors=tensors,
             lora_rank=update.lora.rank,
             lora_alpha=update.lora.alpha,
         )
@@ -229,3 +325,36 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
     def _store(self) -> TensorStore:
         assert self.bus is not None, "the store is created in start(), before any message"
         return self.bus.store
+
+    def _limits(self) -> ModelLimits:
+        assert self.limits is not None, "read in start(), before any message"
+        return self.limits
+
+
+def _check_bucket(field: str, bucket: common_pb2.CudaIpcBucket) -> None:
+    """The sizes and offsets of a CUDA IPC bucket: every tensor inside the shared bytes."""
+    check_int(f"{field}.storage_bytes", bucket.storage_bytes, 1, 2**62)
+    check_int(f"{field}.storage_offset", bucket.storage_offset, 0, 2**62)
+    check_int(f"{field}.ref_counter_offset", bucket.ref_counter_offset, 0, 2**62)
+    for i, entry in enumerate(bucket.tensors):
+        where = f"{field}.tensors[{i}]"
+        check_id(f"{where}.name", entry.name)
+        if entry.dtype not in WEIGHT_DTYPES:
+            raise FieldError(f"{where}.dtype={entry.dtype[:64]!r}: need one of {', '.join(WEIGHT_DTYPES)}")
+        for dim in entry.shape:
+            check_int(f"{where}.shape", dim, 0, MAX_DIM)
+        nbytes = math.prod(entry.shape) * itemsize(entry.dtype)
+        if not 0 <= entry.offset <= bucket.storage_bytes - nbytes:
+            raise FieldError(
+                f"{where}.offset={entry.offset}: its {nbytes} bytes must lie inside the bucket's "
+                f"storage_bytes={bucket.storage_bytes}"
+            )
+
+
+@contextlib.contextmanager
+def _invalid_argument() -> Iterator[None]:
+    """A request field out of range is the caller's error: INVALID_ARGUMENT, naming it."""
+    try:
+        yield
+    except FieldError as error:
+        raise InvalidArgument(str(error)) from None

@@ -76,6 +76,30 @@ def checkpoint_name(step: int) -> str:
     return f"{PREFIX}{step:08d}"
 
 
+def confined_folder(folder: str | Path, requested: str) -> Path:
+    """Where a SaveCheckpoint request may write: the trainer's own ``folder``, always. A
+    requested path, when given, must name that same folder: no ``..`` part, and once every
+    symlink is resolved, the same directory (a link inside the folder pointing elsewhere, or
+    any other absolute path, is refused). Raises ValueError saying what it resolved to."""
+    own = Path(folder).resolve()
+    if not requested:
+        return Path(folder)
+    if ".." in Path(requested).parts:
+        raise ValueError(f"{requested[:200]!r} has a '..' part; checkpoints go to {own} only")
+    try:
+        target = Path(requested).resolve()
+    except (OSError, RuntimeError, ValueError) as error:  # a symlink loop, a NUL byte
+        raise ValueError(
+            f"{requested[:200]!r} does not resolve ({error}); checkpoints go to {own} only"
+        ) from None
+    if target != own:
+        raise ValueError(
+            f"{requested[:200]!r} resolves to {str(target)[:200]}, not this trainer's checkpoint "
+            f"folder {own} (trainer.checkpoint_dir): leave the path empty"
+        )
+    return Path(folder)
+
+
 def latest_checkpoint(folder: str | Path) -> Path | None:
     folder = Path(folder)
     found = sorted(p for p in folder.glob(f"{PREFIX}*") if p.is_dir()) if folder.is_dir() else []

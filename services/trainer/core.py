@@ -15,7 +15,19 @@ from flowgrpo.bus import BusClient, TensorRef
 from flowgrpo.bus.torch_tensors import to_torch
 from flowgrpo.models.bagel.checkpoint import load_special_tokens
 from flowgrpo.models.bagel.sampling import SamplerParams
-from flowgrpo.models.bagel.wire import sampler_params_from_proto
+from flowgrpo.models.bagel.wire import (
+    MAX_SAMPLE_INDEX,
+    MAX_STEP,
+    FieldError,
+    ModelLimits,
+    check_finite,
+    check_float,
+    check_id,
+    check_int,
+    check_ref,
+    check_token_ids,
+    sampler_params_from_proto,
+)
 from flowgrpo.runtime import InvalidArgument
 from flowgrpo.runtime.data import fetch_inputs
 from flowgrpo.services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -31,6 +43,7 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
 INPUT_COLUMNS = ("prompt_ids", "latents", "log_probs", "sigmas")
+MAX_ADVANTAGE = 1e6  # |advantage|: the coordinator clips to advantages.clip (5); fp32 keeps headroom
 
 
 class TrainerCore:
@@ -51,6 +64,7 @@ class TrainerCore:
             compile=cfg.compile,
         )
         self.trainer = FlowGRPOStep(policy, load_special_tokens(cfg.checkpoint), cfg.optim, cfg.loss, dist)
+        self.limits = ModelLimits.of(policy.model.config)  # what a request's images and prompts may be
         self.client = BusClient(config.bus)
         # the store is rank 0's bus server's, set by the service once it serves (None: a follower)
         self.publisher = Publisher(policy, None, cfg.publish_dtype, cfg.publish_bus, cfg.publish_cuda_ipc)
@@ -64,22 +78,59 @@ class TrainerCore:
         log.info("resumed from %s: step %d, policy version %d", path, step, self.trainer.version)
         return step
 
-    @staticmethod
-    def check(request: trainer_pb2.TrainStepRequest) -> SamplerParams:
-        """Refuse a malformed request (before any rank starts on it); return its sampler settings."""
+    def check(self, request: trainer_pb2.TrainStepRequest) -> SamplerParams:
+        """Refuse a malformed request (before any rank starts on it); return its sampler settings.
+        Every field is checked (the seed takes any int64: the trainer draws no noise from it)."""
         if not request.samples:
             raise InvalidArgument("TrainStep needs at least one sample")
-        for sample in request.samples:
-            missing = [c for c in INPUT_COLUMNS if c not in sample.inputs]
-            if missing:
-                raise InvalidArgument(
-                    f"sample {sample.prompt_uid}/{sample.sample_index} lacks input columns {missing}; "
-                    f"the trainer needs {list(INPUT_COLUMNS)}"
-                )
         try:
-            return sampler_params_from_proto(request.params)
-        except ValueError as error:
+            check_int("TrainStepRequest.step", request.step, 1, MAX_STEP)
+            params = sampler_params_from_proto(request.params, self.limits, "TrainStepRequest.params")
+            seen: set[tuple[str, int]] = set()
+            for i, sample in enumerate(request.samples):
+                self._check_sample(f"TrainStepRequest.samples[{i}]", sample, params, seen)
+        except FieldError as error:
             raise InvalidArgument(str(error)) from None
+        return params
+
+    def _check_sample(
+        self, where: str, sample: trainer_pb2.TrainSample, params: SamplerParams, seen: set[tuple[str, int]]
+    ) -> None:
+        check_id(f"{where}.prompt_uid", sample.prompt_uid)
+        check_int(f"{where}.sample_index", sample.sample_index, 0, MAX_SAMPLE_INDEX)
+        key = (sample.prompt_uid, sample.sample_index)
+        if key in seen:
+            raise FieldError(f"{where}: sample {key[0]}/{key[1]} appears twice in this step")
+        seen.add(key)
+        version = self.trainer.version
+        if not 0 <= sample.policy_version <= version:
+            raise FieldError(
+                f"{where}.policy_version={sample.policy_version}: need 0 <= policy_version <= {version} "
+                "(this trainer's version; a sample cannot come from a newer policy)"
+            )
+        check_float(f"{where}.advantage", sample.advantage, -MAX_ADVANTAGE, MAX_ADVANTAGE)
+        window = params.window
+        check_int(f"{where}.window_begin", sample.window_begin, window.lo, window.hi - window.size)
+        missing = [c for c in INPUT_COLUMNS if c not in sample.inputs]
+        if missing:
+            raise FieldError(
+                f"{where}.inputs: sample {sample.prompt_uid}/{sample.sample_index} lacks input "
+                f"columns {missing}; the trainer needs {list(INPUT_COLUMNS)}"
+            )
+        for column, dtype, dims in self._input_shapes(params):
+            check_ref(f"{where}.inputs[{column!r}]", sample.inputs[column], column, (dtype,),
+                      dims=dims, max_bytes=self.config.bus.max_bytes)  # fmt: skip
+
+    def _input_shapes(self, params: SamplerParams) -> list[tuple[str, str, list[tuple[int, int]]]]:
+        """Column, dtype and shape of each input of a sample drawn with ``params``."""
+        size, (rows, cols), limits = params.window.size, params.token_grid(), self.limits
+        tokens, dim = rows * cols, limits.token_dim
+        return [
+            ("prompt_ids", "int64", [(1, limits.max_prompt_tokens)]),
+            ("latents", "float32", [(size + 1, size + 1), (tokens, tokens), (dim, dim)]),
+            ("log_probs", "float32", [(size, size)]),
+            ("sigmas", "float32", [(size + 1, size + 1)]),
+        ]
 
     def train(
         self, request: trainer_pb2.TrainStepRequest, may_stop: Callable[[], None] | None = None
@@ -106,6 +157,24 @@ class TrainerCore:
     def close(self) -> None:
         self.client.close()
 
+    def _check_inputs(
+        self,
+        where: str,
+        ids: torch.Tensor,
+        latents: torch.Tensor,
+        log_probs: torch.Tensor,
+        sigmas: torch.Tensor,
+    ) -> None:
+        """The fetched values: prompt ids in the vocabulary, finite trajectories, sigmas in [0, 1].
+        Every rank fetches the whole batch, so every rank refuses it alike, before any collective."""
+        try:
+            check_token_ids(f"{where}['prompt_ids']", ids, self.limits.vocab)
+            check_finite(f"{where}['latents']", latents)
+            check_finite(f"{where}['log_probs']", log_probs)
+            check_finite(f"{where}['sigmas']", sigmas, 0.0, 1.0)
+        except FieldError as error:
+            raise InvalidArgument(str(error)) from None
+
     def _fetch_batch(
         self, request: trainer_pb2.TrainStepRequest
     ) -> tuple[list[Trajectory], list[dict[str, str]]]:
@@ -117,6 +186,7 @@ class TrainerCore:
             ids, latents, log_probs, sigmas = (
                 to_torch(f).clone() for f in fetched[i * width : (i + 1) * width]
             )
+            self._check_inputs(f"TrainStepRequest.samples[{i}].inputs", ids, latents, log_probs, sigmas)
             batch.append(Trajectory(sample.prompt_uid, sample.sample_index, sample.policy_version,
                                     sample.advantage, ids, latents, log_probs, sigmas))  # fmt: skip
         return batch, [f.trace for f in fetched]

@@ -4,6 +4,11 @@ State: the ``TrainerCore`` (policy, optimizer, bus client), this replica's bus s
 published weights), the last step and the newest publication. One message at a time: a
 checkpoint is never taken in the middle of an update. Under torchrun, every operation is first
 announced to the other ranks (``follow.py``), which run it too.
+
+Requests are checked before they are announced (``TrainerCore.check``): a bad field is
+INVALID_ARGUMENT naming it. Steps come in order (each TrainStep is the step after the last),
+and a checkpoint is only ever written into ``trainer.checkpoint_dir``, under the trainer's own
+step: a request cannot name another folder, nor a step this trainer has not reached.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ import time
 import grpc.aio
 
 from flowgrpo.bus import BusServer, serve_store
-from flowgrpo.runtime import Actor, InvalidArgument, message, raise_if_abandoned
+from flowgrpo.runtime import Actor, InvalidArgument, ServiceError, message, raise_if_abandoned
+from flowgrpo.services.trainer.checkpoint import confined_folder
 from flowgrpo.services.trainer.config import TrainerServiceConfig
 from flowgrpo.services.trainer.core import INPUT_COLUMNS, TrainerCore
 from flowgrpo.services.trainer.distributed import Dist
@@ -64,6 +70,11 @@ class TrainerService(Actor, trainer_pb2_grpc.TrainerServicer):
         self, request: trainer_pb2.TrainStepRequest, context: grpc.aio.ServicerContext
     ) -> trainer_pb2.TrainStepResponse:
         core = self._core()
+        if request.step != self.step + 1:
+            raise InvalidArgument(
+                f"TrainStepRequest.step={request.step}: this trainer is at step {self.step}, so the next "
+                f"step is {self.step + 1} (steps are trained in order, one at a time)"
+            )
         core.check(request)  # refuse a bad request here, before the other ranks join in
         self._announce(TRAIN, request.SerializeToString())
         metrics = await self.compute(core.train, request, raise_if_abandoned)  # a caller gone: stop early
@@ -79,12 +90,19 @@ class TrainerService(Actor, trainer_pb2_grpc.TrainerServicer):
     async def SaveCheckpoint(
         self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> trainer_pb2.SaveCheckpointResponse:
-        folder = request.path or self.config.trainer.checkpoint_dir
+        folder = self.config.trainer.checkpoint_dir
         if not folder:
+            raise ServiceError("this trainer saves no checkpoints: trainer.checkpoint_dir is not set")
+        try:
+            folder = str(confined_folder(folder, request.path))
+        except ValueError as error:
+            raise InvalidArgument(f"SaveCheckpointRequest.path: {error}") from None
+        if request.step not in (0, self.step):
             raise InvalidArgument(
-                "no checkpoint folder: set trainer.checkpoint_dir or SaveCheckpointRequest.path"
+                f"SaveCheckpointRequest.step={request.step}: this trainer is at step {self.step}; "
+                f"give {self.step} (or 0, meaning the current step)"
             )
-        resolved = trainer_pb2.SaveCheckpointRequest(step=request.step or self.step, path=folder)
+        resolved = trainer_pb2.SaveCheckpointRequest(step=self.step, path=folder)
         self._announce(SAVE, resolved.SerializeToString())
         started = time.perf_counter()
         path = await self.compute(self._core().save, folder, resolved.step)
@@ -128,7 +146,10 @@ def follow(config: TrainerServiceConfig, dist: Dist) -> None:
             if op == STOP:
                 return
             if op == TRAIN:
-                core.train(trainer_pb2.TrainStepRequest.FromString(payload))
+                try:
+                    core.train(trainer_pb2.TrainStepRequest.FromString(payload))
+                except InvalidArgument:  # rank 0 refused the same fetched batch, before any collective
+                    continue
                 core.publish()
             elif op == SAVE:
                 request = trainer_pb2.SaveCheckpointRequest.FromString(payload)

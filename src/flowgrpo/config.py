@@ -65,6 +65,28 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+SECRET_FIELDS = frozenset({"token", "secret", "api_key", "password"})
+
+
+def redacted(cfg: T) -> T:
+    """A copy of ``cfg`` with every secret field (:data:`SECRET_FIELDS`) emptied: what may be
+    written to a run folder, a log, a report or W&B. Secrets come from the environment or files
+    (``FLOWGRPO_TOKEN``, ``FLOWGRPO_BUS_SECRET``, their ``_FILE`` forms), so the copy still loads
+    and runs where they are set."""
+    if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
+        return cfg
+    changes: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name in SECRET_FIELDS and value:
+            changes[f.name] = None if value is None or f.default is None else ""
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            changes[f.name] = redacted(value)
+        elif isinstance(value, list) and any(dataclasses.is_dataclass(v) for v in value):
+            changes[f.name] = [redacted(v) for v in value]
+    return dataclasses.replace(cfg, **changes)
+
+
 def apply_overrides(cfg: T, overrides: Sequence[str]) -> T:
     """Return a copy of ``cfg`` with ``a.b.c=value`` overrides applied, then validated."""
     data = to_dict(cfg)  # a copy: the caller's config is never mutated
@@ -112,8 +134,9 @@ def validate(cfg: T) -> T:
 
 
 def dump_yaml(cfg: Any, path: str | Path) -> None:
-    """Write the resolved config atomically (a reader never sees half a file)."""
-    atomic_write(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    """Write the resolved config atomically (a reader never sees half a file), secrets emptied
+    (:func:`redacted`): no secret is ever written to disk in clear."""
+    atomic_write(path, yaml.safe_dump(to_dict(redacted(cfg)), sort_keys=False))
 
 
 # --- internals -------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from flowgrpo.bus import (
 
 from .conftest import Producer
 
-PING = [wire.PING, wire.encode(wire.PingRequest(77)), b""]
+PING = [wire.PING, wire.encode(wire.PingRequest(77))]
 
 
 @pytest.fixture
@@ -48,15 +48,15 @@ def raw() -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def small_headers() -> Iterator[Producer]:
-    """One producer (max_header_bytes=4096) shared by the malformed-input tests."""
-    producer = Producer({"max_header_bytes": 4096})
+    """One producer (max_request_header_bytes=4096) shared by the malformed-input tests."""
+    producer = Producer({"max_request_header_bytes": 4096})
     yield producer
     producer.close()
 
 
 def _error_reply(sock: zmq.Socket[bytes], frames: list[bytes]) -> wire.ErrorReply:
     sock.send_multipart(frames)
-    token, header, _mac = sock.recv_multipart()
+    token, header = sock.recv_multipart()
     reply = wire.decode_reply(token, wire.unpack(header, 1 << 20))
     assert isinstance(reply, wire.ErrorReply), reply
     return reply
@@ -64,27 +64,32 @@ def _error_reply(sock: zmq.Socket[bytes], frames: list[bytes]) -> wire.ErrorRepl
 
 def _assert_still_serving(sock: zmq.Socket[bytes]) -> None:
     sock.send_multipart(PING)
-    token, header, _ = sock.recv_multipart()
+    token, header = sock.recv_multipart()
     assert token == wire.PING and wire.unpack(header, 1 << 20)["rid"] == 77
 
 
+def _header(**fields: Any) -> bytes:
+    return msgpack.packb({"v": wire.PROTOCOL, "rid": 5, **fields})
+
+
 def _fetch_header(**fields: Any) -> bytes:
-    return msgpack.packb({"v": 1, "rid": 5, "store_id": "", "shm": False, "items": [["k", 0, -1]], **fields})
+    return _header(**{"store_id": "", "shm": False, "items": [["k", 0, -1]], **fields})
 
 
 @pytest.mark.parametrize(
     ("frames", "fragment"),
     [
-        ([wire.PING, wire.encode(wire.PingRequest(1))], "3 frames (type, header, MAC), got 2"),
-        ([*PING, b"x", b"y"], "3 frames (type, header, MAC), got 5"),
-        ([b"Z", wire.encode(wire.PingRequest(1)), b""], "unknown message type b'Z'"),
-        ([wire.ERROR, wire.encode(wire.PingRequest(1)), b""], "unknown message type b'E'"),
-        ([wire.FETCH, b"\xc1\x00garbage", b""], "header is not valid msgpack"),
-        ([wire.FETCH, msgpack.packb([1, 2]), b""], "header must be a msgpack map"),
-        ([wire.FETCH, _fetch_header(rid="5"), b""], "'rid' must be int, got str"),
-        ([wire.FETCH, _fetch_header(items="k"), b""], "'items' must be list, got str"),
-        ([wire.FETCH, _fetch_header(items=[["k", -5, 1]]), b""], "int >= 0"),
-        ([wire.FETCH, _fetch_header(pad="x" * 5000), b""], "exceeds max_header_bytes=4096"),
+        ([wire.PING], "2 frames (type, header), got 1"),
+        ([*PING, b"x", b"y"], "2 frames (type, header), got 4"),
+        ([b"Z", wire.encode(wire.PingRequest(1))], "unknown message type b'Z'"),
+        ([wire.ERROR, wire.encode(wire.PingRequest(1))], "unknown message type b'E'"),
+        ([wire.FETCH, b"\xc1\x00garbage"], "header is not valid msgpack"),
+        ([wire.FETCH, msgpack.packb([1, 2])], "header must be a msgpack map"),
+        ([wire.FETCH, _fetch_header(rid="5")], "'rid' must be int, got str"),
+        ([wire.FETCH, _fetch_header(items="k")], "'items' must be list, got str"),
+        ([wire.FETCH, _fetch_header(items=[["k", -5, 1]])], "int >= 0"),
+        ([wire.FETCH, _fetch_header(pad="x" * 5000)], "exceeds max_request_header_bytes=4096"),
+        ([wire.RELEASE, _header(keys=[], prefix="")], "empty prefix refused"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
@@ -99,7 +104,7 @@ def test_malformed_requests_get_a_named_error(
 
 def test_frames_beyond_the_size_cap_drop_only_that_peer(small_headers: Producer, raw: Any) -> None:
     rogue, good = raw(small_headers.endpoint), raw(small_headers.endpoint)
-    rogue.send_multipart([wire.FETCH, b"x" * 100_000, b""])  # > MAXMSGSIZE: zmq drops the connection
+    rogue.send_multipart([wire.FETCH, b"x" * 100_000])  # > MAXMSGSIZE: zmq drops the connection
     _assert_still_serving(good)
 
 
@@ -201,30 +206,33 @@ def test_restarted_store_is_data_lost(start_producer: Any) -> None:
     assert isinstance(results[0], DataLost) and getattr(results[1], "key", None) == "k"
 
 
-def test_hmac_refuses_strangers_and_admits_the_secret(start_producer: Any, monkeypatch: Any) -> None:
-    producer: Producer = start_producer(secret="s3cret")
+def test_a_secret_refuses_strangers_at_the_handshake_and_admits_the_run(
+    start_producer: Any, monkeypatch: Any
+) -> None:
+    producer: Producer = start_producer(secret="s3cret-of-this-run")
     ref = producer.put("k", seed=3)
     for client_cfg, fragment in [
-        (BusConfig(), "carries no MAC"),
-        (BusConfig(secret="wrong"), "MAC does not match"),
+        (BusConfig(), "requires the run's bus secret and this process has none"),
+        (BusConfig(secret="wrong-secret-of-another-run"), "it holds another bus secret"),
     ]:
         with BusClient(client_cfg) as client:
+            started = time.monotonic()
             with pytest.raises(Unauthenticated, match=fragment) as info:
-                client.fetch([ref], timeout_s=5)
-            assert info.value.code is ErrorCode.UNAUTHENTICATED
+                client.fetch([ref], timeout_s=20)
+            assert info.value.code is ErrorCode.UNAUTHENTICATED and "FLOWGRPO_BUS_SECRET" in str(info.value)
+            assert time.monotonic() - started < 10  # named at the handshake, not at the deadline
             with pytest.raises(Unauthenticated):
-                client.stat(producer.endpoint, timeout_s=5)
-    monkeypatch.setenv("FLOWGRPO_BUS_SECRET", "s3cret")
+                client.stat(producer.endpoint, timeout_s=20)
+    monkeypatch.setenv("FLOWGRPO_BUS_SECRET", "s3cret-of-this-run")
     with BusClient(BusConfig()) as client:
         [got] = client.fetch([ref], timeout_s=5)
         assert got.array.nbytes == 16 and client.ping(producer.endpoint) > 0
 
 
-def test_client_with_a_secret_refuses_unauthenticated_replies(start_producer: Any) -> None:
+def test_client_with_a_secret_refuses_a_store_without_one(start_producer: Any) -> None:
     producer: Producer = start_producer()
     ref = producer.put("k")
-    with BusClient(BusConfig(secret="s3cret")) as client:
-        with pytest.raises(Unauthenticated, match="no MAC"):
-            client.fetch([ref], timeout_s=5)
-        with pytest.raises(Unauthenticated, match="no MAC"):
-            client.ping(producer.endpoint, timeout_s=5)
+    with BusClient(BusConfig(secret="s3cret-of-this-run")) as client:
+        for call in (lambda: client.fetch([ref], timeout_s=20), lambda: client.ping(producer.endpoint)):
+            with pytest.raises(Unauthenticated, match=r"has no bus secret and this process has one|or none"):
+                call()

@@ -6,8 +6,9 @@ import json
 
 import msgpack
 import pytest
+import zmq
 
-from flowgrpo.bus import ErrorCode, Evicted, TensorRef, wire
+from flowgrpo.bus import ErrorCode, Evicted, TensorRef, auth, wire
 from flowgrpo.bus.errors import error_for
 from flowgrpo.v1 import common_pb2
 
@@ -31,7 +32,7 @@ REPLIES: list[wire.Message] = [
         7, wire.StoreInfo("id", 10, 100, 1, 0, ("flowgrpo-bus-1-2-ab.probe", "tok"), 1 << 20, 42, "h")
     ),
     wire.PingReply(8),
-    wire.ErrorReply(9, ErrorCode.UNAUTHENTICATED, "bad MAC"),
+    wire.ErrorReply(9, ErrorCode.INVALID_ARGUMENT, "release with an empty prefix refused"),
 ]
 
 
@@ -55,16 +56,19 @@ def test_error_codes_mirror_the_proto_enum() -> None:
     assert isinstance(error_for(ErrorCode.EVICTED, "gone"), Evicted)
 
 
-def test_mac_covers_type_header_and_frame_sizes() -> None:
-    key, header = b"secret", wire.encode(wire.PingRequest(1))
-    mac = wire.mac(key, wire.PING, header, [10, 20])
-    wire.check_mac(key, wire.PING, header, [10, 20], mac)
-    for token, sizes in ((wire.STAT, [10, 20]), (wire.PING, [10, 21]), (wire.PING, [10])):
-        with pytest.raises(wire.AuthError, match="does not match"):
-            wire.check_mac(key, token, header, sizes, mac)
-    with pytest.raises(wire.AuthError, match="no MAC"):
-        wire.check_mac(key, wire.PING, header, [10, 20], b"")
-    assert wire.mac(None, wire.PING, header, []) == b""
+def test_hkdf_matches_rfc_5869() -> None:
+    okm = auth.hkdf_sha256(b"\x0b" * 22, bytes(range(0xF0, 0xFA)), 42, salt=bytes(range(13)))
+    assert okm.hex() == (
+        "3cb25f25faacd57a90434f64d0362f2a2d2d0a90cf1a5a4c5db02d56ecc4c5bf34007208d5b887185865"
+    )
+
+
+def test_keys_derive_from_the_secret_alone() -> None:
+    keys = auth.derive_keys(b"one run's secret")
+    assert keys == auth.derive_keys(b"one run's secret")  # every process finds the same keys
+    other = auth.derive_keys(b"another run's secret")
+    assert len({keys.server_public, keys.client_public, other.server_public, other.client_public}) == 4
+    assert keys.server_public == zmq.curve_public(keys.server_secret) and len(keys.server_secret) == 40
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -41,15 +42,21 @@ def compose_binary() -> str:
     return str(binary)
 
 
-def compose_config(compose_file: Path, profiles: list[str]) -> dict[str, Any]:
-    """The resolved compose file: the GPU stack with .env.example, the CPU stack with no .env."""
+SECRETS = {"FLOWGRPO_TOKEN": "t" * 43, "FLOWGRPO_BUS_SECRET": "s" * 43}  # what `generate.py --secrets` adds
+
+
+def compose_config(
+    compose_file: Path, profiles: list[str], secrets: dict[str, str] = SECRETS
+) -> dict[str, Any]:
+    """The resolved compose file: the GPU stack with .env.example, the CPU stack with no .env, both
+    with the run's secrets in the environment (as `generate.py --secrets >> .env` gives them)."""
     env = [] if compose_file.name.endswith(".cpu.yml") else ["--env-file", str(COMPOSE_DIR / ".env.example")]
     cmd = [compose_binary(), *env, "-f", str(compose_file)]
     for profile in profiles:
         cmd += ["--profile", profile]
-    done = subprocess.run(
-        [*cmd, "config", "--format", "json"], capture_output=True, text=True, cwd=COMPOSE_DIR
-    )
+    clean = {k: v for k, v in os.environ.items() if k not in SECRETS}
+    done = subprocess.run([*cmd, "config", "--format", "json"], capture_output=True, text=True,
+                          cwd=COMPOSE_DIR, env={**clean, **secrets})  # fmt: skip
     assert done.returncode == 0, done.stderr
     config: dict[str, Any] = json.loads(done.stdout)
     return config
@@ -95,6 +102,25 @@ def test_compose_config_resolves_for_every_profile(profiles: list[str]) -> None:
         assert service["shm_size"] and service["stop_grace_period"]
         assert service["healthcheck"]["test"][1:3] == ["flowgrpo", "probe"]
     assert services["coordinator"]["healthcheck"]["test"][1:] == ["flowgrpo", "probe", "localhost:50050"]
+
+
+@pytest.mark.parametrize("compose_file", ["docker-compose.yml", "docker-compose.cpu.yml"])
+def test_the_stacks_need_the_runs_secrets_and_publish_no_service_port(compose_file: str) -> None:
+    """Every service listens beyond loopback inside the stack: without a token and a bus secret
+    compose refuses to start (naming the fix); no gRPC or bus port reaches the host."""
+    path = COMPOSE_DIR / compose_file
+    cmd = [compose_binary(), "-f", str(path), "config", "--format", "json"]
+    clean = {k: v for k, v in os.environ.items() if k not in SECRETS}
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=COMPOSE_DIR, env=clean)
+    assert done.returncode != 0 and "generate.py --secrets >> .env" in done.stderr
+    config = compose_config(path, ["tracing"])
+    for name, service in config["services"].items():
+        environment = service.get("environment", {})
+        if name not in ("jaeger", "otel-collector", "setup"):
+            assert {k: environment[k] for k in SECRETS} == SECRETS, name
+        published = [p for p in service.get("ports", []) if p.get("published")]
+        assert name == "jaeger" or not published, (name, published)
+        assert all(p["host_ip"] == "127.0.0.1" for p in published), (name, published)
 
 
 def test_n_rollout_gpus_is_one_number(tmp_path: Path) -> None:
@@ -156,6 +182,18 @@ def test_kubernetes_manifests_build_and_validate() -> None:
         )
         if name != "flowgrpo-coordinator":
             assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+    for name, doc in workloads.items():  # the run's credentials come from the Secret, as files
+        pod = doc["spec"]["template"]["spec"]
+        [container] = pod["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["FLOWGRPO_TOKEN_FILE"] == "/var/run/flowgrpo/token", name
+        assert env["FLOWGRPO_BUS_SECRET_FILE"] == "/var/run/flowgrpo/bus-secret", name
+        [volume] = [v for v in pod["volumes"] if v["name"] == "credentials"]
+        assert volume["secret"]["secretName"] == "flowgrpo-credentials", name
+        assert doc["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/part-of"] == "flowgrpo"
+    [policy] = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == {"app.kubernetes.io/part-of": "flowgrpo"}
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": policy["spec"]["podSelector"]}]}]
     coordinator_args = workloads["flowgrpo-coordinator"]["spec"]["template"]["spec"]["containers"][0]["args"]
     replicas = workloads["flowgrpo-rollout"]["spec"]["replicas"]
     assert f"launch.rollout_replicas={replicas}" in coordinator_args

@@ -11,7 +11,9 @@ Consumer (any process; same host -> shared memory, same process -> no socket at 
         [latents] = client.fetch([ref], timeout_s=30)
 
 Torch tensors of every dtype: ``flowgrpo.bus.torch_tensors`` (imports torch; this package
-does not). Wire format and authentication: ``flowgrpo.bus.wire``.
+does not). Wire format: ``flowgrpo.bus.wire``; who may connect (CURVE keys derived from
+FLOWGRPO_BUS_SECRET): ``flowgrpo.bus.auth``; what a connection may make a store buffer:
+``flowgrpo.bus.guard``.
 """
 
 from flowgrpo.bus.client import BusClient

@@ -7,6 +7,9 @@ the "inprocess" launcher relies on).
 
 Calls are serialised by a lock: ZMQ sockets belong to one thread at a time. Threads that
 fetch in parallel should each use their own client.
+
+With the run's secret every socket is a CURVE client (``flowgrpo.bus.auth``); a store that
+refuses the handshake fails the call at once with :class:`Unauthenticated`, naming the fix.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Literal, TypeVar, overload
 
-from flowgrpo.bus import wire
+from flowgrpo.bus import auth, wire
 from flowgrpo.bus.config import BusConfig
 from flowgrpo.bus.errors import BusError, DataLost, Internal, Unauthenticated, error_for
 from flowgrpo.bus.peer import Peer, wait_readable
@@ -27,16 +30,19 @@ from flowgrpo.bus.transfer import Slot, Transfer
 
 Errors = Literal["raise", "return"]
 R = TypeVar("R", bound=wire.Reply)
+_ENVELOPE_BYTES = 1024  # a request header's fields besides its keys, with room to spare
 
 
 class BusClient:
     """Fetches, releases and inspects data held by producers' stores.
 
     ``local_stores=False`` sends even refs of this process's stores through sockets (tests).
+    The secret is read once, here (a bad secret file raises ValueError now, not mid-fetch).
     """
 
     def __init__(self, config: BusConfig | None = None, *, local_stores: bool = True) -> None:
         self.config = config or BusConfig()
+        self._keys = auth.run_keys(self.config)
         self._local_stores = local_stores
         self._peers: dict[str, Peer] = {}
         self._rids = itertools.count(1)
@@ -104,6 +110,9 @@ class BusClient:
         for transfer in pending:
             transfer.time_out(timeout_s)
             self._forget(transfer.peer)  # its late replies must not reach a later call
+        for transfer in transfers:
+            if transfer.peer.refusal is not None and self._peers.get(transfer.peer.endpoint) is transfer.peer:
+                self._forget(transfer.peer)  # the next call starts a fresh handshake
 
     # --- release, stat, ping ------------------------------------------------------------------
 
@@ -117,9 +126,18 @@ class BusClient:
         timeout_s: float | None = None,
     ) -> int:
         """Release keys (and/or every key with ``tag`` or ``prefix``) at ``endpoint``; returns
-        how many the store dropped."""
-        request = wire.ReleaseRequest(next(self._rids), list(keys), tag, prefix)
-        return self._call(endpoint, request, wire.ReleaseReply, timeout_s).released
+        how many the store dropped. Many keys go in several requests (each within
+        max_request_header_bytes). An empty tag or prefix is refused (InvalidRequest): releasing
+        everything is for the store's owner (``TensorStore.release_all``)."""
+        budget = self.config.max_request_header_bytes - _ENVELOPE_BYTES
+        released = 0
+        for i, batch in enumerate(_batches(list(keys), budget)):
+            first = i == 0
+            request = wire.ReleaseRequest(
+                next(self._rids), batch, tag if first else None, prefix if first else None
+            )
+            released += self._call(endpoint, request, wire.ReleaseReply, timeout_s).released
+        return released
 
     def stat(self, endpoint: str, *, timeout_s: float | None = None) -> wire.StoreInfo:
         """The store's id, bytes used and capacity, tensor count and shared-memory probe."""
@@ -142,6 +160,9 @@ class BusClient:
                     f"cannot queue a request to {endpoint}: its send queue is full", endpoint=endpoint
                 )
             while wait_readable([peer], deadline, self.config.spin_us / 1e6):
+                if peer.refusal is not None:
+                    self._forget(peer)
+                    raise Unauthenticated(peer.refusal, endpoint=endpoint)
                 reply = self._read(peer)
                 if reply is not None and reply.rid in (request.rid, -1):  # -1: refused unread
                     return _checked(reply, expect, endpoint)
@@ -156,10 +177,6 @@ class BusClient:
     def _read(peer: Peer) -> wire.Reply | None:
         try:
             reply = peer.read_reply()
-        except wire.AuthError as exc:
-            raise Unauthenticated(
-                f"reply from {peer.endpoint} refused: {exc}", endpoint=peer.endpoint
-            ) from None
         except wire.WireError as exc:
             raise Internal(
                 f"producer {peer.endpoint} sent a malformed reply: {exc}", endpoint=peer.endpoint
@@ -177,7 +194,7 @@ class BusClient:
                     "a ref with no endpoint names a store that is not served; it is readable only "
                     "in the process that holds the store"
                 )
-            peer = self._peers[endpoint] = Peer(endpoint, self.config)
+            peer = self._peers[endpoint] = Peer(endpoint, self.config, self._keys)
         return peer
 
     def _forget(self, peer: Peer) -> None:
@@ -194,6 +211,21 @@ class BusClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _batches(keys: list[str], budget: int) -> list[list[str]]:
+    """``keys`` cut into lists whose msgpack encoding stays within ``budget`` bytes; [[]] for
+    no keys (one request: the tag or prefix alone)."""
+    batches: list[list[str]] = [[]]
+    size = 0
+    for key in keys:
+        cost = len(key.encode()) + 5  # a str header of at most 5 bytes
+        if batches[-1] and size + cost > budget:
+            batches.append([])
+            size = 0
+        batches[-1].append(key)
+        size += cost
+    return batches
 
 
 def _checked(reply: wire.Reply, expect: type[R], endpoint: str) -> R:

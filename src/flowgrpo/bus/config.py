@@ -3,6 +3,10 @@
 The defaults are the recipe's: a store bounded at 8 GiB that makes ``put`` wait for releases
 (the coordinator releases a step's data once the trainer consumed it), 16 MiB frames,
 shared memory between processes of one host, and a 60 s deadline on every fetch.
+
+The secret of a run comes from ``bus.secret``, ``bus.secret_file``, ``FLOWGRPO_BUS_SECRET`` or
+the file that ``FLOWGRPO_BUS_SECRET_FILE`` names, first found wins (:meth:`BusConfig.resolve_secret`);
+what it changes is in ``flowgrpo.bus.auth``.
 """
 
 from __future__ import annotations
@@ -11,9 +15,11 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 SECRET_ENV = "FLOWGRPO_BUS_SECRET"
+SECRET_FILE_ENV = "FLOWGRPO_BUS_SECRET_FILE"
 
 
 @dataclass
@@ -46,9 +52,23 @@ class BusConfig:
     shm_min_bytes: int = 1 * MiB  # smaller tensors travel in socket frames (faster for them)
     shm_dir: str = "/dev/shm"
 
-    # HMAC-SHA256 key of every message; None: read FLOWGRPO_BUS_SECRET, unset means no MAC.
-    # Kept out of resolved configs written to the run folder: prefer the environment variable.
+    # The run's shared secret: with one, every bus socket speaks CURVE with keys derived from it
+    # and a store admits only peers holding it. None or "": secret_file, then FLOWGRPO_BUS_SECRET,
+    # then the file FLOWGRPO_BUS_SECRET_FILE names. Kept out of resolved configs written to the
+    # run folder: prefer the environment or a file (a mounted Kubernetes secret).
     secret: str | None = None
+    secret_file: str = ""  # a file holding the secret (surrounding whitespace ignored)
+    # Without a secret a store binds only loopback addresses or ipc; true lets it listen on other
+    # interfaces anyway (anyone who reaches the port reads every tensor), with a warning at start.
+    insecure: bool = False
+
+    # What a peer can make a store hold before a request is read. A request is [type, header].
+    max_request_header_bytes: int = 64 * KiB  # larger request headers are refused
+    # Bytes one connection may have sent that the store has not read as whole requests yet
+    # (queued requests and an unfinished one); a connection past it is cut. TCP only: an ipc
+    # socket file is private to the store's user.
+    max_connection_bytes: int = 1 * MiB
+    max_buffered_bytes: int = 4 * MiB  # the same over all connections; the largest is cut first
 
     # The client.
     fetch_timeout_s: float = 60.0  # deadline of one fetch call, all keys together
@@ -64,7 +84,14 @@ class BusConfig:
 
     def validate(self) -> None:
         """Refuse settings that cannot work, naming the field and the fix."""
-        positive = ("max_bytes", "chunk_bytes", "max_header_bytes", "max_request_bytes", "pipeline_depth")
+        positive = (
+            "max_bytes",
+            "chunk_bytes",
+            "max_header_bytes",
+            "max_request_bytes",
+            "pipeline_depth",
+            "max_request_header_bytes",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"bus.{name} must be positive, got {getattr(self, name)}")
@@ -76,8 +103,39 @@ class BusConfig:
             raise ValueError(f"bus.when_full must be 'wait' or 'evict_oldest', got {self.when_full!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"bus.port must be in 0..65535 (0 = a free port), got {self.port}")
+        if self.max_connection_bytes < 4 * self.max_request_header_bytes:
+            raise ValueError(
+                f"bus.max_connection_bytes={self.max_connection_bytes} must hold 4 requests of "
+                f"bus.max_request_header_bytes={self.max_request_header_bytes}: raise it"
+            )
+        if self.max_buffered_bytes < self.max_connection_bytes:
+            raise ValueError("bus.max_buffered_bytes must be >= bus.max_connection_bytes")
 
-    def mac_key(self) -> bytes | None:
-        """The HMAC key: ``secret``, else the FLOWGRPO_BUS_SECRET environment variable."""
-        secret = self.secret if self.secret is not None else os.environ.get(SECRET_ENV)
-        return secret.encode() if secret else None
+    def resolve_secret(self) -> bytes | None:
+        """The run's secret, or None when none is configured anywhere.
+
+        Raises ValueError when a named file cannot be read or holds nothing (a mounted secret
+        that is empty must not silently turn authentication off), or when both environment
+        variables are set.
+        """
+        if self.secret:
+            return self.secret.encode()
+        if self.secret_file:
+            return _read_secret(self.secret_file, "bus.secret_file")
+        value, path = os.environ.get(SECRET_ENV, ""), os.environ.get(SECRET_FILE_ENV, "")
+        if value and path:
+            raise ValueError(f"both {SECRET_ENV} and {SECRET_FILE_ENV} are set: keep one")
+        if value:
+            return value.encode()
+        return _read_secret(path, SECRET_FILE_ENV) if path else None
+
+
+def _read_secret(path: str, origin: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            secret = f.read().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the bus secret from {path} ({origin}): {exc.strerror}") from None
+    if not secret:
+        raise ValueError(f"the bus secret file {path} ({origin}) is empty")
+    return secret

@@ -96,7 +96,8 @@ class StoreFull(BusError):
 
 
 class Unauthenticated(BusError):
-    """A message carried no valid MAC for the configured secret."""
+    """The store refused this process at the handshake: another bus secret, or only one of the
+    two has a secret (the message names which and the fix)."""
 
     code = ErrorCode.UNAUTHENTICATED
 

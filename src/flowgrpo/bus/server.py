@@ -4,9 +4,15 @@ The thread answers FETCH, RELEASE, STAT and PING requests one at a time. Large t
 are handed to ZMQ zero-copy, straight from the store's memory; a tensor in shared memory is
 answered with its segment name when the client proved it shares /dev/shm.
 
-Bad input never stops the thread: a malformed or unauthenticated request gets an ERROR reply
-naming what was wrong, a failed key gets a typed per-key error, an unexpected exception is
-logged with its traceback and answered INTERNAL; then the next request is served.
+Bad input never stops the thread: a malformed request gets an ERROR reply naming what was
+wrong, a failed key gets a typed per-key error, an unexpected exception is logged with its
+traceback and answered INTERNAL; then the next request is served.
+
+Who may connect is settled before any of that (``flowgrpo.bus.auth``): with the run's secret the
+socket is a CURVE server admitting only the run's client key; without one it binds loopback or
+ipc only (ipc in a folder only its user can enter), unless ``insecure``. What a connection may
+make the socket buffer is bounded by MAXMSGSIZE (a frame), RCVHWM (whole requests queued) and,
+for a request that never ends, the :class:`~flowgrpo.bus.guard.ConnectionGuard` (TCP).
 """
 
 from __future__ import annotations
@@ -14,27 +20,30 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import secrets
 import socket
 import tempfile
 import threading
 
 import zmq
 
-from flowgrpo.bus import wire
+from flowgrpo.bus import auth, wire
 from flowgrpo.bus.config import BusConfig
-from flowgrpo.bus.errors import ErrorCode
+from flowgrpo.bus.errors import BusError, ErrorCode
+from flowgrpo.bus.guard import ConnectionGuard, frame_wire_bytes
 from flowgrpo.bus.store import StoredTensor, TensorStore
-from flowgrpo.bus.wire import AuthError, ItemError, ItemMeta, KeyRange, WireError
+from flowgrpo.bus.wire import ItemError, ItemMeta, KeyRange, WireError
 
 log = logging.getLogger(__name__)
 
 _POLL_MS = 100  # how often the thread checks for close()
 _SEND_TIMEOUT_MS = 10_000  # a client that stops reading loses its reply after this, others go on
-_MAX_FRAMES = 3  # a request is (type, header, MAC)
+_MAX_FRAMES = 2  # a request is (type, header)
 # Queue limits in messages (a reply is one, whatever its size). A client keeps pipeline_depth
-# requests in flight, so only a flood or a client that stopped reading reaches them.
-_HWM = 1000
+# requests in flight, so only a flood or a client that stopped reading reaches them; a full
+# receive queue makes libzmq stop reading that connection (TCP pushes back on the client).
+_SNDHWM = 1000
+_RCVHWM = 16  # whole requests queued per connection: 16 x max_request_header_bytes at most
+_HANDSHAKE_MS = 5000  # a peer that has not finished its handshake by then is dropped
 
 
 class BusServer:
@@ -52,9 +61,29 @@ class BusServer:
         self.store = store
         self.config = config or store.config
         self._owns_store = owns_store
-        self._key = self.config.mac_key()
+        keys = auth.run_keys(self.config)
+        auth.check_exposure(self.config, keys)
+        self.authenticated = keys is not None
         self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
-        self.endpoint, self._ipc_path = self._bind()
+        self._zap_domain = auth.serve_curve(self._sock, keys) if keys is not None else None
+        self._guard: ConnectionGuard | None = None
+        self._ipc_dir: str | None = None
+        try:
+            if self.config.transport == "tcp":
+                self._guard = ConnectionGuard(
+                    self._sock,
+                    curve=keys is not None,
+                    per_connection=self.config.max_connection_bytes,
+                    total=self.config.max_buffered_bytes,
+                    name=store.store_id,
+                )
+            self.endpoint, self._ipc_dir = self._bind()
+        except BaseException:
+            self._sock.close(linger=0)
+            self._release_resources()
+            raise
+        if self._guard is not None:
+            self._guard.start(int(self.endpoint.rsplit(":", 1)[1]))
         store.endpoint = self.endpoint
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"bus-server-{store.store_id}", daemon=True)
@@ -63,21 +92,26 @@ class BusServer:
     def _bind(self) -> tuple[str, str | None]:
         cfg, sock = self.config, self._sock
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, _HWM)
-        sock.setsockopt(zmq.RCVHWM, _HWM)
+        sock.setsockopt(zmq.SNDHWM, _SNDHWM)
+        sock.setsockopt(zmq.RCVHWM, _RCVHWM)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full client pipe raises instead of dropping
         sock.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
-        sock.setsockopt(zmq.MAXMSGSIZE, 4 * cfg.max_header_bytes)  # DoS cap; requests are headers
+        sock.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
+        # A larger frame makes libzmq drop the connection; up to it, a too-large header is refused
+        # with an ERROR reply that names the limit.
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * cfg.max_request_header_bytes)
         if cfg.socket_buffer_bytes > 0:
             sock.setsockopt(zmq.SNDBUF, cfg.socket_buffer_bytes)
             sock.setsockopt(zmq.RCVBUF, cfg.socket_buffer_bytes)
-        if cfg.transport == "ipc":
-            path = os.path.join(
-                cfg.ipc_dir or tempfile.gettempdir(),
-                f"flowgrpo-bus-{os.getpid()}-{secrets.token_hex(6)}.sock",
-            )
-            sock.bind(f"ipc://{path}")
-            return f"ipc://{path}", path
+        if cfg.transport == "ipc":  # in a folder of mode 0700: other users cannot connect
+            folder = tempfile.mkdtemp(prefix=f"flowgrpo-bus-{os.getpid()}-", dir=cfg.ipc_dir or None)
+            path = os.path.join(folder, "store.sock")
+            try:
+                sock.bind(f"ipc://{path}")
+            except zmq.ZMQError:
+                os.rmdir(folder)
+                raise
+            return f"ipc://{path}", folder
         sock.bind(f"tcp://{cfg.host}:{cfg.port or '*'}")
         port = sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
         return f"tcp://{self._advertised_host()}:{port}", None
@@ -115,13 +149,15 @@ class BusServer:
     def _serve_one(self) -> bool:
         """Answer one waiting request; False when none is waiting."""
         try:
-            route = self._sock.recv(wire.NOBLOCK)
+            route = self._sock.recv(wire.NOBLOCK, copy=False)
         except zmq.Again:
             return False
-        frames, extra = self._recv_rest()
+        frames, extra, wire_bytes = self._recv_rest()
+        if self._guard is not None:
+            self._guard.credit(route.get(zmq.SRCFD), wire_bytes)
         reply, data = self._answer(frames, extra)
         try:
-            wire.send(self._sock, reply, self._key, data, route=route)
+            wire.send(self._sock, reply, data, route=route.bytes)
         except zmq.Again:
             log.warning(
                 "bus %s: a client did not read for %d ms; dropped its reply", self.endpoint, _SEND_TIMEOUT_MS
@@ -130,25 +166,28 @@ class BusServer:
             log.info("bus %s: reply to a departed client dropped (%s)", self.endpoint, exc)
         return True
 
-    def _recv_rest(self) -> tuple[list[bytes], int]:
-        """The frames after the routing id: at most _MAX_FRAMES kept, the others counted."""
+    def _recv_rest(self) -> tuple[list[bytes], int, int]:
+        """The frames after the routing id: at most _MAX_FRAMES kept, the others counted; and
+        the bytes all of them took on the wire."""
         frames: list[bytes] = []
-        extra = 0
+        extra = wire_bytes = 0
+        curve = self.authenticated
         while self._sock.getsockopt(wire.RCVMORE):
             frame = self._sock.recv(copy=False)
+            wire_bytes += frame_wire_bytes(len(frame), curve)
             if len(frames) < _MAX_FRAMES:
                 frames.append(frame.bytes)
             else:
                 extra += 1
-        return frames, extra
+        return frames, extra, wire_bytes
 
     # --- answering ----------------------------------------------------------------------------
 
     def _answer(self, frames: list[bytes], extra: int) -> tuple[wire.Reply, list[memoryview]]:
         try:
             return self._dispatch(self._parse(frames, extra))
-        except AuthError as exc:
-            return self._refuse(frames, ErrorCode.UNAUTHENTICATED, f"unauthenticated request: {exc}")
+        except BusError as exc:  # a request the store refuses (RELEASE of everything)
+            return self._refuse(frames, exc.code, exc.message)
         except WireError as exc:
             return self._refuse(frames, ErrorCode.INVALID_ARGUMENT, f"malformed request: {exc}")
         except Exception as exc:
@@ -159,24 +198,23 @@ class BusServer:
 
     def _parse(self, frames: list[bytes], extra: int) -> wire.Request:
         if len(frames) != _MAX_FRAMES or extra:
-            raise WireError(f"a request has 3 frames (type, header, MAC), got {len(frames) + extra}")
-        token, header, mac = frames
+            raise WireError(f"a request has 2 frames (type, header), got {len(frames) + extra}")
+        token, header = frames
         if token not in wire.TOKEN_NAMES or token == wire.ERROR:
             raise WireError(
                 f"unknown message type {token[:8]!r}; known: F, R, S, P (FETCH, RELEASE, STAT, PING)"
             )
-        if len(header) > self.config.max_header_bytes:  # refused before hashing it for the MAC
-            raise WireError(
-                f"header of {len(header)} bytes exceeds max_header_bytes={self.config.max_header_bytes}"
-            )
-        wire.check_mac(self._key, token, header, [], mac)
-        return wire.decode_request(token, wire.unpack(header, self.config.max_header_bytes))
+        limit = self.config.max_request_header_bytes
+        if len(header) > limit:
+            raise WireError(f"request header of {len(header)} bytes exceeds max_request_header_bytes={limit}")
+        return wire.decode_request(token, wire.unpack(header, limit))
 
     def _refuse(
         self, frames: list[bytes], code: ErrorCode, message: str
     ) -> tuple[wire.Reply, list[memoryview]]:
         log.info("bus %s refused a request: %s", self.endpoint, message)
-        return wire.ErrorReply(wire.peek_rid(frames[1:2], self.config.max_header_bytes), code, message), []
+        rid = wire.peek_rid(frames[1:2], self.config.max_request_header_bytes)
+        return wire.ErrorReply(rid, code, message), []
 
     def _dispatch(self, request: wire.Request) -> tuple[wire.Reply, list[memoryview]]:
         if isinstance(request, wire.FetchRequest):
@@ -242,11 +280,21 @@ class BusServer:
         """Stop serving (in-flight replies are dropped), then close the store if owned."""
         self._stop.set()
         self._thread.join(timeout=10)
-        if self._ipc_path:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._ipc_path)
+        self._release_resources()
         if self._owns_store:
             self.store.close()
+
+    def _release_resources(self) -> None:
+        """What the socket leaves behind once closed: its guard, ZAP domain and ipc folder."""
+        if self._guard is not None:
+            self._guard.close()
+        if self._zap_domain is not None:
+            auth.release_domain(self._zap_domain)
+        if self._ipc_dir:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self._ipc_dir, "store.sock"))
+            with contextlib.suppress(OSError):
+                os.rmdir(self._ipc_dir)
 
     def __enter__(self) -> BusServer:
         return self

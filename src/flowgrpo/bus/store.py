@@ -38,7 +38,7 @@ from opentelemetry import propagate
 
 from flowgrpo.bus import dtypes, shm
 from flowgrpo.bus.config import BusConfig
-from flowgrpo.bus.errors import ErrorCode, Released, StoreFull
+from flowgrpo.bus.errors import ErrorCode, InvalidRequest, Released, StoreFull
 from flowgrpo.bus.refs import TensorBytes, TensorRef
 from flowgrpo.bus.wire import ItemError, StoreInfo
 from flowgrpo.columns import COLUMNS, ColumnRegistry
@@ -278,7 +278,26 @@ class TensorStore:
     def release(self, keys: Iterable[str] = (), *, tag: str | None = None, prefix: str | None = None) -> int:
         """Drop the named keys, every key put with ``tag``, and every key starting with
         ``prefix`` (pending allocations too); returns how many were dropped. A later fetch
-        of a dropped key answers RELEASED. Consumers' shared-memory views stay valid."""
+        of a dropped key answers RELEASED. Consumers' shared-memory views stay valid.
+
+        An empty ``prefix`` or ``tag`` raises InvalidRequest: it would match every key (or
+        every untagged one), which a RELEASE from the wire must never do by accident; the owner
+        empties its store with :meth:`release_all`."""
+        for name, value in (("prefix", prefix), ("tag", tag)):
+            if value == "":
+                raise InvalidRequest(
+                    f"release with an empty {name} refused: it would drop every key of store "
+                    f"{self.store_id}; name the keys, a tag or a non-empty prefix (the owner of the "
+                    "store calls TensorStore.release_all())"
+                )
+        return self._release(keys, tag, prefix)
+
+    def release_all(self) -> int:
+        """Drop every key (pending allocations too): the owner's reset; returns how many."""
+        with self._cond:  # re-entrant: _release takes it again
+            return self._release([*self._entries, *self._pending], None, None)
+
+    def _release(self, keys: Iterable[str], tag: str | None, prefix: str | None) -> int:
         with self._cond:
             chosen = {k for k in keys if k in self._entries or k in self._pending}
             if tag is not None or prefix is not None:

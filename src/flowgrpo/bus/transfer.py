@@ -2,7 +2,8 @@
 
 A :class:`Transfer` first learns (once per peer, by STAT) whether this process shares the
 producer's /dev/shm. It then plans requests of at most ``max_request_bytes``: small keys are
-batched, a large tensor is split into byte ranges, a tensor in shared memory is one handle.
+batched (while the request header stays within ``max_request_header_bytes``), a large tensor
+is split into byte ranges, a tensor in shared memory is one handle.
 Up to ``pipeline_depth`` requests are in flight, so the producer sends the next range while
 this process copies the last one out of ZMQ. Each data frame is received straight into its
 slice of the preallocated tensor (no reassembly copy). Replies match requests by id; a reply to
@@ -20,7 +21,15 @@ import numpy as np
 import numpy.typing as npt
 
 from flowgrpo.bus import dtypes, shm, wire
-from flowgrpo.bus.errors import BusError, DataLost, Internal, Released, Unauthenticated, error_for
+from flowgrpo.bus.errors import (
+    BusError,
+    DataLost,
+    Internal,
+    InvalidRequest,
+    Released,
+    Unauthenticated,
+    error_for,
+)
 from flowgrpo.bus.peer import Peer
 from flowgrpo.bus.refs import Fetched, TensorRef, Via
 from flowgrpo.bus.wire import ItemMeta, KeyRange
@@ -28,6 +37,8 @@ from flowgrpo.bus.wire import ItemMeta, KeyRange
 log = logging.getLogger(__name__)
 
 MAX_KEYS_PER_REQUEST = 1024  # keeps reply headers far below max_header_bytes
+_ENVELOPE_BYTES = 1024  # a FETCH header's fields besides its items, with room to spare
+_ITEM_BYTES = 24  # an item's msgpack overhead besides its key: [str header, offset, length]
 
 
 @dataclass
@@ -114,24 +125,39 @@ class Transfer:
                 self._probing = True
 
     def _plan(self) -> Iterator[_Request]:
-        """Requests of at most max_request_bytes and MAX_KEYS_PER_REQUEST keys of one store."""
+        """Requests of at most max_request_bytes, MAX_KEYS_PER_REQUEST keys of one store and
+        max_request_header_bytes of header."""
         parts: list[tuple[Slot, KeyRange]] = []
-        size = 0
+        size = header = 0
+        budget = self._cfg.max_request_header_bytes - _ENVELOPE_BYTES
         for slot, wanted in self._pieces():
             length = 0 if wanted.length < 0 else wanted.length
-            full = size + length > self._cfg.max_request_bytes or len(parts) >= MAX_KEYS_PER_REQUEST
+            cost = len(wanted.key.encode()) + _ITEM_BYTES
+            full = (
+                size + length > self._cfg.max_request_bytes
+                or len(parts) >= MAX_KEYS_PER_REQUEST
+                or header + cost > budget
+            )
             if parts and (full or slot.ref.store_id != parts[0][0].ref.store_id):
                 yield self._request(parts)
-                parts, size = [], 0
+                parts, size, header = [], 0, 0
             parts.append((slot, wanted))
             size += length
+            header += cost
         if parts:
             yield self._request(parts)
 
     def _pieces(self) -> Iterator[tuple[Slot, KeyRange]]:
         """Whole keys where shared memory will answer, byte ranges of max_request_bytes else."""
         step = self._cfg.max_request_bytes
+        longest = self._cfg.max_request_header_bytes - _ENVELOPE_BYTES - _ITEM_BYTES
         for slot in self.slots:
+            key = slot.ref.key
+            if len(key.encode()) > longest:
+                limit = self._cfg.max_request_header_bytes
+                message = f"a key of {len(key)} characters does not fit a request header"
+                slot.fail(InvalidRequest(f"{message} (bus.max_request_header_bytes={limit})", key=key))
+                continue
             nbytes = slot.ref.nbytes
             if self.peer.shm and nbytes >= max(1, self.peer.shm_min_bytes):
                 yield slot, KeyRange(slot.ref.key, 0, -1)
@@ -148,13 +174,13 @@ class Transfer:
     # --- receiving ----------------------------------------------------------------------------
 
     def receive(self) -> None:
-        """Handle every reply that is waiting on the socket."""
+        """Handle every reply that is waiting on the socket (or the store's refusal)."""
+        if self.peer.refusal is not None:
+            self._fail_all(Unauthenticated(self.peer.refusal, endpoint=self.peer.endpoint))
+            return
         while True:
             try:
                 reply = self.peer.read_reply()
-            except wire.AuthError as exc:
-                self._fail_all(Unauthenticated(f"reply from {self.peer.endpoint} refused: {exc}"))
-                continue
             except wire.WireError as exc:
                 self._fail_all(Internal(f"producer {self.peer.endpoint} sent a malformed reply: {exc}"))
                 continue

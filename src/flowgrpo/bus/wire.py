@@ -2,29 +2,27 @@
 
 A message is a list of ZMQ frames::
 
-    [type token] [msgpack header] [MAC] [data frame]*
+    [type token] [msgpack header] [data frame]*
 
 - type token: one byte (``FETCH`` ...), so a router dispatches without decoding a payload;
 - header: a msgpack map, decoded with ``raw=False, strict_map_key=True`` and no extension
   types, so a peer can only ever send plain data (never pickle, never objects);
-- MAC: HMAC-SHA256 over the type, the header and the sizes of the data frames the header
-  lists; empty when no secret is configured. The MAC authenticates who sent the message and
-  everything in the header (keys, dtypes, shapes, sizes); it does NOT cover the payload bytes
-  of the data frames (hashing gigabytes would cost more than moving them), so an attacker on
-  the path can alter tensor values but not make a peer misread lengths or keys. It does not
-  prevent replays either;
 - data frames: a tensor's bytes, split into frames of at most ``chunk_bytes``. The receiver
   preallocates the tensor from the header and receives each frame straight into its slice.
 
-Requests carry no data frames. Replies answer the request id ``rid`` they were sent for; a
-reply of type ``ERROR`` says that the whole request was refused (malformed, unauthenticated).
-Shape letters in field docs: B keys of a request.
+Requests are [type, header] and carry no data frames. Replies answer the request id ``rid``
+they were sent for; a reply of type ``ERROR`` says that the whole request was refused
+(malformed, too large, a RELEASE of everything). Shape letters in field docs: B keys of a
+request.
+
+Authentication is not in the messages: with the run's secret the sockets speak CURVE
+(``flowgrpo.bus.auth``), which authenticates the peer at the handshake and then encrypts and
+authenticates every frame, payload included. Protocol 1 carried an HMAC frame over the type,
+the header and the frame sizes; CURVE covers all of that and the payload, so it was removed.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
@@ -34,7 +32,7 @@ import zmq
 
 from flowgrpo.bus.errors import ErrorCode
 
-PROTOCOL = 1
+PROTOCOL = 2  # 2: no MAC frame (authentication moved to CURVE)
 FETCH, RELEASE, STAT, PING, ERROR = b"F", b"R", b"S", b"P", b"E"
 TOKEN_NAMES = {FETCH: "FETCH", RELEASE: "RELEASE", STAT: "STAT", PING: "PING", ERROR: "ERROR"}
 COPY_BELOW = 64 << 10  # frames smaller than this are copied: cheaper than a zero-copy handoff
@@ -46,10 +44,6 @@ T = TypeVar("T")
 
 class WireError(ValueError):
     """A message breaks the format; the text says what was wrong."""
-
-
-class AuthError(WireError):
-    """A message carries no valid MAC for the configured secret."""
 
 
 # --- requests ---------------------------------------------------------------------------------
@@ -123,9 +117,6 @@ class ItemError:
 class FetchReply:
     rid: int
     items: list[ItemMeta | ItemError]  # (B,) in request order
-
-    def frame_sizes(self) -> list[int]:
-        return [size for item in self.items if isinstance(item, ItemMeta) for size in item.chunks]
 
 
 @dataclass
@@ -215,32 +206,6 @@ _KINDS: dict[bytes, tuple[type, ...]] = {
     PING: (PingRequest, PingReply),
     ERROR: (ErrorReply,),
 }
-
-# --- MAC --------------------------------------------------------------------------------------
-
-
-def mac(key: bytes | None, token: bytes, header: bytes, sizes: Sequence[int]) -> bytes:
-    """HMAC-SHA256 over the type, the header and the data frame sizes; b"" without a key."""
-    if key is None:
-        return b""
-    h = hmac.new(key, token, hashlib.sha256)
-    h.update(len(header).to_bytes(8, "little"))
-    h.update(header)
-    for size in sizes:
-        h.update(size.to_bytes(8, "little"))
-    return h.digest()
-
-
-def check_mac(key: bytes | None, token: bytes, header: bytes, sizes: Sequence[int], got: bytes) -> None:
-    if key is None:
-        return
-    if not got:
-        raise AuthError(
-            "message carries no MAC but a secret is configured (set the same FLOWGRPO_BUS_SECRET)"
-        )
-    if not hmac.compare_digest(mac(key, token, header, sizes), got):
-        raise AuthError("message MAC does not match: the peer uses another secret or the header was altered")
-
 
 # --- decoding ---------------------------------------------------------------------------------
 
@@ -396,7 +361,6 @@ def _sizes(values: list[Any], name: str) -> list[int]:
 def send(
     sock: zmq.Socket[Any],
     msg: Message,
-    key: bytes | None,
     data: Sequence[memoryview] = (),
     *,
     route: bytes | None = None,
@@ -409,13 +373,10 @@ def send(
     ``flags`` (zmq.NOBLOCK) apply to every frame; ZMQ checks the queue limit on the first only.
     """
     token, header = token_of(msg), encode(msg)
-    sizes = msg.frame_sizes() if isinstance(msg, FetchReply) else []
-    head = [token, header, mac(key, token, header, sizes)]
     if route is not None:
-        head.insert(0, route)
-    for frame in head[:-1]:
-        sock.send(frame, flags | SNDMORE)
-    sock.send(head[-1], flags | (SNDMORE if data else 0))
+        sock.send(route, flags | SNDMORE)
+    sock.send(token, flags | SNDMORE)
+    sock.send(header, flags | (SNDMORE if data else 0))
     for i, chunk in enumerate(data):
         more = SNDMORE if i < len(data) - 1 else 0
         sock.send(chunk, flags | more, copy=chunk.nbytes < COPY_BELOW)

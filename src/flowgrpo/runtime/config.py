@@ -36,7 +36,9 @@ class ServerConfig:
     min_ping_interval_s: float = 10.0  # client keepalive pings more frequent than this are refused
     ready_file: str = ""  # JSON {grpc_address, pid, role, replica_id} written once the port is bound
     tls: TLSConfig = field(default_factory=TLSConfig)
-    token: str = ""  # shared token callers must send; empty: FLOWGRPO_TOKEN, or no check when unset
+    token: str = ""  # shared token callers must send; empty: FLOWGRPO_TOKEN(_FILE), or no check when unset
+    # serve beyond loopback with no credential (no token, no mutual TLS): refused unless this is set
+    insecure: bool = False
 
 
 @dataclass

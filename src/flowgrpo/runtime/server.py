@@ -37,7 +37,12 @@ from flowgrpo.runtime.config import ServerConfig
 from flowgrpo.runtime.errors import ServiceError, Unavailable
 from flowgrpo.runtime.interceptors import GuardInterceptor, MethodGuard
 from flowgrpo.runtime.membership import Membership
-from flowgrpo.runtime.security import resolve_token, server_credentials, token_server_interceptor
+from flowgrpo.runtime.security import (
+    TokenInterceptor,
+    check_bind_credentials,
+    resolve_token,
+    server_credentials,
+)
 from flowgrpo.telemetry import grpc_server_interceptor
 from flowgrpo.v1 import common_pb2, common_pb2_grpc
 
@@ -80,6 +85,7 @@ class ServiceServer:
 
     async def start(self) -> str:
         """Bind, write the ready file, start the actor and report SERVING; return the address."""
+        check_bind_credentials(self.config, f"{self.actor.role} {self.actor.replica_id}")
         server = self._build()
         port = self._bind(server)
         self._server = server
@@ -172,7 +178,7 @@ class ServiceServer:
         interceptors: list[grpc.aio.ServerInterceptor] = [grpc_server_interceptor()]
         token = resolve_token(self.config.token)
         if token:
-            interceptors.append(token_server_interceptor(token))
+            interceptors.append(TokenInterceptor(token))
         interceptors.append(GuardInterceptor(call_policy(where), lambda m: m.startswith(FLOWGRPO_PREFIX)))
         server = grpc.aio.server(
             interceptors=interceptors,

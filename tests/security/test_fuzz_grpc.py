@@ -1,0 +1,408 @@
+"""Random messages against real rollout, trainer, reward and coordinator processes (loopback, no
+token): at least ``MESSAGES`` per service, a third each of random bytes (sent through a generic
+call with identity serializers), random well-formed messages (every field drawn from the
+message descriptors, edge values favoured) and legitimate requests with one field replaced by
+such a value. No answer may be UNKNOWN or INTERNAL unless the payload does not parse (grpc then
+reports that itself), no process may die, and afterwards each service answers a health check
+and a legitimate call. The draws are seeded: a failure names the seed and payload to replay."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import random
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import DecodeError, Message
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from flowgrpo import PROTOCOL_VERSION
+from flowgrpo.bus import BusServer, serve_store
+from flowgrpo.bus.torch_tensors import put_tensor
+from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
+from flowgrpo.runtime import wait_ready
+from flowgrpo.v1 import (
+    common_pb2,
+    coordinator_pb2,
+    reward_pb2,
+    rollout_pb2,
+    rollout_pb2_grpc,
+    trainer_pb2,
+)
+from tests.security.test_inputs import Running, start_all
+from tests.services.launch import kill_service
+
+MESSAGES = 1000  # per service
+SEED = 20250101
+CRASHES = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+FETCH = "bus.fetch_timeout_s=1.0"  # a mutated ref that names a port nobody serves fails within 1 s
+PARAMS = common_pb2.SamplerParams(
+    num_points=2,
+    timestep_shift=3.0,
+    cfg_text_scale=2.0,
+    cfg_img_scale=1.0,
+    cfg_interval_lo=0.0,
+    cfg_interval_hi=1.0,
+    cfg_renorm_type="global",
+    sde_type="sde",
+    noise_level=1.0,
+    sde_window_size=1,
+    sde_window_lo=0,
+    sde_window_hi=1,
+    window_strategy="random",
+    height=16,
+    width=16,
+    deterministic=True,
+    decode_images=True,
+)  # fmt: skip (cheap: one denoising step of a 16 x 16 image, so a request that passes costs little)
+Q = "language_model.model.layers.0.self_attn.q_proj_moe_gen"
+COORDINATOR = """
+    import asyncio, sys
+    from flowgrpo.runtime import Service, serve
+    from flowgrpo.runtime.config import ServerConfig
+    from flowgrpo.services.coordinator.registry import CoordinatorService
+    from flowgrpo.v1.coordinator_pb2_grpc import add_CoordinatorServicer_to_server
+    registry = CoordinatorService("fuzz")
+    service = Service("flowgrpo.v1.Coordinator", registry, add_CoordinatorServicer_to_server)
+    asyncio.run(serve(registry, ServerConfig(ready_file=sys.argv[1]), [service]))
+"""
+
+
+@dataclass(frozen=True)
+class Method:
+    path: str  # "/flowgrpo.v1.Rollout/Generate"
+    request: type[Message]
+    base: Message  # a legitimate request, mutated one field at a time
+    stream: bool = False
+
+
+@dataclass
+class Target:
+    role: str
+    running: Running
+    methods: list[Method] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return self.running.address
+
+
+# --- random values from the descriptors --------------------------------------------------------
+
+STRINGS = ["", "a", "..", "../../..", "/", "/etc/passwd", "\x00", "\n", "é", "\u202e", "x" * 5000, "lora",
+           "gen_path", "sde", "cps", "global", "text_channel", "fixed", "random", "progressive", "images",
+           "prompt_ids", "latents", "log_probs", "sigmas", "weights", "uint8", "int64", "float32",
+           "bfloat16", "tcp://", "tcp://:", "tcp://a:b", "ipc://", "rollout", "reward", "trainer",
+           PROTOCOL_VERSION]  # fmt: skip
+INT32 = [0, 1, -1, 2, 3, 7, 16, 255, 1024, 2**20, 2**31 - 1, -(2**31)]  # 2**20: a multiple of 16
+INT64 = [*INT32, 2**53, 99999999, 2**63 - 1, -(2**63)]
+FLOATS = [0.0, -0.0, 1.0, -1.0, 0.5, 3.0, math.nan, math.inf, -math.inf, 1e308, -1e308, 5e-324]
+C = FieldDescriptor
+
+
+def random_text(rng: random.Random) -> str:
+    if rng.random() < 0.7:
+        return rng.choice(STRINGS)
+    chars = (rng.randint(0x20, 0x7E) if rng.random() < 0.7 else rng.randint(0, 0x10FFFF) for _ in range(40))
+    return "".join(chr(c) for c in chars if not 0xD800 <= c <= 0xDFFF)[: rng.randint(0, 40)]
+
+
+def random_scalar(f: Any, rng: random.Random) -> object:
+    kind = f.cpp_type
+    if kind == C.CPPTYPE_BOOL:
+        return rng.random() < 0.5
+    if kind in (C.CPPTYPE_INT32, C.CPPTYPE_INT64):
+        pool = INT32 if kind == C.CPPTYPE_INT32 else INT64
+        bits = 31 if kind == C.CPPTYPE_INT32 else 63
+        return rng.choice(pool) if rng.random() < 0.7 else rng.randint(-(2**bits), 2**bits - 1)
+    if kind in (C.CPPTYPE_UINT32, C.CPPTYPE_UINT64):
+        return rng.choice([0, 1, 2**32 - 1]) if rng.random() < 0.7 else rng.randint(0, 2**32 - 1)
+    if kind in (C.CPPTYPE_DOUBLE, C.CPPTYPE_FLOAT):
+        return rng.choice(FLOATS) if rng.random() < 0.7 else rng.uniform(-1e6, 1e6)
+    if kind == C.CPPTYPE_ENUM:
+        return rng.choice([v.number for v in f.enum_type.values] + [12345])
+    if f.type == C.TYPE_BYTES:
+        return rng.randbytes(rng.randint(0, 80))
+    return random_text(rng)
+
+
+def fill(msg: Message, rng: random.Random, depth: int = 0) -> Message:
+    """Set each field of ``msg`` (recursively, to depth 3) with probability 1/2 to random values."""
+    for f in msg.DESCRIPTOR.fields:
+        if rng.random() < 0.5:
+            set_random(msg, f, rng, depth)
+    return msg
+
+
+def set_random(msg: Message, f: Any, rng: random.Random, depth: int) -> None:
+    container = getattr(msg, f.name)
+    if f.message_type is not None and f.message_type.GetOptions().map_entry:
+        key_field, value_field = f.message_type.fields_by_name["key"], f.message_type.fields_by_name["value"]
+        msg.ClearField(f.name)
+        for _ in range(rng.randint(0, 3)):
+            key = random_scalar(key_field, rng)
+            if value_field.message_type is None:
+                container[key] = random_scalar(value_field, rng)
+            elif depth < 3:
+                fill(container[key], rng, depth + 1)
+            else:
+                container[key].SetInParent()
+    elif f.is_repeated:
+        msg.ClearField(f.name)
+        for _ in range(rng.choice([0, 1, 2, 3, 40])):
+            if f.message_type is not None:
+                item = container.add()
+                if depth < 3:
+                    fill(item, rng, depth + 1)
+            else:
+                container.append(random_scalar(f, rng))
+    elif f.message_type is not None:
+        msg.ClearField(f.name)
+        if depth < 3:
+            fill(container, rng, depth + 1)
+        else:
+            container.SetInParent()
+    else:
+        setattr(msg, f.name, random_scalar(f, rng))
+
+
+def fields_of(msg: Message) -> list[tuple[Message, Any]]:
+    """(message, field) pairs of ``msg`` and of its set sub-messages, to replace one of."""
+    pairs: list[tuple[Message, Any]] = [(msg, f) for f in msg.DESCRIPTOR.fields]
+    for f, value in msg.ListFields():
+        if f.message_type is None or f.message_type.GetOptions().map_entry:
+            continue
+        for item in value if f.is_repeated else [value]:
+            pairs += fields_of(item)
+    return pairs
+
+
+def mutated(base: Message, rng: random.Random) -> Message:
+    msg = type(base)()
+    msg.CopyFrom(base)
+    pairs = fields_of(msg)
+    if pairs:  # some requests have no fields
+        target, f = rng.choice(pairs)
+        set_random(target, f, rng, depth=2)
+    return msg
+
+
+def random_bytes(method: Method, rng: random.Random) -> bytes:
+    legit = method.base.SerializeToString()
+    kind = rng.randrange(3)
+    if kind == 0 or not legit:
+        return rng.randbytes(rng.choice([0, 1, 2, 5, 17, 64, 300]))
+    if kind == 1:  # bit flips of a legitimate request
+        data = bytearray(legit)
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        return bytes(data)
+    return legit[: rng.randrange(len(legit))]  # truncated
+
+
+def payload(method: Method, rng: random.Random) -> bytes:
+    kind = rng.randrange(3)
+    if kind == 0:
+        return random_bytes(method, rng)
+    if kind == 1:
+        return fill(method.request(), rng).SerializeToString()
+    return mutated(method.base, rng).SerializeToString()
+
+
+def parses(method: Method, data: bytes) -> bool:
+    try:
+        method.request.FromString(data)
+    except DecodeError:
+        return False
+    return True
+
+
+# --- the services ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Target]]:
+    root = tmp_path_factory.mktemp("fuzz")
+    tiny = make_tiny_bagel(root / "tiny", seed=0)
+    roles = {
+        "rollout": [f"rollout.checkpoint={tiny}", FETCH],
+        "trainer": [f"trainer.checkpoint={tiny}", f"trainer.checkpoint_dir={root / 'run' / 'checkpoints'}",
+                    "trainer.policy.lora_rank=4", "trainer.policy.lora_alpha=8",
+                    "trainer.loss.mini_batches=1", "trainer.loss.micro_batch_size=1", FETCH],
+        "reward": ["reward.scorers=[{name: jpeg_compressibility}]", FETCH],
+    }  # fmt: skip
+    with ThreadPoolExecutor(1) as pool:
+        coordinator = pool.submit(spawn_coordinator, root)
+        try:
+            started = start_all(roles, root)
+        except Exception:
+            with contextlib.suppress(Exception):
+                kill_service(coordinator.result().proc)
+            raise
+        try:
+            started["coordinator"] = coordinator.result()
+        except Exception:
+            for running in started.values():
+                kill_service(running.proc)
+            raise
+    targets = {role: Target(role, running) for role, running in started.items()}
+    try:
+        with serve_store() as store:
+            add_methods(targets, store)
+            yield targets
+    finally:
+        for running in started.values():
+            running.stop()
+        outside = [p for p in root.rglob("step_*") if root / "run" / "checkpoints" not in p.parents]
+        assert not outside, f"checkpoints written outside the trainer's folder: {outside}"
+
+
+def spawn_coordinator(root: Path) -> Running:
+    """The coordinator's registry served by the runtime in a process of its own."""
+    script, ready = root / "coordinator.py", root / "coordinator.ready.json"
+    script.write_text(textwrap.dedent(COORDINATOR))
+    proc = subprocess.Popen([sys.executable, str(script), str(ready)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            kill_service(proc)
+            raise AssertionError(f"the coordinator did not start: {proc.communicate()[1][-4000:]}")
+        time.sleep(0.05)
+    address = json.loads(ready.read_text())["grpc_address"]
+    running = Running.watch(proc, address)
+    asyncio.run(wait_ready(address, role="coordinator", timeout_s=60))
+    return running
+
+
+def add_methods(targets: dict[str, Target], store: BusServer) -> None:
+    """Each service's methods with a legitimate request of each (drawn from the real rollout)."""
+    prompt = put_tensor(store.store, "data/p0", "prompt_ids", torch.tensor([384, 5, 6, 385])).to_proto()
+    group = rollout_pb2.PromptGroup(prompt_uid="p0", prompt_ids=prompt, sample_indices=[0])
+    generate = rollout_pb2.GenerateRequest(step=1, seed=3, groups=[group], params=PARAMS, release_tag="fuzz")
+    with grpc.insecure_channel(targets["rollout"].address) as channel:
+        drawn = rollout_pb2_grpc.RolloutStub(channel).Generate(generate, timeout=120).samples[0]
+    update = common_pb2.WeightUpdate(policy_version=1, kind="lora", lora=common_pb2.LoraSpec(rank=4, alpha=8))
+    for name, shape in ((Q + ".lora_A.weight", (4, 64)), (Q + ".lora_B.weight", (64, 4))):
+        ref = put_tensor(store.store, f"weights/{name}", "weights", torch.full(shape, 0.01)).to_proto()
+        update.tensors.append(common_pb2.NamedTensor(name=name, ref=ref))
+    inputs = {"prompt_ids": prompt, **{c: drawn.outputs[c] for c in ("latents", "log_probs", "sigmas")}}
+    sample = trainer_pb2.TrainSample(prompt_uid="p0", sample_index=0, advantage=1.0, inputs=inputs,
+                                     window_begin=drawn.window_begin)  # fmt: skip
+    info = common_pb2.ServiceInfo(role="reward", replica_id="r", grpc_address=targets["coordinator"].address,
+                                  protocol_version=PROTOCOL_VERSION)  # fmt: skip
+    score = reward_pb2.ScoreRequest(sample_id="p0/0", image=drawn.outputs["images"], prompt="a picture")
+    load = rollout_pb2.LoadWeightsRequest(update=update)
+    train = trainer_pb2.TrainStepRequest(step=1, samples=[sample], params=PARAMS)
+    for role, service, methods in [
+        ("rollout", "Rollout", [("Generate", generate), ("LoadWeights", load),
+                                ("Release", rollout_pb2.ReleaseRequest(tags=["fuzz-x"]))]),
+        ("trainer", "Trainer", [("TrainStep", train), ("SaveCheckpoint", trainer_pb2.SaveCheckpointRequest()),
+                                ("State", trainer_pb2.TrainerStateRequest())]),
+        ("reward", "Reward", [("Score", score), ("Info", reward_pb2.RewardInfoRequest())]),
+        ("coordinator", "Coordinator", [("Register", coordinator_pb2.RegisterRequest(info=info)),
+                                        ("Heartbeat", coordinator_pb2.HeartbeatRequest(replica_id="r")),
+                                        ("Leave", coordinator_pb2.LeaveRequest(replica_id="r")),
+                                        ("RunStatus", coordinator_pb2.RunStatusRequest())]),
+    ]:  # fmt: skip
+        targets[role].methods = [
+            Method(f"/flowgrpo.v1.{service}/{name}", type(base), base, stream=name == "Score")
+            for name, base in methods
+        ]
+
+
+# --- the fuzz loop -----------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    sent: int = 0
+    codes: dict[str, int] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+
+def call(channel: grpc.Channel, method: Method, payloads: list[bytes], outcome: Outcome) -> None:
+    identity: Callable[[bytes], bytes] = lambda b: b  # noqa: E731
+    timeout = 10.0
+    try:
+        if method.stream:  # each result counts its per-sample error code, which must not be INTERNAL
+            for reply in channel.stream_stream(method.path, identity, identity)(
+                iter(payloads), timeout=timeout
+            ):
+                result = reward_pb2.ScoreResult.FromString(reply)
+                name = "sample " + common_pb2.ErrorCode.Name(result.error.code)
+                outcome.codes[name] = outcome.codes.get(name, 0) + 1
+                if result.error.code == common_pb2.ERROR_CODE_INTERNAL:
+                    outcome.failures.append(f"{method.path}: a per-sample INTERNAL error {result.error}")
+        else:
+            channel.unary_unary(method.path, identity, identity)(payloads[0], timeout=timeout)
+        code = grpc.StatusCode.OK
+    except grpc.RpcError as error:
+        code, details = error.code(), error.details()  # type: ignore[attr-defined]
+        if code in CRASHES and all(parses(method, p) for p in payloads):
+            outcome.failures.append(f"{method.path} {code.name}: {details} <- {[p[:120] for p in payloads]}")
+    outcome.codes[code.name] = outcome.codes.get(code.name, 0) + 1
+    outcome.sent += len(payloads)
+
+
+def fuzz(target: Target, seed: int) -> Outcome:
+    rng, outcome = random.Random(seed), Outcome()
+    with grpc.insecure_channel(target.address) as channel:
+        while outcome.sent < MESSAGES:
+            method = rng.choice(target.methods)
+            count = rng.randint(1, 4) if method.stream else 1
+            call(channel, method, [payload(method, rng) for _ in range(count)], outcome)
+    return outcome
+
+
+def still_serving(target: Target) -> None:
+    proc = target.running.proc
+    assert proc.poll() is None, f"the {target.role} process died: {''.join(target.running.log)[-4000:]}"
+    with grpc.insecure_channel(target.address) as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        legit = {
+            "rollout": "Generate",
+            "trainer": "SaveCheckpoint",
+            "reward": "Score",
+            "coordinator": "RunStatus",
+        }
+        method = next(m for m in target.methods if m.path.endswith("/" + legit[target.role]))
+        identity: Callable[[bytes], bytes] = lambda b: b  # noqa: E731
+        request = method.base.SerializeToString()
+        if method.stream:
+            [reply] = channel.stream_stream(method.path, identity, identity)(iter([request]), timeout=60)
+            result = reward_pb2.ScoreResult.FromString(reply)
+            assert not result.HasField("error") and math.isfinite(result.reward), result
+        else:
+            channel.unary_unary(method.path, identity, identity)(request, timeout=120)
+
+
+@pytest.mark.parametrize("role", ["rollout", "trainer", "reward", "coordinator"])
+def test_random_messages_never_crash_a_service(targets: dict[str, Target], role: str) -> None:
+    target = targets[role]
+    outcome = fuzz(target, SEED + len(role))
+    assert outcome.sent >= MESSAGES
+    assert not outcome.failures, (
+        f"{len(outcome.failures)} crash answers (seed {SEED + len(role)}), codes {outcome.codes}:\n"
+        + "\n".join(outcome.failures[:10])
+    )
+    refused = outcome.codes.get("INVALID_ARGUMENT", 0) + outcome.codes.get(
+        "sample ERROR_CODE_INVALID_ARGUMENT", 0
+    )
+    assert refused > 0, outcome.codes  # the checks ran
+    still_serving(target)
