@@ -17,9 +17,7 @@ the stream goes on.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
-import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -30,6 +28,7 @@ from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 from flowgrpo.bus import BusClient, BusError, Fetched, TensorRef
+from flowgrpo.bus.refs import endpoint_problem
 from flowgrpo.rewards import RewardModel, Sample, build_reward
 from flowgrpo.rewards.combine import Batch, Scored
 from flowgrpo.runtime import Actor, InvalidArgument, message
@@ -48,8 +47,6 @@ MAX_TEXT_CHARS = 65536  # prompt, ground truth
 MAX_ID_CHARS = 1024  # sample id, bus key, store id
 MAX_METADATA = 64  # entries; keys of at most MAX_ID_CHARS, values of at most MAX_TEXT_CHARS
 MAX_VERSION = 2**53  # policy versions (as the rollout and trainer take them)
-_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
-_HOST = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
 
 
 @dataclass
@@ -246,31 +243,12 @@ def _ref_problem(ref: common_pb2.TensorRef) -> str | None:
         return f"ScoreRequest.image.key: need 1 to {MAX_ID_CHARS} printable characters"
     if not ref.store_id or len(ref.store_id) > MAX_ID_CHARS:
         return f"ScoreRequest.image.store_id: need 1 to {MAX_ID_CHARS} characters"
-    if not _is_endpoint(ref.endpoint):
+    if endpoint_problem(ref.endpoint) is not None:
         return f"ScoreRequest.image.endpoint={ref.endpoint[:80]!r}: need tcp://HOST:PORT or ipc:///PATH"
     if not -1 <= ref.policy_version <= MAX_VERSION:
         version = ref.policy_version
         return f"ScoreRequest.image.policy_version={version}: need -1 <= policy_version <= {MAX_VERSION}"
     return None
-
-
-def _is_endpoint(endpoint: str) -> bool:
-    """A bus endpoint this process can connect to: tcp://HOST:PORT (port 1-65535) or ipc:///PATH."""
-    if endpoint.startswith("ipc://"):
-        path = endpoint.removeprefix("ipc://")
-        return path.startswith("/") and 1 < len(path) <= 107 and path.isprintable()
-    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-    if not endpoint.startswith("tcp://") or not (len(port) <= 5 and port.isascii() and port.isdigit()):
-        return False
-    if not 0 < int(port) < 65536:
-        return False
-    if host.startswith("[") and host.endswith("]"):
-        try:
-            ipaddress.IPv6Address(host[1:-1])
-        except ValueError:
-            return False
-        return True
-    return len(host) <= 253 and _HOST.fullmatch(host) is not None
 
 
 def _sample(request: reward_pb2.ScoreRequest, fetched: Fetched) -> Sample:

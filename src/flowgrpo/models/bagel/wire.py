@@ -14,9 +14,7 @@ vocabulary), what the math is defined for (interval ends and renorm floors in [0
 
 from __future__ import annotations
 
-import ipaddress
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,6 +22,7 @@ from torch import Tensor
 
 from flowgrpo.bus import TensorRef
 from flowgrpo.bus.dtypes import STORAGE
+from flowgrpo.bus.refs import endpoint_problem
 from flowgrpo.models.bagel.config import BagelConfig
 from flowgrpo.models.bagel.sampling import PIXELS_PER_TOKEN, SamplerParams
 from flowgrpo.sampler_math import CfgParams, WindowParams
@@ -202,36 +201,6 @@ def _leaf(field: str) -> str:
 
 
 # --- bus references --------------------------------------------------------------------------
-
-_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
-_HOST = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
-_PORT = re.compile(r"[0-9]{1,5}")
-MAX_IPC_PATH = 107  # a Unix socket path (sun_path holds 108 bytes with the NUL)
-
-
-def endpoint_problem(endpoint: str) -> str | None:
-    """What is wrong with a bus endpoint ("tcp://HOST:PORT" or "ipc:///PATH"), or None."""
-    if endpoint.startswith("ipc://"):
-        path = endpoint.removeprefix("ipc://")
-        if path.startswith("/") and 1 < len(path) <= MAX_IPC_PATH and path.isprintable():
-            return None
-        return f"an ipc endpoint needs an absolute socket path of at most {MAX_IPC_PATH} characters"
-    if endpoint.startswith("tcp://"):
-        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-        if _PORT.fullmatch(port) and 0 < int(port) < 65536 and _is_host(host):
-            return None
-        return "a tcp endpoint needs a host name or IP address and a port in [1, 65535]"
-    return "an endpoint is tcp://HOST:PORT or ipc:///PATH"
-
-
-def _is_host(host: str) -> bool:
-    if host.startswith("[") and host.endswith("]"):
-        try:
-            ipaddress.IPv6Address(host[1:-1])
-        except ValueError:
-            return False
-        return True
-    return len(host) <= 253 and _HOST.fullmatch(host) is not None
 
 
 def check_ref(
