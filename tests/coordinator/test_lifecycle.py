@@ -96,7 +96,8 @@ def test_a_second_signal_forces_the_stop_and_kills_the_services(tiny: Path, tmp_
     os.kill(proc.pid, signal.SIGTERM)
     os.kill(proc.pid, signal.SIGINT)  # not SIGTERM twice: the kernel merges a pending signal's repeats
     stderr = finish(proc, expect=130)
-    assert "forced to stop at step" in stderr and "run the same command to resume from step" in stderr
+    # before or after step 1's checkpoint, depending on when the signals land
+    assert "forced to stop at step" in stderr and "run the same command to" in stderr
     wait_gone(list(pids.values()), within_s=1)
 
 
