@@ -82,6 +82,7 @@ from flowgrpo.services.trainer.config import (
 from flowgrpo.services.trainer.distributed import (
     Dist,
     checkpoint_query_layers,
+    close_distributed,
     init_distributed,
     shard_model,
     uncheckpoint_query_layers,
@@ -698,9 +699,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915
     if rank0:
         _write(args.json, report)
         _print_table(report)
-    if dist.enabled:
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    close_distributed()
     return 0
 
 

@@ -65,6 +65,15 @@ def init_distributed(device: str) -> Dist:
     return Dist(rank=dist.get_rank(), world=dist.get_world_size())
 
 
+def close_distributed() -> None:
+    """Leave the torchrun job: a barrier (no rank tears down while another is in a collective),
+    then destroy the process group. A process that exits with the group alive can abort in
+    gloo's C++ teardown ("terminate called without an active exception") and fail the job."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def shard_model(model: nn.Module, device: str, param_dtype: torch.dtype | None = None) -> nn.Module:
     """FSDP2: each decoder layer its own unit, then the root (embeddings, heads, norms).
 

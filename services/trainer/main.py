@@ -12,14 +12,15 @@ CONFIG = TrainerServiceConfig
 
 
 def run(config: TrainerServiceConfig) -> None:
-    from flowgrpo.services.trainer.distributed import init_distributed  # torch: imported only to serve
+    # torch: imported only to serve
+    from flowgrpo.services.trainer.distributed import close_distributed, init_distributed
     from flowgrpo.services.trainer.service import TrainerService, follow
 
     dist = init_distributed(config.trainer.device)
     if dist.rank > 0:
         follow(config, dist)
-        return
-    actor = TrainerService(config, dist)
-    run_service(
-        actor, config, [Service("flowgrpo.v1.Trainer", actor, trainer_pb2_grpc.add_TrainerServicer_to_server)]
-    )
+    else:
+        actor = TrainerService(config, dist)
+        service = Service("flowgrpo.v1.Trainer", actor, trainer_pb2_grpc.add_TrainerServicer_to_server)
+        run_service(actor, config, [service])
+    close_distributed()  # after STOP reached every rank: each leaves the job in step

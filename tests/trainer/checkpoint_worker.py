@@ -28,7 +28,7 @@ from flowgrpo.services.trainer.checkpoint import (
     save_checkpoint,
 )
 from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig
-from flowgrpo.services.trainer.distributed import Dist, full_tensor, init_distributed
+from flowgrpo.services.trainer.distributed import Dist, close_distributed, full_tensor, init_distributed
 from flowgrpo.services.trainer.load import load_policy
 from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory
 
@@ -115,3 +115,4 @@ def main(checkpoint: Path, ckpt_dir: Path, mode: str, out: Path, damaged: Path |
 if __name__ == "__main__":
     args = sys.argv[1:]
     main(Path(args[0]), Path(args[1]), args[2], Path(args[3]), Path(args[4]) if len(args) > 4 else None)
+    close_distributed()

@@ -15,7 +15,7 @@ from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_toke
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, SamplerParams
 from flowgrpo.sampler_math import CfgParams, WindowParams
 from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig
-from flowgrpo.services.trainer.distributed import init_distributed
+from flowgrpo.services.trainer.distributed import close_distributed, init_distributed
 from flowgrpo.services.trainer.load import load_policy
 from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory
 
@@ -59,3 +59,4 @@ def main(checkpoint: Path, kind: str, out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]))
+    close_distributed()
