@@ -8,8 +8,6 @@ import pytest
 import torch
 
 from flowgrpo.sampler_math import (
-    CfgParams,
-    WindowParams,
     batch_noise,
     combine_cfg,
     cps_step,
@@ -19,6 +17,7 @@ from flowgrpo.sampler_math import (
     shifted_schedule,
     window_begin,
 )
+from flowgrpo.sampler_params import SamplerSettings
 
 
 def test_shifted_schedule_points_and_steps() -> None:
@@ -89,7 +88,7 @@ def test_cps_step_formula() -> None:
 def test_renorm_never_raises_the_norm_above_the_conditional_one(renorm: str) -> None:
     torch.manual_seed(4)
     v_c, v_u = torch.randn(6, 16, 64), torch.randn(6, 16, 64)
-    params = CfgParams(text_scale=4.0, renorm_type=renorm)  # type: ignore[arg-type]
+    params = SamplerSettings(cfg_text_scale=4.0, cfg_renorm_type=renorm)  # type: ignore[arg-type]
     out = combine_cfg(v_c, v_u, torch.full((6,), 0.5), params)
     if renorm == "global":
         assert bool((out.flatten(1).norm(dim=1) <= v_c.flatten(1).norm(dim=1) * (1 + 1e-6)).all())
@@ -100,7 +99,9 @@ def test_renorm_never_raises_the_norm_above_the_conditional_one(renorm: str) -> 
 def test_cfg_formula_and_per_sample_interval() -> None:
     torch.manual_seed(5)
     v_c, v_u = torch.randn(3, 4, 64), torch.randn(3, 4, 64)
-    params = CfgParams(text_scale=4.0, interval=(0.4, 1.0), renorm_type="global", renorm_min=0.0)
+    params = SamplerSettings(
+        cfg_text_scale=4.0, cfg_interval=(0.4, 1.0), cfg_renorm_type="global", cfg_renorm_min=0.0
+    )
     t = torch.tensor([0.9, 0.3, 0.5])  # sample 1 lies outside the interval, sample 0 inside
     out = combine_cfg(v_c, v_u, t, params)
     raw = v_u + 4.0 * (v_c - v_u)
@@ -113,7 +114,9 @@ def test_cfg_formula_and_per_sample_interval() -> None:
 def test_img_scale_above_one_uses_the_image_branch() -> None:
     torch.manual_seed(6)
     v_c, v_u, v_i = torch.randn(2, 4, 8), torch.randn(2, 4, 8), torch.randn(2, 4, 8)
-    params = CfgParams(text_scale=3.0, img_scale=1.5, renorm_type="global", renorm_min=1.0)
+    params = SamplerSettings(
+        cfg_text_scale=3.0, cfg_img_scale=1.5, cfg_renorm_type="global", cfg_renorm_min=1.0
+    )
     out = combine_cfg(v_c, v_u, torch.ones(2), params, v_img_uncond=v_i)
     expected = v_i + 1.5 * ((v_u + 3.0 * (v_c - v_u)) - v_i)  # renorm_min 1 -> scale exactly 1
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
@@ -140,16 +143,16 @@ def test_noise_is_a_pure_function_of_its_coordinates() -> None:
 
 
 def test_window_is_shared_by_a_group_and_moves_across_steps() -> None:
-    params = WindowParams(size=2, lo=0, hi=7, strategy="random")
-    begins = [window_begin(params, 14, seed=0, step=s, prompt_uid="p1") for s in range(40)]
+    params = SamplerSettings(num_points=15, window_size=2, window_range=(0, 7), window_strategy="random")
+    begins = [window_begin(params, seed=0, step=s, prompt_uid="p1") for s in range(40)]
     assert all(0 <= b <= 5 for b in begins)
     assert len(set(begins)) == 6, "every admissible window start is used over 40 steps"
-    assert window_begin(params, 14, 0, 3, "p1") == window_begin(params, 14, 0, 3, "p1")
-    across_prompts = {window_begin(params, 14, 0, 3, f"p{i}") for i in range(20)}
+    assert window_begin(params, 0, 3, "p1") == window_begin(params, 0, 3, "p1")
+    across_prompts = {window_begin(params, 0, 3, f"p{i}") for i in range(20)}
     assert len(across_prompts) > 1, "different groups of one step get different windows"
-    fixed = WindowParams(size=2, lo=0, hi=7, strategy="fixed")
-    assert len({window_begin(fixed, 14, 0, s, f"p{s}") for s in range(20)}) == 1
-    prog = WindowParams(size=3, lo=0, hi=7, strategy="progressive")
-    assert [window_begin(prog, 14, 0, s, "p") for s in range(6)] == [0, 1, 2, 3, 4, 0]
+    fixed = SamplerSettings(num_points=15, window_size=2, window_range=(0, 7), window_strategy="fixed")
+    assert len({window_begin(fixed, 0, s, f"p{s}") for s in range(20)}) == 1
+    prog = SamplerSettings(num_points=15, window_size=3, window_range=(0, 7), window_strategy="progressive")
+    assert [window_begin(prog, 0, s, "p") for s in range(6)] == [0, 1, 2, 3, 4, 0]
     with pytest.raises(ValueError, match="does not fit a schedule of 14 steps"):
-        window_begin(WindowParams(size=2, lo=0, hi=15), 14, 0, 0, "p")
+        window_begin(SamplerSettings(num_points=15, window_size=2, window_range=(0, 15)), 0, 0, "p")

@@ -51,12 +51,11 @@ from flowgrpo.models.bagel.parallelize import compile_query_layers, uncompile_qu
 from flowgrpo.models.bagel.sampling import (
     BagelSampler,
     SampleRequest,
-    SamplerParams,
     prefill_prompts,
     with_cfg_branches,
 )
 from flowgrpo.models.bagel.vae import AutoEncoder, images_to_uint8
-from flowgrpo.sampler_math import CfgParams
+from flowgrpo.sampler_params import SamplerParams
 
 GROUP = 16  # samples per prompt (FlowGRPO's G): a batch holds ceil(batch / 16) distinct prompts
 # The 7B's special-token ids (SPEC section 1); no tokenizer is loaded here.
@@ -210,7 +209,7 @@ def build_context(model: BagelModel, requests: list[SampleRequest]) -> KVCache:
     prompts = [next(r.prompt_ids for r in requests if r.prompt_uid == uid) for uid in uids]
     cache = prefill_prompts(model, prompts)
     rows = torch.tensor([uids.index(r.prompt_uid) for r in requests], device=cache.key_mask.device)
-    return with_cfg_branches(model, cache.select(rows), CfgParams())
+    return with_cfg_branches(model, cache.select(rows), SamplerParams())
 
 
 def context_lengths(requests: list[SampleRequest]) -> list[int]:

@@ -62,9 +62,10 @@ from flowgrpo.models.bagel.checkpoint import EMA_FILE, save_bagel_checkpoint, ti
 from flowgrpo.models.bagel.config import BagelConfig, SpecialTokens, bagel_7b, flux_vae, tiny, tiny_vae
 from flowgrpo.models.bagel.model import BagelModel
 from flowgrpo.models.bagel.parallelize import compile_query_layers, uncompile_query_layers
-from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, SamplerParams
+from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, token_grid
 from flowgrpo.models.bagel.vae import AutoEncoder
-from flowgrpo.sampler_math import CfgParams, WindowParams, shifted_schedule
+from flowgrpo.sampler_math import shifted_schedule
+from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.bench.rollout import (
     SPECIAL_7B,
     SPECIAL_TINY,
@@ -210,9 +211,9 @@ def sampled_batch(
 def random_batch(cfg: BagelConfig, requests: list[SampleRequest], params: SamplerParams) -> list[Trajectory]:
     """Random latents at a fixed window (begin 3) and zero behaviour log-probs: enough for timing."""
     g = torch.Generator().manual_seed(2)
-    rows, cols = params.token_grid()
-    schedule = shifted_schedule(params.num_points, params.shift)
-    w = params.window.size
+    rows, cols = token_grid(params)
+    schedule = shifted_schedule(params.num_points, params.timestep_shift)
+    w = params.window_size
     out = []
     for r in requests:
         latents = torch.randn(w + 1, rows * cols, cfg.latent_token_dim, generator=g)
@@ -641,8 +642,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915
         height=side,
         width=side,
         decode_images=False,
-        cfg=CfgParams(text_scale=args.cfg_scale),
-        window=WindowParams(size=args.window, lo=0, hi=min(7, args.num_points - 1)),
+        cfg_text_scale=args.cfg_scale,
+        window_size=args.window,
+        window_range=(0, min(7, args.num_points - 1)),
     )
     requests = make_requests(args.batch, args.group, args.prompt_len, special)
     begin = time.perf_counter()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal
 
@@ -19,13 +19,14 @@ import yaml
 
 from flowgrpo.bus.config import BusConfig
 from flowgrpo.config import ConfigError, from_dict, load_config
+from flowgrpo.fields import check_int
 from flowgrpo.models.bagel.config import GEN_PATH_LINEARS
 from flowgrpo.rewards.config import RewardConfig
 from flowgrpo.runtime.config import ServerConfig
+from flowgrpo.sampler_params import MAX_NUM_POINTS, SamplerParams, SamplerSettings
 from flowgrpo.services.reward.config import StreamConfig
 from flowgrpo.services.rollout.config import EngineConfig
 from flowgrpo.services.trainer.config import TrainerConfig
-from flowgrpo.v1 import common_pb2
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")  # a torch device string as the services take it
 
@@ -64,67 +65,28 @@ class DataConfig:
             raise ValueError(f"data.val_prompts={self.val_prompts} must be >= 0")
 
 
-@dataclass
-class SamplingConfig:
-    """The sampler settings of training rollouts (SPEC sections 2-3); validation samples with
-    the ODE (noise 0) on ``eval_num_points``."""
+@dataclass(frozen=True)
+class SamplingConfig(SamplerSettings):
+    """The sampler settings of training rollouts (every knob is :class:`SamplerSettings`'s),
+    their image size, and the schedule of validation, which samples with the ODE (noise 0)."""
 
-    num_points: int = 15  # schedule points: num_points - 1 denoising steps
-    eval_num_points: int = 50
     resolution: int = 512  # pixels, square; a multiple of 16
-    timestep_shift: float = 3.0
-    cfg_text_scale: float = 4.0
-    cfg_img_scale: float = 1.0
-    cfg_interval: tuple[float, float] = (0.0, 1.0)
-    cfg_renorm_type: Literal["global", "channel", "text_channel"] = "global"
-    cfg_renorm_min: float = 0.0
-    sde_type: Literal["sde", "cps"] = "sde"
-    noise_level: float = 1.3
-    window_size: int = 2  # consecutive stochastic (trained) steps
-    window_range: tuple[int, int] = (0, 7)  # the window begins in [lo, hi - size]
-    window_strategy: Literal["random", "fixed", "progressive"] = "random"
-    deterministic: bool = False  # deterministic kernels (CPU: bitwise-reproducible runs)
+    eval_num_points: int = 50
 
     def validate(self) -> None:
-        steps = self.num_points - 1
-        lo, hi = self.window_range
-        if self.num_points < 2 or self.eval_num_points < 2:
-            raise ValueError("sampling.num_points and sampling.eval_num_points must be >= 2")
+        self.check("sampling")
+        check_int("sampling.eval_num_points", self.eval_num_points, 2, MAX_NUM_POINTS)
         if self.resolution <= 0 or self.resolution % 16:
             raise ValueError(f"sampling.resolution={self.resolution} must be a positive multiple of 16")
-        if self.window_size < 1 or lo < 0 or lo + self.window_size > hi or hi > steps:
-            raise ValueError(
-                f"sampling.window_size={self.window_size} in sampling.window_range=[{lo}, {hi}] does not fit "
-                f"a schedule of {steps} steps (num_points={self.num_points}): need "
-                f"0 <= lo, lo + window_size <= hi <= {steps}"
-            )
-        if self.noise_level < 0:
-            raise ValueError(f"sampling.noise_level={self.noise_level} must be >= 0")
 
-    def to_proto(self, evaluation: bool = False) -> common_pb2.SamplerParams:
+    def params(self, evaluation: bool = False) -> SamplerParams:
         """Training rollouts, or validation ones (ODE, ``eval_num_points``, no window)."""
-        points = self.eval_num_points if evaluation else self.num_points
-        lo, hi = (0, points - 1) if evaluation else self.window_range
-        return common_pb2.SamplerParams(
-            num_points=points,
-            timestep_shift=self.timestep_shift,
-            cfg_text_scale=self.cfg_text_scale,
-            cfg_img_scale=self.cfg_img_scale,
-            cfg_interval_lo=self.cfg_interval[0],
-            cfg_interval_hi=self.cfg_interval[1],
-            cfg_renorm_type=self.cfg_renorm_type,
-            cfg_renorm_min=self.cfg_renorm_min,
-            sde_type=self.sde_type,
-            noise_level=0.0 if evaluation else self.noise_level,
-            sde_window_size=1 if evaluation else self.window_size,
-            sde_window_lo=lo,
-            sde_window_hi=hi,
-            window_strategy="fixed" if evaluation else self.window_strategy,
-            height=self.resolution,
-            width=self.resolution,
-            deterministic=self.deterministic,
-            decode_images=True,
-        )
+        settings = {f.name: getattr(self, f.name) for f in fields(SamplerSettings)}
+        if evaluation:
+            points = self.eval_num_points
+            settings |= {"num_points": points, "noise_level": 0.0, "window_size": 1,
+                         "window_range": (0, points - 1), "window_strategy": "fixed"}  # fmt: skip
+        return SamplerParams(**settings, height=self.resolution, width=self.resolution)
 
 
 @dataclass

@@ -193,7 +193,7 @@ class Coordinator:
                     )
                     for g in chunk
                 ],
-                params=self.config.sampling.to_proto(evaluation=True),
+                params=self.config.sampling.params(evaluation=True).to_proto(),
                 min_policy_version=self.state.policy_version,
                 release_tag=tag,
             )
@@ -334,7 +334,7 @@ class Coordinator:
                 )
                 for g in chunk
             ],
-            params=self.config.sampling.to_proto(),
+            params=self.config.sampling.params().to_proto(),
             min_policy_version=self.state.policy_version,
             release_tag=f"step{step}",
         )
@@ -397,13 +397,12 @@ class Coordinator:
                 policy_version=s.policy_version,
                 advantage=a,
                 inputs={"prompt_ids": g.ids_ref, **{c: s.outputs[c] for c in TRAIN_COLUMNS}},
-                window_begin=s.window_begin,
             )
             for g in groups
             for s, a in zip(g.samples, advantages[g.row.prompt_uid], strict=True)
         ]
         request = trainer_pb2.TrainStepRequest(
-            step=step, samples=samples, params=self.config.sampling.to_proto(), seed=self.config.schedule.seed
+            step=step, samples=samples, params=self.config.sampling.params().to_proto()
         )
         try:
             timeout = self.config.launch.request_timeout_s

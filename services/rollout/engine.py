@@ -25,10 +25,10 @@ from flowgrpo.models.bagel.policy import LoraMode, PolicyApplier, PolicyUpdate
 from flowgrpo.models.bagel.sampling import (
     BagelSampler,
     SampleRequest,
-    SamplerParams,
     Trajectories,
     concat_trajectories,
 )
+from flowgrpo.sampler_params import SamplerParams
 
 log = logging.getLogger(__name__)
 

@@ -31,27 +31,25 @@ from flowgrpo.bus import (
 )
 from flowgrpo.bus.dtypes import itemsize
 from flowgrpo.bus.torch_tensors import put_tensor, to_torch
+from flowgrpo.fields import FieldError, check_float, check_id, check_int
 from flowgrpo.models.bagel.checkpoint import read_bagel_config
 from flowgrpo.models.bagel.policy import PolicyUpdate, PolicyUpdateError
-from flowgrpo.models.bagel.sampling import SampleRequest, SamplerParams, Trajectories
+from flowgrpo.models.bagel.sampling import SampleRequest, Trajectories
 from flowgrpo.models.bagel.wire import (
     MAX_DIM,
     MAX_SAMPLE_INDEX,
     MAX_STEP,
     MAX_VERSION,
     WEIGHT_DTYPES,
-    FieldError,
     ModelLimits,
     check_finite,
-    check_float,
-    check_id,
-    check_int,
     check_ref,
     check_token_ids,
     sampler_params_from_proto,
 )
 from flowgrpo.runtime import Actor, InvalidArgument, message, raise_if_abandoned
 from flowgrpo.runtime.data import fetch_inputs
+from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.rollout.config import RolloutServiceConfig
 from flowgrpo.services.rollout.engine import NativeBagelEngine, RolloutEngine
 from flowgrpo.telemetry import links_from

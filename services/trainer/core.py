@@ -13,23 +13,21 @@ from opentelemetry import trace
 
 from flowgrpo.bus import BusClient, TensorRef
 from flowgrpo.bus.torch_tensors import to_torch
+from flowgrpo.fields import FieldError, check_float, check_id, check_int
 from flowgrpo.models.bagel.checkpoint import load_special_tokens
-from flowgrpo.models.bagel.sampling import SamplerParams
+from flowgrpo.models.bagel.sampling import token_grid
 from flowgrpo.models.bagel.wire import (
     MAX_SAMPLE_INDEX,
     MAX_STEP,
-    FieldError,
     ModelLimits,
     check_finite,
-    check_float,
-    check_id,
-    check_int,
     check_ref,
     check_token_ids,
     sampler_params_from_proto,
 )
 from flowgrpo.runtime import InvalidArgument
 from flowgrpo.runtime.data import fetch_inputs
+from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from flowgrpo.services.trainer.config import TrainerServiceConfig
 from flowgrpo.services.trainer.distributed import Dist
@@ -109,8 +107,6 @@ class TrainerCore:
                 "(this trainer's version; a sample cannot come from a newer policy)"
             )
         check_float(f"{where}.advantage", sample.advantage, -MAX_ADVANTAGE, MAX_ADVANTAGE)
-        window = params.window
-        check_int(f"{where}.window_begin", sample.window_begin, window.lo, window.hi - window.size)
         missing = [c for c in INPUT_COLUMNS if c not in sample.inputs]
         if missing:
             raise FieldError(
@@ -123,7 +119,7 @@ class TrainerCore:
 
     def _input_shapes(self, params: SamplerParams) -> list[tuple[str, str, list[tuple[int, int]]]]:
         """Column, dtype and shape of each input of a sample drawn with ``params``."""
-        size, (rows, cols), limits = params.window.size, params.token_grid(), self.limits
+        size, (rows, cols), limits = params.window_size, token_grid(params), self.limits
         tokens, dim = rows * cols, limits.token_dim
         return [
             ("prompt_ids", "int64", [(1, limits.max_prompt_tokens)]),

@@ -33,14 +33,15 @@ from torch import Tensor
 from flowgrpo.models.bagel.config import SpecialTokens
 from flowgrpo.models.bagel.model import BagelModel, latent_position_ids
 from flowgrpo.models.bagel.sampling import (
-    SamplerParams,
     deterministic_kernels,
     guided_velocity,
     prefill_prompts,
+    token_grid,
     window_step,
     with_cfg_branches,
 )
 from flowgrpo.sampler_math import StepResult, shifted_schedule
+from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.trainer.config import LossConfig, OptimConfig
 from flowgrpo.services.trainer.distributed import Dist, full_tensor
 from flowgrpo.services.trainer.loss import (
@@ -290,20 +291,18 @@ class FlowGRPOStep:
         model = self.policy.model
         autocast = compute_autocast(model) if self.mixed_precision else contextlib.nullcontext()
         with torch.no_grad(), autocast:
-            context = with_cfg_branches(
-                model, prefill_prompts(model, [t.prompt_ids for t in part]), params.cfg
-            )
+            context = with_cfg_branches(model, prefill_prompts(model, [t.prompt_ids for t in part]), params)
         device = context.key_mask.device
-        rows, cols = params.token_grid()
+        rows, cols = token_grid(params)
         pos_ids = latent_position_ids(rows, cols, model.config.max_latent_size, device)
-        after_first = float(shifted_schedule(params.num_points, params.shift)[1])
+        after_first = float(shifted_schedule(params.num_points, params.timestep_shift)[1])
         latents = torch.stack([t.latents for t in part]).to(device)
         sigmas = torch.stack([t.sigmas for t in part]).to(device)
         steps = []
         for k in range(latents.shape[1] - 1):
             x, x_next, sigma, sigma_next = latents[:, k], latents[:, k + 1], sigmas[:, k], sigmas[:, k + 1]
             with autocast:
-                v = guided_velocity(model, context, x, sigma, pos_ids, cfg=params.cfg, special=self.special)
+                v = guided_velocity(model, context, x, sigma, pos_ids, params=params, special=self.special)
             steps.append(
                 window_step(params, x, v, sigma, sigma_next, sigma_after_first=after_first, x_next=x_next)
             )

@@ -32,9 +32,9 @@ from flowgrpo.models.bagel.checkpoint import (
 )
 from flowgrpo.models.bagel.config import BagelConfig
 from flowgrpo.models.bagel.policy import PolicyApplier, PolicyUpdate
-from flowgrpo.models.bagel.sampling import PIXELS_PER_TOKEN, BagelSampler, SampleRequest, SamplerParams
+from flowgrpo.models.bagel.sampling import PIXELS_PER_TOKEN, BagelSampler, SampleRequest
 from flowgrpo.prompts import PromptTokenizer
-from flowgrpo.sampler_math import CfgParams, WindowParams
+from flowgrpo.sampler_params import SamplerParams
 
 USUAL_SIZE = 1024  # px: BAGEL's usual resolution, the default side where the checkpoint allows it
 SLUG_CHARS = 60
@@ -107,9 +107,11 @@ def sampler_params(options: GenerateOptions, height: int, width: int) -> Sampler
     """The sampler settings of ``options``: one stochastic step at the start when noise_level > 0."""
     return SamplerParams(
         num_points=options.num_points,
-        cfg=CfgParams(text_scale=options.cfg_text_scale),
+        cfg_text_scale=options.cfg_text_scale,
         noise_level=options.noise_level,
-        window=WindowParams(size=1, lo=0, hi=1, strategy="fixed"),
+        window_size=1,
+        window_range=(0, 1),
+        window_strategy="fixed",
         height=height,
         width=width,
     )

@@ -15,15 +15,11 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-RenormType = Literal["global", "channel", "text_channel"]
-SdeType = Literal["sde", "cps"]
-WindowStrategy = Literal["random", "fixed", "progressive"]
-
+from flowgrpo.sampler_params import SamplerSettings
 
 # --- schedule ------------------------------------------------------------------------------
 
@@ -37,15 +33,6 @@ def shifted_schedule(num_points: int, shift: float = 3.0) -> Tensor:
 
 
 # --- classifier-free guidance ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CfgParams:
-    text_scale: float = 4.0
-    img_scale: float = 1.0
-    interval: tuple[float, float] = (0.0, 1.0)  # CFG applies where lo < t <= hi
-    renorm_type: RenormType = "global"
-    renorm_min: float = 0.0
 
 
 def cfg_active(t: Tensor, interval: tuple[float, float]) -> Tensor:
@@ -73,7 +60,7 @@ def combine_cfg(
     v_cond: Tensor,
     v_uncond: Tensor,
     t: Tensor,
-    params: CfgParams,
+    params: SamplerSettings,
     v_img_uncond: Tensor | None = None,
 ) -> Tensor:
     """Combine the CFG branches of velocities [B, N, C] at times t [B] (SPEC section 2.5).
@@ -84,16 +71,16 @@ def combine_cfg(
     """
     v_cond, v_uncond = v_cond.float(), v_uncond.float()
     v_img = v_cond if v_img_uncond is None else v_img_uncond.float()
-    s_t, s_i = params.text_scale, params.img_scale
+    s_t, s_i = params.cfg_text_scale, params.cfg_img_scale
     v_text = v_uncond + s_t * (v_cond - v_uncond)
-    if params.renorm_type == "text_channel":
-        v_text = _renorm(v_text, v_cond, per_token=True, renorm_min=params.renorm_min)
+    if params.cfg_renorm_type == "text_channel":
+        v_text = _renorm(v_text, v_cond, per_token=True, renorm_min=params.cfg_renorm_min)
         out = v_img + s_i * (v_text - v_img) if s_i > 1.0 else v_text
     else:
         out = v_img + s_i * (v_text - v_img) if s_i > 1.0 else v_text
-        per_token = params.renorm_type == "channel"
-        out = _renorm(out, v_cond, per_token=per_token, renorm_min=params.renorm_min)
-    active = cfg_active(t.float(), params.interval).view(-1, 1, 1)
+        per_token = params.cfg_renorm_type == "channel"
+        out = _renorm(out, v_cond, per_token=per_token, renorm_min=params.cfg_renorm_min)
+    active = cfg_active(t.float(), params.cfg_interval).view(-1, 1, 1)
     return torch.where(active, out, v_cond)
 
 
@@ -239,31 +226,19 @@ def batch_noise(
 # --- the SDE window --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class WindowParams:
-    size: int = 2
-    lo: int = 0
-    hi: int = 7
-    strategy: WindowStrategy = "random"
-
-    def check(self, num_steps: int) -> None:
-        if self.size < 1 or self.lo < 0 or self.lo + self.size > self.hi or self.hi > num_steps:
-            raise ValueError(
-                f"SDE window size {self.size} in range [{self.lo}, {self.hi}] does not fit a schedule of "
-                f"{num_steps} steps: need 0 <= lo, lo + size <= hi <= {num_steps}"
-            )
-
-
-def window_begin(params: WindowParams, num_steps: int, seed: int, step: int, prompt_uid: str) -> int:
+def window_begin(params: SamplerSettings, seed: int, step: int, prompt_uid: str) -> int:
     """First trained step of a prompt group's SDE window: [begin, begin + size).
 
     Shared by the G samples of a group (per-sample windows collapsed a reference run) and a pure
     function of (run seed, step, prompt uid): never of a GPU rank or replica index.
     """
-    params.check(num_steps)
-    choices = params.hi - params.size - params.lo + 1
-    if params.strategy == "fixed":
-        return params.lo + coordinate_seed(seed, "window") % choices
-    if params.strategy == "progressive":
-        return params.lo + step % choices
-    return params.lo + coordinate_seed(seed, step, prompt_uid, "window") % choices
+    lo, hi = params.window_range
+    choices = hi - params.window_size - lo + 1
+    if choices < 1 or lo < 0 or hi > params.num_steps:  # callers check() first; this names the cause
+        raise ValueError(f"window_size={params.window_size} in window_range=[{lo}, {hi}] does not fit "
+                         f"a schedule of {params.num_steps} steps")  # fmt: skip
+    if params.window_strategy == "fixed":
+        return lo + coordinate_seed(seed, "window") % choices
+    if params.window_strategy == "progressive":
+        return lo + step % choices
+    return lo + coordinate_seed(seed, step, prompt_uid, "window") % choices

@@ -191,10 +191,10 @@ def test_bagel_recipe_values_are_specs_table(name: str) -> None:
     assert cfg.data.prompts_per_step // cfg.trainer.loss.mini_batches == mini_batch_prompts
     assert cfg.trainer.optim.eps == 1e-8  # AdamW's default, the references' value
     assert cfg.trainer.dtype == "bfloat16" and cfg.rollout.dtype == "bfloat16"  # SPEC 2.7: bf16 on GPU
-    evaluation = cfg.sampling.to_proto(evaluation=True)  # validation: the ODE on 50 points
+    evaluation = cfg.sampling.params(evaluation=True).to_proto()  # validation: the ODE on 50 points
     assert (evaluation.noise_level, evaluation.num_points) == (0.0, 50)
-    training = cfg.sampling.to_proto()
-    assert (training.sde_window_size, training.sde_window_lo, training.sde_window_hi) == (
+    training = cfg.sampling.params().to_proto()
+    assert (training.window_size, training.window_range_lo, training.window_range_hi) == (
         expected["sampling.window_size"],
         0,
         7,

@@ -10,15 +10,15 @@ import torch
 from flowgrpo.models.bagel.config import SpecialTokens, tiny
 from flowgrpo.models.bagel.model import BagelModel
 from flowgrpo.models.bagel.policy import PolicyApplier, PolicyUpdate, PolicyUpdateError
-from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, SamplerParams
-from flowgrpo.sampler_math import WindowParams
+from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
+from flowgrpo.sampler_params import SamplerParams
 
 Q = "language_model.model.layers.0.self_attn.q_proj_moe_gen"
 UP = "language_model.model.layers.1.mlp_moe_gen.up_proj"
 NO_LAYER = "language_model.model.layers.9.mlp_moe_gen.up_proj.weight"
 UND = "language_model.model.layers.0.mlp.up_proj.weight"
 SPECIAL = SpecialTokens(im_start=384, im_end=385, vision_start=386, vision_end=387)
-PARAMS = SamplerParams(num_points=5, height=32, width=32, window=WindowParams(size=1, lo=0, hi=2),
+PARAMS = SamplerParams(num_points=5, height=32, width=32, window_size=1, window_range=(0, 2),
                        deterministic=True, decode_images=False)  # fmt: skip
 
 

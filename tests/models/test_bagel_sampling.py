@@ -14,17 +14,17 @@ from flowgrpo.models.bagel.model import latent_position_ids
 from flowgrpo.models.bagel.sampling import (
     BagelSampler,
     SampleRequest,
-    SamplerParams,
     deterministic_kernels,
     guided_velocity,
     prefill_prompts,
     window_step,
     with_cfg_branches,
 )
-from flowgrpo.sampler_math import WindowParams, ode_step, sample_noise, shifted_schedule
+from flowgrpo.sampler_math import ode_step, sample_noise, shifted_schedule
+from flowgrpo.sampler_params import SamplerParams
 
 SEED, STEP = 11, 3
-PARAMS = SamplerParams(num_points=9, height=64, width=64, window=WindowParams(size=2, lo=0, hi=5))
+PARAMS = SamplerParams(num_points=9, height=64, width=64, window_size=2, window_range=(0, 5))
 
 
 @pytest.fixture(scope="module")
@@ -92,12 +92,12 @@ def test_stored_steps_rescore_to_the_behaviour_log_prob(sampler: BagelSampler) -
     schedule = shifted_schedule(params.num_points)
     for row, req in enumerate(reqs):
         with deterministic_kernels():  # the sampler's deterministic mode: same kernels, one thread
-            cache = with_cfg_branches(model, prefill_prompts(model, [req.prompt_ids]), params.cfg)
-        for k in range(params.window.size):
+            cache = with_cfg_branches(model, prefill_prompts(model, [req.prompt_ids]), params)
+        for k in range(params.window_size):
             x, x_next = out.latents[row : row + 1, k], out.latents[row : row + 1, k + 1]
             sig, sig_next = out.sigmas[row : row + 1, k], out.sigmas[row : row + 1, k + 1]
             with torch.no_grad(), deterministic_kernels():
-                v = guided_velocity(model, cache, x, sig, pos, cfg=params.cfg, special=special)
+                v = guided_velocity(model, cache, x, sig, pos, params=params, special=special)
             scored = window_step(
                 params, x, v, sig, sig_next, sigma_after_first=float(schedule[1]), x_next=x_next
             )
@@ -125,11 +125,9 @@ def test_noise_level_zero_is_the_euler_ode(sampler: BagelSampler) -> None:
             (16, 64), seed=SEED, step=STEP, prompt_uid=req.prompt_uid, sample_index=0, stream="init"
         )[None]
         with torch.no_grad(), deterministic_kernels():
-            cache = with_cfg_branches(model, prefill_prompts(model, [req.prompt_ids]), params.cfg)
+            cache = with_cfg_branches(model, prefill_prompts(model, [req.prompt_ids]), params)
             for i in range(params.num_steps):
-                v = guided_velocity(
-                    model, cache, x, schedule[i : i + 1], pos, cfg=params.cfg, special=special
-                )
+                v = guided_velocity(model, cache, x, schedule[i : i + 1], pos, params=params, special=special)
                 x = ode_step(x, v, schedule[i], schedule[i + 1])
         assert torch.equal(out.final_latents[row : row + 1], x)  # bitwise: the same Euler loop
 
@@ -147,7 +145,7 @@ def test_bad_inputs_are_refused(sampler: BagelSampler) -> None:
     with pytest.raises(ValueError, match="multiple of 16"):
         sampler.generate(requests(), replace(PARAMS, height=60), seed=0, step=0)
     with pytest.raises(ValueError, match="does not fit a schedule of 8 steps"):
-        sampler.generate(requests(), replace(PARAMS, window=WindowParams(size=2, lo=0, hi=9)), seed=0, step=0)
+        sampler.generate(requests(), replace(PARAMS, window_size=2, window_range=(0, 9)), seed=0, step=0)
     twisted = [SampleRequest("p0", 0, torch.tensor([1, 2])), SampleRequest("p0", 1, torch.tensor([1, 3]))]
     with pytest.raises(ValueError, match="two different token sequences"):
         sampler.generate(twisted, PARAMS, seed=0, step=0)

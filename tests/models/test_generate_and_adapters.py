@@ -17,9 +17,9 @@ from flowgrpo.generate import prompt_names
 from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens, load_vae, make_tiny_bagel
 from flowgrpo.models.bagel.peft_format import load_peft_adapter, save_peft_adapter
 from flowgrpo.models.bagel.policy import PolicyApplier, PolicyUpdate, PolicyUpdateError
-from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, SamplerParams
+from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
 from flowgrpo.prompts import PromptTokenizer
-from flowgrpo.sampler_math import CfgParams, WindowParams
+from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.cli import main
 from flowgrpo.services.trainer.checkpoint import find_run_checkpoint, read_policy_update
 
@@ -153,8 +153,8 @@ def test_generate_from_a_run_checkpoint(
     PolicyApplier(model).apply(read_policy_update(find_run_checkpoint(run).path))
     sampler = BagelSampler(model, load_vae(tiny, dtype=torch.float32), load_special_tokens(tiny))
     ids = torch.tensor(PromptTokenizer.from_checkpoint(tiny).encode("a red fox").ids)
-    params = SamplerParams(num_points=7, cfg=CfgParams(text_scale=4.0), noise_level=0.0, height=64, width=64,
-                           window=WindowParams(size=1, lo=0, hi=1, strategy="fixed"))  # fmt: skip
+    params = SamplerParams(num_points=7, cfg_text_scale=4.0, noise_level=0.0, height=64, width=64,
+                           window_size=1, window_range=(0, 1), window_strategy="fixed")  # fmt: skip
     rollout = sampler.generate([SampleRequest("a-red-fox", s, ids) for s in range(2)], params, seed=0, step=0)
     assert rollout.images is not None
     assert all(np.array_equal(a, b.numpy()) for a, b in zip(latest, rollout.images, strict=True))

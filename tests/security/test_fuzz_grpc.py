@@ -60,9 +60,9 @@ PARAMS = common_pb2.SamplerParams(
     cfg_renorm_type="global",
     sde_type="sde",
     noise_level=1.0,
-    sde_window_size=1,
-    sde_window_lo=0,
-    sde_window_hi=1,
+    window_size=1,
+    window_range_lo=0,
+    window_range_hi=1,
     window_strategy="random",
     height=16,
     width=16,
@@ -301,8 +301,7 @@ def add_methods(targets: dict[str, Target], store: BusServer) -> None:
         ref = put_tensor(store.store, f"weights/{name}", "weights", torch.full(shape, 0.01)).to_proto()
         update.tensors.append(common_pb2.NamedTensor(name=name, ref=ref))
     inputs = {"prompt_ids": prompt, **{c: drawn.outputs[c] for c in ("latents", "log_probs", "sigmas")}}
-    sample = trainer_pb2.TrainSample(prompt_uid="p0", sample_index=0, advantage=1.0, inputs=inputs,
-                                     window_begin=drawn.window_begin)  # fmt: skip
+    sample = trainer_pb2.TrainSample(prompt_uid="p0", sample_index=0, advantage=1.0, inputs=inputs)
     info = common_pb2.ServiceInfo(role="reward", replica_id="r", grpc_address=targets["coordinator"].address,
                                   protocol_version=PROTOCOL_VERSION)  # fmt: skip
     score = reward_pb2.ScoreRequest(sample_id="p0/0", image=drawn.outputs["images"], prompt="a picture")

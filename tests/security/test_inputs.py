@@ -40,8 +40,8 @@ from tests.services.launch import kill_service, spawn_service
 
 PARAMS = common_pb2.SamplerParams(
     num_points=6, timestep_shift=3.0, cfg_text_scale=2.0, cfg_img_scale=1.0, cfg_interval_lo=0.0,
-    cfg_interval_hi=1.0, cfg_renorm_type="global", sde_type="sde", noise_level=1.0, sde_window_size=2,
-    sde_window_lo=0, sde_window_hi=4, window_strategy="random", height=32, width=32, deterministic=True,
+    cfg_interval_hi=1.0, cfg_renorm_type="global", sde_type="sde", noise_level=1.0, window_size=2,
+    window_range_lo=0, window_range_hi=4, window_strategy="random", height=32, width=32, deterministic=True,
     decode_images=True,
 )  # fmt: skip
 TRAINER = ["trainer.policy.lora_rank=4", "trainer.policy.lora_alpha=8", "trainer.loss.mini_batches=1",
@@ -229,9 +229,9 @@ PARAM_CASES = [
     ("cfg_text_scale", -1.0, "cfg_text_scale"),
     ("cfg_text_scale", 1e300, "cfg_text_scale"),
     ("cfg_img_scale", math.nan, "cfg_img_scale"),
-    ("cfg_interval_lo", -0.5, "cfg_interval_lo"),
-    ("cfg_interval_hi", 2.0, "cfg_interval_hi"),
-    ("cfg_interval_hi", math.nan, "cfg_interval_hi"),
+    ("cfg_interval_lo", -0.5, "cfg_interval[0]=-0.5"),
+    ("cfg_interval_hi", 2.0, "cfg_interval[1]=2.0"),
+    ("cfg_interval_hi", math.nan, "cfg_interval[1]=nan"),
     ("cfg_renorm_min", math.nan, "cfg_renorm_min"),
     ("cfg_renorm_min", 2.0, "cfg_renorm_min"),
     ("cfg_renorm_type", "nope", "cfg_renorm_type"),
@@ -248,10 +248,10 @@ PARAM_CASES = [
     ("num_points", 1, "num_points"),
     ("num_points", -1, "num_points"),
     ("num_points", 2**31 - 1, "num_points"),
-    ("sde_window_size", 0, "sde_window_size=0"),
-    ("sde_window_size", 2**31 - 1, "sde_window_size"),
-    ("sde_window_lo", -1, "sde_window_lo=-1"),
-    ("sde_window_hi", 99, "sde_window_hi=99"),
+    ("window_size", 0, "window_size=0"),
+    ("window_size", 2**31 - 1, "window_size"),
+    ("window_range_lo", -1, "window_range[0]=-1"),
+    ("window_range_hi", 99, "window_range=[0, 99]"),
     ("height", 1024, "height=1024"),  # with the width: a 2^20-pixel image (the tiny grid is 128 px)
     ("height", 2**20, "height"),
     ("width", 2**31 - 1, "width"),
@@ -413,12 +413,12 @@ def train_request(s: Services) -> trainer_pb2.TrainStepRequest:
     samples = [
         trainer_pb2.TrainSample(
             prompt_uid=d.prompt_uid, sample_index=d.sample_index, policy_version=d.policy_version,
-            advantage=advantage, window_begin=d.window_begin,
+            advantage=advantage,
             inputs={"prompt_ids": s.prompt.to_proto(), **{c: d.outputs[c] for c in TRAJECTORY}},
         )
         for d, advantage in zip(s.drawn.samples, [1.0, -1.0], strict=True)
     ]  # fmt: skip
-    return trainer_pb2.TrainStepRequest(step=step, samples=samples, params=PARAMS, seed=3)
+    return trainer_pb2.TrainStepRequest(step=step, samples=samples, params=PARAMS)
 
 
 def on_sample(**fields: object) -> Callable[[trainer_pb2.TrainStepRequest, Services], None]:
@@ -470,8 +470,6 @@ TRAIN_CASES = [
     ("negative sample index", on_sample(sample_index=-1), "samples[0].sample_index=-1"),
     ("huge sample index", on_sample(sample_index=2**31 - 1), "samples[0].sample_index"),
     ("empty prompt uid", on_sample(prompt_uid=""), "samples[0].prompt_uid"),
-    ("negative window begin", on_sample(window_begin=-1), "samples[0].window_begin=-1"),
-    ("window begin past the range", on_sample(window_begin=99), "samples[0].window_begin=99"),
     ("duplicate sample", lambda r, s: r.samples.append(r.samples[0]), "appears twice"),
     ("missing column", lambda r, s: r.samples[0].inputs.__delitem__("log_probs"),
      "lacks input columns ['log_probs']"),

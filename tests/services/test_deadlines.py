@@ -25,8 +25,8 @@ from .launch import spawn_service, stop_service
 LIMIT = 1024
 PARAMS = common_pb2.SamplerParams(
     num_points=6, timestep_shift=3.0, cfg_text_scale=2.0, cfg_img_scale=1.0, cfg_interval_lo=0.0,
-    cfg_interval_hi=1.0, cfg_renorm_type="global", sde_type="sde", noise_level=1.0, sde_window_size=2,
-    sde_window_lo=0, sde_window_hi=2, window_strategy="random", height=64, width=64, deterministic=True,
+    cfg_interval_hi=1.0, cfg_renorm_type="global", sde_type="sde", noise_level=1.0, window_size=2,
+    window_range_lo=0, window_range_hi=2, window_strategy="random", height=64, width=64, deterministic=True,
     decode_images=True,
 )  # fmt: skip
 

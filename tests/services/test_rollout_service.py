@@ -19,20 +19,20 @@ from flowgrpo.bus import BusClient, BusServer, Released, TensorRef, serve_store
 from flowgrpo.bus.torch_tensors import put_tensor, to_torch
 from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
 from flowgrpo.models.bagel.policy import PolicyUpdate
-from flowgrpo.models.bagel.sampling import SampleRequest, SamplerParams
+from flowgrpo.models.bagel.sampling import SampleRequest
 from flowgrpo.runtime import open_channel
-from flowgrpo.sampler_math import WindowParams
+from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.rollout.engine import NativeBagelEngine
 from flowgrpo.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 from .launch import spawn_service, stop_service
 
-PARAMS = SamplerParams(num_points=7, height=32, width=48, window=WindowParams(size=2, lo=0, hi=4),
+PARAMS = SamplerParams(num_points=7, height=32, width=48, window_size=2, window_range=(0, 4),
                        deterministic=True)  # fmt: skip
 WIRE_PARAMS = common_pb2.SamplerParams(
     num_points=7, timestep_shift=3.0, cfg_text_scale=4.0, cfg_img_scale=1.0, cfg_interval_lo=0.0,
     cfg_interval_hi=1.0, cfg_renorm_type="global", cfg_renorm_min=0.0, sde_type="sde", noise_level=1.3,
-    sde_window_size=2, sde_window_lo=0, sde_window_hi=4, window_strategy="random", height=32, width=48,
+    window_size=2, window_range_lo=0, window_range_hi=4, window_strategy="random", height=32, width=48,
     deterministic=True, decode_images=True,
 )  # fmt: skip
 PROMPTS = {"p0": [384, 5, 6, 7, 385], "p1": [384, 9, 385], "p2": [384, 1, 2, 3, 4, 5, 6, 385]}

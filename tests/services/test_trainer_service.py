@@ -18,10 +18,9 @@ import torch
 from flowgrpo.bus import BusClient, BusServer, TensorRef, serve_store
 from flowgrpo.bus.torch_tensors import put_tensor, to_torch
 from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens, make_tiny_bagel
-from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, SamplerParams
-from flowgrpo.models.bagel.wire import sampler_params_to_proto
+from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
 from flowgrpo.runtime import open_channel
-from flowgrpo.sampler_math import CfgParams, WindowParams
+from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig
 from flowgrpo.services.trainer.policy import TrainablePolicy
 from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory
@@ -29,8 +28,8 @@ from flowgrpo.v1 import common_pb2, common_pb2_grpc, trainer_pb2, trainer_pb2_gr
 
 from .launch import PYTHON_M, kill_service, spawn_service, stop_service
 
-PARAMS = SamplerParams(num_points=6, height=32, width=32, window=WindowParams(size=2, lo=0, hi=4),
-                       deterministic=True, decode_images=False, cfg=CfgParams(text_scale=2.0))  # fmt: skip
+PARAMS = SamplerParams(num_points=6, height=32, width=32, window_size=2, window_range=(0, 4),
+                       deterministic=True, decode_images=False, cfg_text_scale=2.0)  # fmt: skip
 PROMPTS = {"p0": [384, 5, 6, 7, 385], "p1": [384, 9, 10, 385]}
 ADVANTAGES = [1.0, -1.0, 0.5, -0.5]
 OVERRIDES = ["trainer.policy.lora_rank=4", "trainer.policy.lora_alpha=8", "trainer.loss.mini_batches=1",
@@ -94,9 +93,7 @@ def trajectories(tiny: Path) -> Iterator[tuple[BusServer, list[Trajectory], trai
                     prompt_uid=t.prompt_uid, sample_index=t.sample_index, advantage=t.advantage, inputs=inputs
                 )
             )
-        request = trainer_pb2.TrainStepRequest(
-            step=1, samples=samples, params=sampler_params_to_proto(PARAMS), seed=3
-        )
+        request = trainer_pb2.TrainStepRequest(step=1, samples=samples, params=PARAMS.to_proto())
         yield server, batch, request
 
 

@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import save_file
 
 from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens
-from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, SamplerParams
-from flowgrpo.sampler_math import CfgParams, WindowParams
+from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
+from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.trainer.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -32,8 +32,8 @@ from flowgrpo.services.trainer.distributed import Dist, close_distributed, full_
 from flowgrpo.services.trainer.load import load_policy
 from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory
 
-PARAMS = SamplerParams(num_points=6, height=32, width=32, window=WindowParams(size=2, lo=0, hi=4),
-                       deterministic=True, decode_images=False, cfg=CfgParams(text_scale=2.0))  # fmt: skip
+PARAMS = SamplerParams(num_points=6, height=32, width=32, window_size=2, window_range=(0, 4),
+                       deterministic=True, decode_images=False, cfg_text_scale=2.0)  # fmt: skip
 PROMPTS = {"p0": [384, 5, 6, 7, 385], "p1": [384, 9, 10, 385]}
 ADVANTAGES = {1: [1.0, -1.0, 0.5, -0.5], 2: [0.3, -0.2, 1.0, -1.1]}  # per training step
 

@@ -12,15 +12,15 @@ import torch
 from safetensors.torch import save_file
 
 from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens
-from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, SamplerParams
-from flowgrpo.sampler_math import CfgParams, WindowParams
+from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
+from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig
 from flowgrpo.services.trainer.distributed import close_distributed, init_distributed
 from flowgrpo.services.trainer.load import load_policy
 from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory
 
-PARAMS = SamplerParams(num_points=6, height=32, width=32, window=WindowParams(size=2, lo=0, hi=4),
-                       deterministic=True, decode_images=False, cfg=CfgParams(text_scale=2.0))  # fmt: skip
+PARAMS = SamplerParams(num_points=6, height=32, width=32, window_size=2, window_range=(0, 4),
+                       deterministic=True, decode_images=False, cfg_text_scale=2.0)  # fmt: skip
 PROMPTS = {"p0": [384, 5, 6, 7, 385], "p1": [384, 9, 10, 385], "p2": [384, 11, 385]}
 ADVANTAGES = [1.0, -1.0, 0.5, -0.5, 2.0]  # 5 samples: uneven over 2 ranks (masked, not duplicated)
 

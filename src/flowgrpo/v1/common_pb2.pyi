@@ -203,16 +203,18 @@ class SamplerParams(_message.Message):
     CFG_RENORM_MIN_FIELD_NUMBER: _builtins.int
     SDE_TYPE_FIELD_NUMBER: _builtins.int
     NOISE_LEVEL_FIELD_NUMBER: _builtins.int
-    SDE_WINDOW_SIZE_FIELD_NUMBER: _builtins.int
-    SDE_WINDOW_LO_FIELD_NUMBER: _builtins.int
-    SDE_WINDOW_HI_FIELD_NUMBER: _builtins.int
+    WINDOW_SIZE_FIELD_NUMBER: _builtins.int
+    WINDOW_RANGE_LO_FIELD_NUMBER: _builtins.int
+    WINDOW_RANGE_HI_FIELD_NUMBER: _builtins.int
     WINDOW_STRATEGY_FIELD_NUMBER: _builtins.int
     HEIGHT_FIELD_NUMBER: _builtins.int
     WIDTH_FIELD_NUMBER: _builtins.int
     DETERMINISTIC_FIELD_NUMBER: _builtins.int
     DECODE_IMAGES_FIELD_NUMBER: _builtins.int
     num_points: _builtins.int
-    """schedule points; num_points - 1 denoising steps"""
+    """flowgrpo.sampler_params.SamplerParams, field for field (a pair x is x_lo, x_hi)
+    schedule points; num_points - 1 denoising steps
+    """
     timestep_shift: _builtins.float
     """t <- s t / (1 + (s - 1) t)"""
     cfg_text_scale: _builtins.float
@@ -226,9 +228,9 @@ class SamplerParams(_message.Message):
     """"sde" or "cps" """
     noise_level: _builtins.float
     """0 = the plain Euler ODE"""
-    sde_window_size: _builtins.int
-    sde_window_lo: _builtins.int
-    sde_window_hi: _builtins.int
+    window_size: _builtins.int
+    window_range_lo: _builtins.int
+    window_range_hi: _builtins.int
     window_strategy: _builtins.str
     """"random", "fixed", "progressive" """
     height: _builtins.int
@@ -248,9 +250,9 @@ class SamplerParams(_message.Message):
         cfg_renorm_min: _builtins.float = ...,
         sde_type: _builtins.str = ...,
         noise_level: _builtins.float = ...,
-        sde_window_size: _builtins.int = ...,
-        sde_window_lo: _builtins.int = ...,
-        sde_window_hi: _builtins.int = ...,
+        window_size: _builtins.int = ...,
+        window_range_lo: _builtins.int = ...,
+        window_range_hi: _builtins.int = ...,
         window_strategy: _builtins.str = ...,
         height: _builtins.int = ...,
         width: _builtins.int = ...,
@@ -259,7 +261,7 @@ class SamplerParams(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cfg_img_scale", b"cfg_img_scale", "cfg_interval_hi", b"cfg_interval_hi", "cfg_interval_lo", b"cfg_interval_lo", "cfg_renorm_min", b"cfg_renorm_min", "cfg_renorm_type", b"cfg_renorm_type", "cfg_text_scale", b"cfg_text_scale", "decode_images", b"decode_images", "deterministic", b"deterministic", "height", b"height", "noise_level", b"noise_level", "num_points", b"num_points", "sde_type", b"sde_type", "sde_window_hi", b"sde_window_hi", "sde_window_lo", b"sde_window_lo", "sde_window_size", b"sde_window_size", "timestep_shift", b"timestep_shift", "width", b"width", "window_strategy", b"window_strategy"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cfg_img_scale", b"cfg_img_scale", "cfg_interval_hi", b"cfg_interval_hi", "cfg_interval_lo", b"cfg_interval_lo", "cfg_renorm_min", b"cfg_renorm_min", "cfg_renorm_type", b"cfg_renorm_type", "cfg_text_scale", b"cfg_text_scale", "decode_images", b"decode_images", "deterministic", b"deterministic", "height", b"height", "noise_level", b"noise_level", "num_points", b"num_points", "sde_type", b"sde_type", "timestep_shift", b"timestep_shift", "width", b"width", "window_range_hi", b"window_range_hi", "window_range_lo", b"window_range_lo", "window_size", b"window_size", "window_strategy", b"window_strategy"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

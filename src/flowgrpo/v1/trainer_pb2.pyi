@@ -53,13 +53,11 @@ class TrainSample(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     ADVANTAGE_FIELD_NUMBER: _builtins.int
     INPUTS_FIELD_NUMBER: _builtins.int
-    WINDOW_BEGIN_FIELD_NUMBER: _builtins.int
     prompt_uid: _builtins.str
     sample_index: _builtins.int
     policy_version: _builtins.int
     """version that generated it; lag = trainer version - this"""
     advantage: _builtins.float
-    window_begin: _builtins.int
     @_builtins.property
     def inputs(self) -> _containers.MessageMap[_builtins.str, _common_pb2.TensorRef]:
         """"prompt_ids", "latents", "log_probs", "sigmas", ..."""
@@ -72,11 +70,10 @@ class TrainSample(_message.Message):
         policy_version: _builtins.int = ...,
         advantage: _builtins.float = ...,
         inputs: _abc.Mapping[_builtins.str, _common_pb2.TensorRef] | None = ...,
-        window_begin: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advantage", b"advantage", "inputs", b"inputs", "policy_version", b"policy_version", "prompt_uid", b"prompt_uid", "sample_index", b"sample_index", "window_begin", b"window_begin"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advantage", b"advantage", "inputs", b"inputs", "policy_version", b"policy_version", "prompt_uid", b"prompt_uid", "sample_index", b"sample_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -89,9 +86,7 @@ class TrainStepRequest(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     SAMPLES_FIELD_NUMBER: _builtins.int
     PARAMS_FIELD_NUMBER: _builtins.int
-    SEED_FIELD_NUMBER: _builtins.int
     step: _builtins.int
-    seed: _builtins.int
     @_builtins.property
     def samples(self) -> _containers.RepeatedCompositeFieldContainer[Global___TrainSample]: ...
     @_builtins.property
@@ -104,11 +99,10 @@ class TrainStepRequest(_message.Message):
         step: _builtins.int = ...,
         samples: _abc.Iterable[Global___TrainSample] | None = ...,
         params: _common_pb2.SamplerParams | None = ...,
-        seed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["params", b"params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["params", b"params", "samples", b"samples", "seed", b"seed", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["params", b"params", "samples", b"samples", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

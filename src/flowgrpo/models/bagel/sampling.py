@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -25,10 +25,7 @@ from flowgrpo.models.bagel.config import SpecialTokens
 from flowgrpo.models.bagel.model import BagelModel, KVCache, latent_position_ids, unpatchify
 from flowgrpo.models.bagel.vae import AutoEncoder, images_to_uint8
 from flowgrpo.sampler_math import (
-    CfgParams,
-    SdeType,
     StepResult,
-    WindowParams,
     batch_noise,
     combine_cfg,
     cps_step,
@@ -37,41 +34,17 @@ from flowgrpo.sampler_math import (
     shifted_schedule,
     window_begin,
 )
+from flowgrpo.sampler_params import SamplerParams, SamplerSettings
 
 PIXELS_PER_TOKEN = 16  # 8x VAE downsampling x 2x2 latent patches
 
 
-@dataclass(frozen=True)
-class SamplerParams:
-    """How to sample (defaults: the FlowGRPO BAGEL PickScore LoRA recipe of SPEC section 3)."""
-
-    num_points: int = 15  # schedule points: num_points - 1 denoising steps
-    shift: float = 3.0
-    cfg: CfgParams = field(default_factory=CfgParams)
-    sde_type: SdeType = "sde"
-    noise_level: float = 1.3
-    window: WindowParams = field(default_factory=WindowParams)
-    height: int = 512
-    width: int = 512
-    deterministic: bool = False
-    decode_images: bool = True
-
-    @property
-    def num_steps(self) -> int:
-        return self.num_points - 1
-
-    def token_grid(self) -> tuple[int, int]:
-        """Latent-token rows and columns: one token per 16x16 pixel block."""
-        for name, size in (("height", self.height), ("width", self.width)):
-            if size <= 0 or size % PIXELS_PER_TOKEN:
-                raise ValueError(f"sampler {name}={size} must be a positive multiple of {PIXELS_PER_TOKEN}")
-        return self.height // PIXELS_PER_TOKEN, self.width // PIXELS_PER_TOKEN
-
-    def validate(self) -> None:
-        self.token_grid()
-        self.window.check(self.num_steps)
-        if self.noise_level < 0:
-            raise ValueError(f"sampler noise_level={self.noise_level} must be >= 0")
+def token_grid(params: SamplerParams) -> tuple[int, int]:
+    """Latent-token rows and columns: one token per 16x16 pixel block."""
+    for name, size in (("height", params.height), ("width", params.width)):
+        if size <= 0 or size % PIXELS_PER_TOKEN:
+            raise ValueError(f"sampler {name}={size} must be a positive multiple of {PIXELS_PER_TOKEN}")
+    return params.height // PIXELS_PER_TOKEN, params.width // PIXELS_PER_TOKEN
 
 
 @dataclass(frozen=True)
@@ -116,10 +89,10 @@ def prefill_prompts(model: BagelModel, prompts: Sequence[Tensor]) -> KVCache:
     return model.prefill(ids, mask)
 
 
-def with_cfg_branches(model: BagelModel, cond: KVCache, cfg: CfgParams) -> KVCache:
+def with_cfg_branches(model: BagelModel, cond: KVCache, params: SamplerSettings) -> KVCache:
     """The context rows of one CFG forward: the conditional rows, then (when CFG is not the
     identity) as many empty rows for the text-unconditional branch. Build it once per batch."""
-    if not _needs_uncond(cfg):
+    if not _needs_uncond(params):
         return cond
     empty = KVCache.empty(model.config, cond.key_mask.shape[0], cond.keys[0].dtype, cond.key_mask.device)
     return KVCache.cat_rows([cond, empty])
@@ -132,7 +105,7 @@ def guided_velocity(
     t: Tensor,
     pos_ids: Tensor,
     *,
-    cfg: CfgParams,
+    params: SamplerSettings,
     special: SpecialTokens,
 ) -> Tensor:
     """CFG-combined velocity [B, N, 64] fp32 of latents x at times t [B], given the context rows
@@ -142,15 +115,15 @@ def guided_velocity(
     on the frozen und path, so it is built once, without gradients, by both).
     """
     markers = {"soi_id": special.vision_start, "eoi_id": special.vision_end}
-    if not _needs_uncond(cfg):
+    if not _needs_uncond(params):
         return model.predict_velocity(context, x, t, pos_ids, **markers)
     b = x.shape[0]
     v = model.predict_velocity(context, torch.cat([x, x]), torch.cat([t, t]), pos_ids, **markers)
-    return combine_cfg(v[:b], v[b:], t, cfg)
+    return combine_cfg(v[:b], v[b:], t, params)
 
 
-def _needs_uncond(cfg: CfgParams) -> bool:
-    return not (cfg.text_scale == 1.0 and cfg.img_scale <= 1.0)  # else CFG is the identity
+def _needs_uncond(params: SamplerSettings) -> bool:
+    return not (params.cfg_text_scale == 1.0 and params.cfg_img_scale <= 1.0)  # else CFG is the identity
 
 
 def window_step(
@@ -204,7 +177,8 @@ class BagelSampler:
         """Sample every request; row i of the result belongs to request i. ``between_steps`` is
         called before each denoising step: a caller's way to stop a long request there (it
         raises), since nothing is half-done between two steps."""
-        params.validate()
+        params.check("sampler")
+        token_grid(params)
         if not requests:
             raise ValueError("generate() needs at least one request")
         check = between_steps or _nothing
@@ -223,22 +197,20 @@ class BagelSampler:
         between_steps: Callable[[], None],
     ) -> Trajectories:
         device = self.model.vae2llm.weight.device
-        rows, cols = params.token_grid()
+        rows, cols = token_grid(params)
         pos_ids = latent_position_ids(rows, cols, self.model.config.max_latent_size, device)
         keys = [(r.prompt_uid, r.sample_index) for r in requests]
-        context = with_cfg_branches(self.model, self._prompt_cache(requests), params.cfg)
+        context = with_cfg_branches(self.model, self._prompt_cache(requests), params)
         # The schedule and the window starts are known on the host: deciding which steps are
         # stochastic from them, rather than from device tensors, keeps the loop free of syncs.
-        host_schedule = shifted_schedule(params.num_points, params.shift)
+        host_schedule = shifted_schedule(params.num_points, params.timestep_shift)
         schedule = host_schedule.to(device)
-        host_begins = [
-            window_begin(params.window, params.num_steps, seed, step, r.prompt_uid) for r in requests
-        ]
+        host_begins = [window_begin(params, seed, step, r.prompt_uid) for r in requests]
         begins = torch.tensor(host_begins, device=device)
         x = batch_noise((rows * cols, self.model.config.latent_token_dim), seed, step, keys, "init").to(
             device
         )
-        size = params.window.size
+        size = params.window_size
         window_x, window_lp = (
             [x.new_zeros(x.shape) for _ in range(size + 1)],
             [x.new_zeros(len(requests)) for _ in range(size)],
@@ -246,7 +218,7 @@ class BagelSampler:
         for i in range(params.num_steps):
             between_steps()
             sigma, sigma_next = schedule[i].expand(len(requests)), schedule[i + 1].expand(len(requests))
-            v = guided_velocity(self.model, context, x, sigma, pos_ids, cfg=params.cfg, special=self.special)
+            v = guided_velocity(self.model, context, x, sigma, pos_ids, params=params, special=self.special)
             offset = i - begins  # position of step i inside each sample's window
             host_offsets = [i - b for b in host_begins]
             _record(window_x, x, offset, host_offsets, size + 1)
@@ -287,7 +259,7 @@ class BagelSampler:
         params: SamplerParams,
         grid: tuple[int, int],
     ) -> Trajectories:
-        steps = begins[:, None] + torch.arange(params.window.size + 1, device=begins.device)
+        steps = begins[:, None] + torch.arange(params.window_size + 1, device=begins.device)
         images = None
         if params.decode_images and self.vae is not None:
             latent = unpatchify(final, *grid, self.model.config.patch)
