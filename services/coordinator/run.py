@@ -24,6 +24,7 @@ import numpy as np
 from opentelemetry import trace
 
 from flowgrpo.bus import BusClient, TensorRef, TensorStore
+from flowgrpo.columns import TRAJECTORY_COLUMNS
 from flowgrpo.data import PromptRow, PromptSplit
 from flowgrpo.rewards.config import ScorerSpec
 from flowgrpo.services.coordinator.advantages import group_advantages
@@ -39,7 +40,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 tracer = trace.get_tracer(__name__)
 
-TRAIN_COLUMNS = ("latents", "log_probs", "sigmas")  # + prompt_ids, from the coordinator's store
 VALIDATION_SHARE = 0.2  # a warning when validation takes more of the run's time than this
 
 
@@ -396,7 +396,7 @@ class Coordinator:
                 sample_index=s.sample_index,
                 policy_version=s.policy_version,
                 advantage=a,
-                inputs={"prompt_ids": g.ids_ref, **{c: s.outputs[c] for c in TRAIN_COLUMNS}},
+                inputs={"prompt_ids": g.ids_ref, **{c: s.outputs[c] for c in TRAJECTORY_COLUMNS}},
             )
             for g in groups
             for s, a in zip(g.samples, advantages[g.row.prompt_uid], strict=True)

@@ -31,6 +31,7 @@ from flowgrpo.bus import (
 )
 from flowgrpo.bus.dtypes import itemsize
 from flowgrpo.bus.torch_tensors import put_tensor, to_torch
+from flowgrpo.columns import TRAJECTORY_COLUMNS
 from flowgrpo.fields import FieldError, check_float, check_id, check_int
 from flowgrpo.models.bagel.checkpoint import read_bagel_config
 from flowgrpo.models.bagel.policy import PolicyUpdate, PolicyUpdateError
@@ -57,7 +58,7 @@ from flowgrpo.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 tracer = trace.get_tracer(__name__)
 
-OUTPUT_COLUMNS = ("latents", "log_probs", "sigmas", "timesteps", "images")
+OUTPUT_COLUMNS = (*TRAJECTORY_COLUMNS, "timesteps", "images")
 STAGE = common_pb2.StageSpec(stage="rollout", consumes=["prompt_ids"], produces=list(OUTPUT_COLUMNS))
 MAX_RELEASE_TAGS = 4096  # tags of one Release
 MAX_LORA_RANK = 4096

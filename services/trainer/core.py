@@ -13,6 +13,7 @@ from opentelemetry import trace
 
 from flowgrpo.bus import BusClient, TensorRef
 from flowgrpo.bus.torch_tensors import to_torch
+from flowgrpo.columns import TRAJECTORY_COLUMNS
 from flowgrpo.fields import FieldError, check_float, check_id, check_int
 from flowgrpo.models.bagel.checkpoint import load_special_tokens
 from flowgrpo.models.bagel.sampling import token_grid
@@ -40,7 +41,7 @@ from flowgrpo.v1 import common_pb2, trainer_pb2
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
-INPUT_COLUMNS = ("prompt_ids", "latents", "log_probs", "sigmas")
+INPUT_COLUMNS = ("prompt_ids", *TRAJECTORY_COLUMNS)
 MAX_ADVANTAGE = 1e6  # |advantage|: the coordinator clips to advantages.clip (5); fp32 keeps headroom
 
 

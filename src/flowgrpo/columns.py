@@ -168,3 +168,7 @@ for _spec in (
     ColumnSpec("weights", "*", (...,), "one published policy tensor; the key is the parameter name"),
 ):
     COLUMNS.register(_spec)
+
+# What a trajectory is on the bus: the rollout produces these per sample, the coordinator
+# forwards them (with the prompt's ids) and the trainer consumes them. Named once, here.
+TRAJECTORY_COLUMNS = ("latents", "log_probs", "sigmas")
