@@ -1,6 +1,6 @@
 """The recipes under examples/: each loads and validates with the commands its header documents;
-the BAGEL recipes carry SPEC section 3's table for 4 GPUs; a bad recipe fails with a message that
-names the key and the fix. Torch-free and fast: RunConfig imports no torch."""
+the BAGEL recipes carry the reference values (examples/README.md) for 4 GPUs; a bad recipe fails
+with a message that names the key and the fix. Torch-free and fast: RunConfig imports no torch."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ RECIPES = sorted(EXAMPLES.glob("*.yaml"))
 PICKSCORE_ARGS = ("model.checkpoint=/ckpt/BAGEL-7B-MoT", "data.dataset=/data/pickscore")
 OCR_ARGS = ("model.checkpoint=/ckpt/BAGEL-7B-MoT", "data.dataset=/data/ocr")
 
-# --- SPEC section 3, "Recipe values (BAGEL)", 4 GPUs -------------------------------------------------
+# --- the reference values (examples/README.md), 4 GPUs -------------------------------------------------
 
 COMMON = {
     "data.group_size": 16,  # G
@@ -40,7 +40,7 @@ COMMON = {
     "schedule.steps": 300,
     "schedule.save_every": 30,
     "schedule.eval_every": 30,
-    # the rest of SPEC sections 2-3 the table takes for granted
+    # the rest of the reference sampler and loss the table takes for granted
     "trainer.optim.grad_clip": 1.0,
     "trainer.loss.logp_old": "recompute",
     "advantages.std_ddof": 1,
@@ -179,7 +179,7 @@ def test_loading_a_recipe_imports_no_torch() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-# --- SPEC section 3's table ----------------------------------------------------------------------
+# --- the reference values' table ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", sorted(BAGEL))
@@ -190,7 +190,7 @@ def test_bagel_recipe_values_are_specs_table(name: str) -> None:
     assert got == expected
     assert cfg.data.prompts_per_step // cfg.trainer.loss.mini_batches == mini_batch_prompts
     assert cfg.trainer.optim.eps == 1e-8  # AdamW's default, the references' value
-    assert cfg.trainer.dtype == "bfloat16" and cfg.rollout.dtype == "bfloat16"  # SPEC 2.7: bf16 on GPU
+    assert cfg.trainer.dtype == "bfloat16" and cfg.rollout.dtype == "bfloat16"  # as the references
     evaluation = cfg.sampling.params(evaluation=True).to_proto()  # validation: the ODE on 50 points
     assert (evaluation.noise_level, evaluation.num_points) == (0.0, 50)
     training = cfg.sampling.params().to_proto()
@@ -242,7 +242,7 @@ def test_bagel_recipe_rewards(name: str) -> None:
     if name.endswith("_offline.yaml"):
         assert cfg.reward.ocr.engine == "offline"
         return
-    judge = cfg.reward.ocr.judge  # SPEC section 4: Qwen3-VL-8B-Instruct behind vLLM, greedy
+    judge = cfg.reward.ocr.judge  # flow_grpo's judge: Qwen3-VL-8B-Instruct behind vLLM, greedy
     assert cfg.reward.ocr.engine == "judge"
     assert judge.model == "Qwen/Qwen3-VL-8B-Instruct" and judge.temperature == 0.0
     assert judge.base_url.startswith("http") and judge.base_url.endswith("/v1")
@@ -252,7 +252,7 @@ def test_bagel_recipe_rewards(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(BAGEL))
 def test_bagel_recipe_headers_explain_themselves(name: str) -> None:
     header = _documentation(name)
-    for words in ("What it trains", "Prepare first", "Run:", "GPUs", "Departures from SPEC"):
+    for words in ("What it trains", "Prepare first", "Run:", "GPUs", "Departures from the reference values"):
         assert words in header, words
 
 
