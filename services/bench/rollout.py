@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flowgrpo.models.bagel.attention import KVCache
 from flowgrpo.models.bagel.config import (
     BagelConfig,
     SpecialTokens,
@@ -46,7 +47,7 @@ from flowgrpo.models.bagel.config import (
     tiny,
     tiny_vae,
 )
-from flowgrpo.models.bagel.model import BagelModel, KVCache, latent_position_ids, query_mask, unpatchify
+from flowgrpo.models.bagel.model import BagelModel, latent_position_ids, query_mask, unpatchify
 from flowgrpo.models.bagel.parallelize import compile_query_layers, uncompile_query_layers
 from flowgrpo.models.bagel.sampling import (
     BagelSampler,

@@ -61,7 +61,13 @@ from torch import Tensor
 from flowgrpo.models.bagel.checkpoint import EMA_FILE, save_bagel_checkpoint, tiny_tokenizer
 from flowgrpo.models.bagel.config import BagelConfig, SpecialTokens, bagel_7b, flux_vae, tiny, tiny_vae
 from flowgrpo.models.bagel.model import BagelModel
-from flowgrpo.models.bagel.parallelize import compile_query_layers, uncompile_query_layers
+from flowgrpo.models.bagel.parallelize import (
+    checkpoint_query_layers,
+    compile_query_layers,
+    parallelize_bagel,
+    uncheckpoint_query_layers,
+    uncompile_query_layers,
+)
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, token_grid
 from flowgrpo.models.bagel.vae import AutoEncoder
 from flowgrpo.sampler_math import shifted_schedule
@@ -80,14 +86,7 @@ from flowgrpo.services.trainer.config import (
     OptimConfig,
     PolicyConfig,
 )
-from flowgrpo.services.trainer.distributed import (
-    Dist,
-    checkpoint_query_layers,
-    close_distributed,
-    init_distributed,
-    shard_model,
-    uncheckpoint_query_layers,
-)
+from flowgrpo.services.trainer.distributed import Dist, close_distributed, init_distributed
 from flowgrpo.services.trainer.load import load_policy
 from flowgrpo.services.trainer.policy import TrainablePolicy
 from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory, compute_autocast
@@ -621,11 +620,11 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915
         say("loaded through the trainer's loader:", json.dumps(report["load"]), flush=True)
     else:
         policy = TrainablePolicy(random_bagel(cfg, dtype, device), policy_cfg)
-        if dist.enabled:
-            if args.compile:
-                compile_query_layers(policy.model)
-            checkpoint_query_layers(policy.model)  # before sharding: FSDP's hooks around the recompute
-            shard_model(policy.model, args.device, param_dtype=dtype)
+        if dist.enabled:  # compile, checkpoint, then shard: FSDP's hooks around the recompute
+            mesh = dist.mesh(args.device)
+            parallelize_bagel(
+                policy.model, mesh, compile=args.compile, activation_checkpointing=True, param_dtype=dtype
+            )
     sync(device)
     report["build_s"] = time.perf_counter() - begin
     trainable = sum(p.numel() for p in policy.trainable().values())  # a DTensor's numel is global

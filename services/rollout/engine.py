@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens, load_vae
-from flowgrpo.models.bagel.parallelize import compile_query_layers
+from flowgrpo.models.bagel.parallelize import parallelize_bagel
 from flowgrpo.models.bagel.policy import LoraMode, PolicyApplier, PolicyUpdate
 from flowgrpo.models.bagel.sampling import (
     BagelSampler,
@@ -75,8 +75,8 @@ class NativeBagelEngine:
         compile: bool = False,
     ) -> NativeBagelEngine:
         model = load_bagel_model(folder, dtype=dtype, device=device).eval()
-        if compile and str(device).startswith("cuda"):
-            compile_query_layers(model)
+        on_gpu = str(device).startswith("cuda")
+        parallelize_bagel(model, None, compile=compile and on_gpu, activation_checkpointing=False)
         vae = load_vae(folder, dtype=dtype, device=device).eval()
         log.info("loaded BAGEL from %s on %s (%s)", folder, device, dtype)
         return cls(BagelSampler(model, vae, load_special_tokens(folder)), max_batch_samples, lora_mode)

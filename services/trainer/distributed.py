@@ -1,5 +1,7 @@
 """Data parallelism for the trainer: N processes launched by torchrun, the model sharded with
-FSDP2 (``fully_shard`` per decoder layer, then the root), applied here and never in the model.
+FSDP2 over :meth:`Dist.mesh` by ``flowgrpo.models.bagel.parallelize`` (never here, never in the
+model). This module keeps the bookkeeping: which rows a rank runs, the all-reduces, and reading
+or writing a possibly sharded parameter.
 
 Every FSDP forward is a collective, so all ranks must run the same forwards: a rank takes every
 ``world``-th row of a mini-batch, and a rank left with fewer rows runs masked rows (weight 0) to
@@ -12,10 +14,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,14 @@ class Dist:
 
     def max(self, value: Tensor) -> Tensor:
         return _all_reduce(value, dist.ReduceOp.MAX) if self.enabled else value
+
+    def mesh(self, device: str) -> DeviceMesh | None:
+        """The 1-D mesh of every rank that FSDP2 shards over; None for one process."""
+        if not self.enabled:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (self.world,))
 
 
 def _all_reduce(value: Tensor, op: dist.ReduceOp.RedOpType) -> Tensor:
@@ -74,33 +88,6 @@ def close_distributed() -> None:
         dist.destroy_process_group()
 
 
-def shard_model(model: nn.Module, device: str, param_dtype: torch.dtype | None = None) -> nn.Module:
-    """FSDP2: each decoder layer its own unit, then the root (embeddings, heads, norms).
-
-    ``param_dtype`` (bf16 on GPU) is the compute dtype of the all-gathered parameters; the
-    sharded trainable parameters and their optimizer state stay fp32; gradients reduce in fp32.
-    Forward inputs are not cast: the model keeps RoPE and the latents in fp32 on purpose, and
-    FSDP's input cast rebuilds dataclass arguments (the KVCache) with ``dataclasses.replace``,
-    which its init=False fields refuse.
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-
-    mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(
-        param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
-    )
-    for layer in model.language_model.model.layers:  # type: ignore[union-attr]
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-        # the image-query path calls these two halves of a layer around the joint attention
-        for method in ("query_qkv", "query_out"):
-            register_fsdp_forward_method(layer, method)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    for method in ("prefill", "predict_velocity"):  # the sampler's forwards, beside forward()
-        register_fsdp_forward_method(model, method)
-    return model
-
-
 def full_tensor(value: Tensor) -> Tensor:
     """The whole tensor of a (possibly sharded) parameter; a collective for DTensors."""
     gather = getattr(value, "full_tensor", None)
@@ -123,47 +110,3 @@ def shard_like(param: Tensor, full: Tensor) -> Tensor:
 
     mesh = param.device_mesh  # type: ignore[attr-defined]
     return distribute_tensor(full.to(param.dtype), mesh, placements, src_data_rank=None)
-
-
-def checkpoint_query_layers(model: nn.Module) -> None:
-    """Activation checkpointing of the image-query path, applied from outside the model: each
-    decoder layer's ``query_qkv`` and ``query_out`` (the per-layer work around the joint attention)
-    keep only their inputs and run again in the backward. Saved per layer and row: the layer's
-    input, q/k/v and the attention output: ~1.1 GiB per row (one CFG branch of one trajectory at
-    one window step, 7B, 512px) against ~6.6 GiB without, for ~1/3 more update time. Without
-    gradients (logp_old) the methods run plainly. Apply before or after ``shard_model`` (FSDP2
-    skips its pre-forward during the backward's recompute); ``uncheckpoint_query_layers`` undoes it.
-    """
-    from torch.utils.checkpoint import checkpoint
-
-    for layer in model.language_model.model.layers:  # type: ignore[union-attr]
-        if "_flowgrpo_unchecked" in vars(layer):
-            continue  # already checkpointed
-        saved = {name: vars(layer).get(name) for name in _CHECKPOINTED}
-        for name in _CHECKPOINTED:
-            inner = getattr(layer, name)  # the class method, or a compiled / FSDP wrapper of it
-
-            def run(*args: Tensor, _inner: object = inner) -> object:
-                if torch.is_grad_enabled():
-                    # no dropout or other randomness inside: no RNG state to stash and restore
-                    return checkpoint(_inner, *args, use_reentrant=False, preserve_rng_state=False)
-                return _inner(*args)  # type: ignore[operator]
-
-            vars(layer)[name] = run
-        vars(layer)["_flowgrpo_unchecked"] = saved
-
-
-def uncheckpoint_query_layers(model: nn.Module) -> None:
-    """Undo :func:`checkpoint_query_layers` (whatever the methods were before shows through)."""
-    for layer in model.language_model.model.layers:  # type: ignore[union-attr]
-        saved = vars(layer).pop("_flowgrpo_unchecked", None)
-        if saved is None:
-            continue
-        for name, previous in saved.items():
-            if previous is None:
-                vars(layer).pop(name, None)
-            else:
-                vars(layer)[name] = previous
-
-
-_CHECKPOINTED = ("query_qkv", "query_out")

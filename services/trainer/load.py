@@ -24,9 +24,9 @@ from flowgrpo.models.bagel.checkpoint import (
     tensor_shapes,
 )
 from flowgrpo.models.bagel.model import BagelModel
-from flowgrpo.models.bagel.parallelize import compile_query_layers
+from flowgrpo.models.bagel.parallelize import parallelize_bagel
 from flowgrpo.services.trainer.config import PolicyConfig
-from flowgrpo.services.trainer.distributed import Dist, checkpoint_query_layers, local_tensor, shard_model
+from flowgrpo.services.trainer.distributed import Dist, local_tensor
 from flowgrpo.services.trainer.policy import TrainablePolicy
 
 BASE_LAYER = ".base_layer"  # peft keeps an adapted module's own weight under <module>.base_layer
@@ -46,19 +46,20 @@ def load_policy(
 ) -> TrainablePolicy:
     """The trainable policy of ``folder``: frozen weights in ``dtype``, trainable ones fp32,
     FSDP2-sharded over ``dist`` when it has several ranks (``param_dtype``: the compute dtype of
-    gathered parameters), the image-query path compiled and checkpointed when asked (in the order
-    torchtitan applies them: compile, activation checkpointing, FSDP)."""
+    gathered parameters), the image-query path compiled and checkpointed when asked
+    (``parallelize_bagel``: compile, activation checkpointing, FSDP, on the meta-device model)."""
     path = Path(folder) / EMA_FILE
     with torch.device("meta"):
         model = BagelModel(read_bagel_config(folder)).to(dtype)
     policy = TrainablePolicy(model, config)  # on meta: nothing is drawn yet
     check_keys(_checkpoint_shapes(policy.model), tensor_shapes(path), path, IGNORED_PREFIXES)
-    if compile:
-        compile_query_layers(policy.model)
-    if activation_checkpointing:
-        checkpoint_query_layers(policy.model)
-    if dist.enabled:
-        shard_model(policy.model, device, param_dtype=param_dtype)
+    parallelize_bagel(
+        policy.model,
+        dist.mesh(device),
+        compile=compile,
+        activation_checkpointing=activation_checkpointing,
+        param_dtype=param_dtype,
+    )
     policy.model.to_empty(device=torch.device(device))
     _stream_weights(policy.model, path)
     policy.init_adapters()

@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from flowgrpo.models.bagel.attention import KVCache
 from flowgrpo.models.bagel.config import tiny
-from flowgrpo.models.bagel.model import BagelModel, KVCache, latent_position_ids
+from flowgrpo.models.bagel.model import BagelModel, latent_position_ids
 from flowgrpo.models.bagel.parallelize import compile_query_layers, uncompile_query_layers
 
 pytestmark = pytest.mark.gpu

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import Tensor
 
+from flowgrpo.models.bagel.attention import KVCache
 from flowgrpo.models.bagel.config import bagel_7b, tiny
 from flowgrpo.models.bagel.model import (
     BagelModel,
-    KVCache,
     MoTDecoderLayer,
     latent_position_ids,
     patchify,

@@ -1,6 +1,6 @@
-"""The static image-query path of ``predict_velocity``, its compilation (parallelize.py) and the
-rollout benchmark's FLOP count and CPU smoke run (tiny model, CPU, fp32). Each test says whether it
-expects bitwise equality or a tolerance."""
+"""The static image-query path of ``predict_velocity`` (attention.py), its compilation
+(parallelize.py) and the rollout benchmark's FLOP count and CPU smoke run (tiny model, CPU, fp32).
+Each test says whether it expects bitwise equality or a tolerance."""
 
 from __future__ import annotations
 
@@ -13,16 +13,9 @@ from test_bagel_model import prompts  # same folder: the shared padded-prompt bu
 from torch import Tensor
 from torch._dynamo.testing import CompileCounter
 
+from flowgrpo.models.bagel.attention import MAX_QUERY_RUNS, KVCache, QueryRun, query_runs
 from flowgrpo.models.bagel.config import bagel_7b, tiny
-from flowgrpo.models.bagel.model import (
-    MAX_QUERY_RUNS,
-    BagelModel,
-    KVCache,
-    QueryRun,
-    latent_position_ids,
-    query_mask,
-    query_runs,
-)
+from flowgrpo.models.bagel.model import BagelModel, latent_position_ids, query_mask
 from flowgrpo.models.bagel.parallelize import compile_query_layers, uncompile_query_layers
 from flowgrpo.services.bench import rollout
 

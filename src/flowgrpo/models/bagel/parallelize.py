@@ -1,16 +1,31 @@
-"""Speed wrappers for a BagelModel, applied from outside the model (the torchtitan pattern).
+"""Everything applied to a built BagelModel from outside it (the torchtitan ``parallelize_llama``
+pattern): the model files hold architecture only; this module changes how a model runs, never
+what it computes.
 
-The model files hold architecture only; this module changes how a built model runs, never what it
-computes. Today one wrapper: :func:`compile_query_layers`.
+:func:`parallelize_bagel` applies, in this order,
 
-Why only the query path: the denoising loop spends nearly all its time in
+1. :func:`compile_query_layers`: torch.compile of each decoder layer's image-query halves;
+2. :func:`checkpoint_query_layers`: activation checkpointing of the same halves (around the
+   compiled code: the backward recomputes with the compiled kernels);
+3. :func:`shard_model`: FSDP2, each decoder layer its own unit, then the root.
+
+The rollout compiles only; the trainer may apply all three, on a meta-device model before its
+weights are streamed in.
+
+How methods are wrapped (compile, checkpointing): each layer's ``query_qkv`` and ``query_out``
+are shadowed by an instance attribute wrapping what was there (the class method, or an earlier
+wrapper), and the layer keeps a stack of what each wrapping replaced, so the ``un...`` functions
+undo the outermost one exactly. FSDP2 wraps the same methods last, through its public
+``register_fsdp_forward_method`` (the same instance-attribute mechanism, with no undo).
+
+Why compile only the query path: the denoising loop spends nearly all its time in
 ``MoTDecoder.forward_query``. Its matmuls already run in cuBLAS; what compiling adds is the fusion
 of everything between them (RMSNorms with their fp32 variance, qk-norm, RoPE, the bf16 casts, the
 SwiGLU activation, residual adds), which in eager mode costs one or more trips through device
 memory each. Attention stays outside the compiled regions, in eager SDPA: the runs of
-``query_runs`` are host-side Python that a graph would specialise on, and SDPA picks its kernel
-itself (cuDNN attention on an H200 with torch 2.11, 1.6x faster than flash on these shapes).
-Prefill and the one-pass training forward are left alone.
+``attention.query_runs`` are host-side Python that a graph would specialise on, and SDPA picks its
+kernel itself (cuDNN attention on an H200 with torch 2.11, 1.6x faster than flash on these
+shapes). Prefill and the one-pass training forward are left alone.
 
 Measured on one H200 (bench/rollout_gpu.sh, 7B, CFG 4): 512px batch 8 step 486 ms with the
 general path, 466 ms with the eager query path, 364 ms compiled (MFU 60% -> 62% -> 80%);
@@ -20,11 +35,49 @@ batch 1 (GPU idle between launches) and nothing from batch 8 on, so they are not
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from flowgrpo.models.bagel.model import BagelModel
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+QUERY_METHODS = ("query_qkv", "query_out")
+"""Each decoder layer's work around the image query's joint attention: what compile and activation
+checkpointing wrap, and what FSDP2 registers as forward methods of the layer."""
+
+ROOT_METHODS = ("prefill", "predict_velocity")
+"""The sampler's forwards beside ``forward()``, registered as FSDP2 forward methods of the root."""
+
+
+def parallelize_bagel(
+    model: BagelModel,
+    mesh: DeviceMesh | None,
+    *,
+    compile: bool,
+    activation_checkpointing: bool,
+    param_dtype: torch.dtype | None = None,
+) -> BagelModel:
+    """Apply compile, activation checkpointing and FSDP2 over ``mesh`` (None: one process, no
+    sharding), each when asked, in that order. ``param_dtype`` is the compute dtype of the
+    all-gathered parameters under FSDP2. Returns ``model``, changed in place."""
+    if compile:
+        compile_query_layers(model)
+    if activation_checkpointing:
+        checkpoint_query_layers(model)
+    if mesh is not None:
+        shard_model(model, mesh, param_dtype=param_dtype)
+    return model
+
+
+# --------------------------------------------------------------------------------------------
+# torch.compile
+# --------------------------------------------------------------------------------------------
 
 
 def compile_query_layers(
@@ -43,17 +96,127 @@ def compile_query_layers(
     ``fullgraph`` is on: a graph break here would be a bug, not a fallback.
     """
     options: dict[str, Any] = {"mode": mode, "dynamic": dynamic, "backend": backend, "fullgraph": True}
-    for layer in model.decoder.layers:
-        for name in _COMPILED:
-            # an instance attribute shadows the class's method; uncompile_query_layers removes it
-            vars(layer)[name] = torch.compile(getattr(layer, name), **options)
+    _wrap_query_methods(model, "compile", lambda method: torch.compile(method, **options))
 
 
 def uncompile_query_layers(model: BagelModel) -> None:
-    """Undo :func:`compile_query_layers` (the class methods show through again)."""
+    """Undo :func:`compile_query_layers` (a no-op when not compiled)."""
+    _unwrap_query_methods(model, "compile")
+
+
+# --------------------------------------------------------------------------------------------
+# Activation checkpointing
+# --------------------------------------------------------------------------------------------
+
+
+def checkpoint_query_layers(model: BagelModel) -> None:
+    """Activation checkpointing of the image-query path: each decoder layer's ``query_qkv`` and
+    ``query_out`` (the per-layer work around the joint attention) keep only their inputs and run
+    again in the backward. Saved per layer and row: the layer's input, q/k/v and the attention
+    output: ~1.1 GiB per row (one CFG branch of one trajectory at one window step, 7B, 512px)
+    against ~6.6 GiB without, for ~1/3 more update time. Without gradients (logp_old) the methods
+    run plainly. FSDP2 skips its pre-forward during the backward's recompute, so sharding may
+    come before or after; :func:`parallelize_bagel` shards after.
+    """
+    _wrap_query_methods(model, "checkpoint", _checkpointed)
+
+
+def uncheckpoint_query_layers(model: BagelModel) -> None:
+    """Undo :func:`checkpoint_query_layers` (a no-op when not checkpointed)."""
+    _unwrap_query_methods(model, "checkpoint")
+
+
+def _checkpointed(inner: Callable[..., Any]) -> Callable[..., Any]:
+    """``inner`` recomputed in the backward instead of keeping its activations."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(*args: Tensor) -> Any:
+        if torch.is_grad_enabled():
+            # no dropout or other randomness inside: no RNG state to stash and restore
+            return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=False)
+        return inner(*args)
+
+    return run
+
+
+# --------------------------------------------------------------------------------------------
+# FSDP2
+# --------------------------------------------------------------------------------------------
+
+
+def shard_model(model: BagelModel, mesh: DeviceMesh, *, param_dtype: torch.dtype | None = None) -> BagelModel:
+    """FSDP2 over ``mesh``: each decoder layer its own unit, then the root (embeddings, heads,
+    norms); the query halves and the sampler's forwards registered as FSDP forward methods.
+
+    ``param_dtype`` (bf16 on GPU) is the compute dtype of the all-gathered parameters; the
+    sharded trainable parameters and their optimizer state stay fp32; gradients reduce in fp32.
+    Forward inputs are not cast: the model keeps RoPE and the latents in fp32 on purpose, and
+    FSDP's input cast rebuilds dataclass arguments (the KVCache) with ``dataclasses.replace``,
+    which its init=False fields refuse.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
     for layer in model.decoder.layers:
-        for name in _COMPILED:
-            vars(layer).pop(name, None)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+        for method in QUERY_METHODS:  # called around the joint attention, beside forward()
+            register_fsdp_forward_method(layer, method)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for method in ROOT_METHODS:
+        register_fsdp_forward_method(model, method)
+    return model
 
 
-_COMPILED = ("query_qkv", "query_out")  # the per-layer work around the query's attention
+# --------------------------------------------------------------------------------------------
+# The one mechanism for wrapping methods
+# --------------------------------------------------------------------------------------------
+
+_WRAPPINGS = "_flowgrpo_wrappings"  # a layer's instance attribute: its stack of _Wrapping
+
+
+@dataclass(frozen=True)
+class _Wrapping:
+    """One wrapping of a layer's query methods: the wrappers it installed, and what each shadowed
+    (an earlier wrapper, or None where the class method showed through)."""
+
+    kind: str
+    wrappers: dict[str, Callable[..., Any]]
+    shadowed: dict[str, Callable[..., Any] | None]
+
+
+def _wrap_query_methods(
+    model: BagelModel, kind: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> None:
+    """Shadow every decoder layer's ``QUERY_METHODS`` with ``wrap`` of what they are now."""
+    for layer in model.decoder.layers:
+        stack: list[_Wrapping] = vars(layer).setdefault(_WRAPPINGS, [])
+        if any(w.kind == kind for w in stack):
+            raise RuntimeError(f"the query layers are already wrapped by {kind}")
+        shadowed = {name: vars(layer).get(name) for name in QUERY_METHODS}
+        wrappers = {name: wrap(getattr(layer, name)) for name in QUERY_METHODS}
+        vars(layer).update(wrappers)  # instance attributes shadow the class's methods
+        stack.append(_Wrapping(kind, wrappers, shadowed))
+
+
+def _unwrap_query_methods(model: BagelModel, kind: str) -> None:
+    """Undo the ``kind`` wrapping, which must be the outermost; a no-op where it is not applied."""
+    for layer in model.decoder.layers:
+        stack: list[_Wrapping] = vars(layer).get(_WRAPPINGS, [])
+        if not any(w.kind == kind for w in stack):
+            continue
+        top = stack[-1]
+        if top.kind != kind or any(vars(layer).get(n) is not f for n, f in top.wrappers.items()):
+            raise RuntimeError(
+                f"{kind} is not the outermost wrapping of the query layers: undo the later one first "
+                "(FSDP2's cannot be undone)"
+            )
+        stack.pop()
+        for name, previous in top.shadowed.items():
+            if previous is None:
+                del vars(layer)[name]
+            else:
+                vars(layer)[name] = previous
+        if not stack:
+            del vars(layer)[_WRAPPINGS]

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from flowgrpo.models.bagel.attention import KVCache
 from flowgrpo.models.bagel.config import SpecialTokens
-from flowgrpo.models.bagel.model import BagelModel, KVCache, latent_position_ids, unpatchify
+from flowgrpo.models.bagel.model import BagelModel, latent_position_ids, unpatchify
 from flowgrpo.models.bagel.vae import AutoEncoder, images_to_uint8
 from flowgrpo.sampler_math import (
     StepResult,
