@@ -1,4 +1,4 @@
-"""Group advantages (SPEC section 3), torch-free: for each prompt's G rewards,
+"""Group advantages, torch-free: for each prompt's G rewards,
 A = (r - mean_group) / (std_group + eps), clipped to +-clip; a group of one gets 0; the same A
 for every trained step of the trajectory."""
 

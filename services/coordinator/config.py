@@ -91,7 +91,7 @@ class SamplingConfig(SamplerSettings):
 
 @dataclass
 class AdvantageConfig:
-    """Group advantages A = (r - mean_group) / (std_group + eps), clipped (SPEC section 3)."""
+    """Group advantages A = (r - mean_group) / (std_group + eps), clipped."""
 
     std_ddof: Literal[0, 1] = 1  # 1: torch.std as verl-omni; 0: np.std as flow_grpo
     eps: float = 1e-4

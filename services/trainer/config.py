@@ -8,7 +8,7 @@ from typing import Literal
 from flowgrpo.models.bagel.config import GEN_PATH_LINEARS, is_gen_path
 from flowgrpo.runtime.config import ServiceProcessConfig
 
-DEFAULT_LORA_TARGETS = list(GEN_PATH_LINEARS)  # SPEC section 3: q/k/v/o and the MLP of the gen path
+DEFAULT_LORA_TARGETS = list(GEN_PATH_LINEARS)  # q/k/v/o and the MLP of the gen path
 
 
 @dataclass

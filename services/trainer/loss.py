@@ -1,4 +1,4 @@
-"""The FlowGRPO objective as small pure functions (SPEC section 3).
+"""The FlowGRPO objective as small pure functions.
 
 Per trained window step of a sample: ratio = exp(logp - logp_old) and the clipped surrogate
 max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps)). Off-policy samples (lag > 0, async) use the

@@ -1,5 +1,5 @@
 """The policy being trained: LoRA adapters (through ``peft``) on the gen path, or every gen-path
-(``moe_gen``) parameter, with the und path frozen either way (SPEC section 3).
+(``moe_gen``) parameter, with the und path frozen either way.
 
 Trainable parameters are fp32 (master weights and optimizer state); the frozen weights stay in
 the load dtype. ``published`` gives what changed, in the policy-update naming that rollouts

@@ -1,4 +1,4 @@
-"""One FlowGRPO training step over a batch of trajectories (SPEC section 3).
+"""One FlowGRPO training step over a batch of trajectories.
 
 1. logp_old: the proximal policy's log-prob of every stored window step, recomputed without
    gradients with the weights at the start of the step (or, with ``bypass``, the behaviour

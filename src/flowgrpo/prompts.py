@@ -1,7 +1,7 @@
 """Prompt tokenisation, done ONCE (at data preparation, or by ``flowgrpo generate``).
 
 BAGEL's text-to-image prompt is ``[<|im_start|>] + tokens(text) + [<|im_end|>]`` with no chat
-template and no other special tokens (SPEC section 2.1). When a prompt is longer than the
+template and no other special tokens (as BAGEL's own inference). When a prompt is longer than the
 maximum, the body is cut so that both markers stay. The marker ids are read from the
 tokenizer, never hard-coded. Rollout and trainer receive these ids on the bus and never
 tokenise again (a reference stack tokenised twice, differently).

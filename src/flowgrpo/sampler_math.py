@@ -1,12 +1,12 @@
 """The sampler math of FlowGRPO, shared by the rollout engine and the trainer.
 
 Behaviour log-probs (rollout) and training log-probs (trainer) must be the same function, so the
-schedule, the CFG combination, the SDE step and its log-prob live here once (DESIGN section 3.3).
+schedule, the CFG combination, the SDE step and its log-prob live here once.
 Everything is computed in fp32 whatever the model's dtype. Randomness is a pure function of its
 coordinates (run seed, step, prompt uid, sample index): results never depend on how many
-replicas there are or which one served a request (DESIGN section 3.4).
+replicas there are or which one served a request.
 
-Conventions (SPEC section 2): x_t = (1 - t) x0 + t eps, the model predicts v = eps - x0, time runs
+Conventions (BAGEL's): x_t = (1 - t) x0 + t eps, the model predicts v = eps - x0, time runs
 from t = 1 (noise) to t = 0 (image), so dt = t_next - t < 0.
 """
 
@@ -63,7 +63,7 @@ def combine_cfg(
     params: SamplerSettings,
     v_img_uncond: Tensor | None = None,
 ) -> Tensor:
-    """Combine the CFG branches of velocities [B, N, C] at times t [B] (SPEC section 2.5).
+    """Combine the CFG branches of velocities [B, N, C] at times t [B] (BAGEL's CFG).
 
     ``v_img_uncond`` is the image-unconditional branch; for text-to-image it is the conditional
     context, so ``None`` means ``v_cond``. Samples whose t is outside the CFG interval get
@@ -136,7 +136,7 @@ def sde_step(
     noise: Tensor | None = None,
     x_next: Tensor | None = None,
 ) -> StepResult:
-    """One FlowGRPO "sde" step from t = sigma to sigma_next (SPEC section 3), in fp32.
+    """One FlowGRPO "sde" step from t = sigma to sigma_next, in fp32.
 
     Sampling: pass ``noise`` (standard normal, like x). Training: pass the stored ``x_next`` to
     get its log-prob under the current velocity. noise_level 0 is the plain Euler ODE.
@@ -163,7 +163,7 @@ def cps_step(
     noise: Tensor | None = None,
     x_next: Tensor | None = None,
 ) -> StepResult:
-    """One "cps" step (coefficient-preserving sampling), SPEC section 3.
+    """One "cps" step (coefficient-preserving sampling).
 
     Its log-prob is the references' -mean((x' - mean)^2) with no variance scaling, so its ratio
     scale differs from "sde": choose the clip range per sde_type.

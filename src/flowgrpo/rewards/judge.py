@@ -1,7 +1,7 @@
 """Transcription by a judge model behind an OpenAI-compatible ``/v1/chat/completions`` server
 (vLLM serving Qwen3-VL-8B-Instruct in the recipes).
 
-Each image travels as a PNG data URI with the reference prompt (SPEC section 4), decoded
+Each image travels as a PNG data URI with the reference prompt (flow_grpo's), decoded
 greedily by default (the reference samples at T 0.7, which makes the reward noisy). Requests
 run on a bounded thread pool (``max_concurrency`` in flight at once, shared by every caller),
 each with a socket timeout, retried with exponential backoff and jitter on connection errors,

@@ -1,7 +1,7 @@
 """PickScore: a CLIP model scores how well an image matches its caption.
 
 score = exp(logit_scale) * cos(text_emb, image_emb) / 26, embeddings L2-normalised, the text
-truncated to 77 tokens (SPEC section 4; typically 0.8-0.9 with the real weights). The model
+truncated to 77 tokens (as PickScore was trained; typically 0.8-0.9 with the real weights). The model
 folder holds ``config.json`` + ``model.safetensors`` of a ``CLIPModel`` (``PickScore_v1``); the
 processor folder the tokenizer and ``preprocessor_config.json`` (``CLIP-ViT-H-14``, as published
 beside it); :func:`flowgrpo.rewards.tiny_clip.make_tiny_clip` writes both in one folder.

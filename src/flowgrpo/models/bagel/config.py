@@ -1,6 +1,6 @@
 """Typed configs of BAGEL's MoT language model and its FLUX autoencoder, with the 7B and tiny presets.
 
-Numbers are from SPEC section 1. The published ``llm_config.json`` is a plain Qwen2 config;
+Numbers are the published BAGEL-7B-MoT's. The published ``llm_config.json`` is a plain Qwen2 config;
 ``qk_norm`` and the MoT layer type are not in it (the reference sets them in code), and
 ``max_latent_size`` comes from the shape of ``latent_pos_embed.pos_embed``, not from a file.
 """

@@ -4,9 +4,9 @@ A Qwen2.5 decoder whose every per-layer weight exists twice: the understanding e
 plain names) runs the text tokens and the image markers, the generation expert ("gen", names
 ending in ``_moe_gen``) runs the VAE-latent tokens. Routing is by token type, given as a boolean
 ``is_gen`` mask; both experts' tokens share one joint attention. Module and parameter names map
-1:1 onto the published ``ema.safetensors`` keys (SPEC section 1).
+1:1 onto the published ``ema.safetensors`` keys.
 
-Three forwards serve the sampler and the trainer (SPEC section 2):
+Three forwards serve the sampler and the trainer:
 
 - ``prefill``: prompts (padded, any side) run causally through the und expert into a KVCache;
 - ``predict_velocity``: the image query [soi, N latents, eoi] of every row, all at RoPE position

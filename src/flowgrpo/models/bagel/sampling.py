@@ -1,6 +1,6 @@
 """Text-to-image sampling with BAGEL, recording what FlowGRPO trains on.
 
-The loop of SPEC section 2: prefill every distinct prompt once, run the conditional and the
+BAGEL's text-to-image loop: prefill every distinct prompt once, run the conditional and the
 text-unconditional (empty cache) branches of all samples in ONE forward per step, combine them
 with CFG, and step the latents — SDE inside each group's window, Euler ODE elsewhere. All the
 math (schedule, CFG, SDE step, log-prob, noise, window) comes from ``flowgrpo.sampler_math``, the

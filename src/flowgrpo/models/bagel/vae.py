@@ -187,7 +187,7 @@ class AutoEncoder(nn.Module):
 
 
 def images_to_uint8(images: Tensor) -> Tensor:
-    """[B, 3, H, W] in [-1, 1] -> [B, H, W, 3] uint8 (SPEC section 2.6)."""
+    """[B, 3, H, W] in [-1, 1] -> [B, H, W, 3] uint8: round(255 clamp((x + 1) / 2, 0, 1))."""
     pixels = ((images.float() * 0.5 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
     return pixels.permute(0, 2, 3, 1)
 
