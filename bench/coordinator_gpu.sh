@@ -2,9 +2,10 @@
 # The coordinator's figures on 2 GPUs of one host, in ONE device call: a complete random
 # checkpoint of the 7B geometry, then bench/coordinator_2gpu.yaml (LoRA, JPEG reward, rollout on
 # cuda:0, trainer on cuda:1, `local` launcher) through `flowgrpo bench schedule`: sync, then async
-# with eta = 1. Prints images/s of each and the ratio (target >= 1.5x), the overlap, the mean
-# time per step of each coordinator phase, each service's busy seconds per step (from the
-# traces), the largest rollout/trainer log-prob gap, and each GPU's peak memory in use.
+# with eta = 1. Prints images/s of each and the ratio (target >= 1.5x), the overlap, the time
+# per step of each coordinator phase, each service's busy seconds per step (from the traces),
+# each the median (min-max) over the steps after the first (the warm-up), the largest
+# rollout/trainer log-prob gap, and each GPU's peak memory in use.
 #   run(command="bash bench/coordinator_gpu.sh", carry=[".whl"], kind="nvidia-h200-x2", timeout_s=600)
 # (.whl: bench/fetch_gpu_wheels.sh.) A CPU smoke test of the script (tiny model, 64 px):
 #   DEVICE=cpu bash bench/coordinator_gpu.sh
@@ -24,7 +25,7 @@ else
     MODEL=(--model tiny --device cpu --dtype fp32)
     SMOKE=(sampling.resolution=64 sampling.num_points=6 sampling.window_range=[0,2] rollout.device=cpu
            rollout.dtype=float32 launch.rollout_devices=[cpu] trainer.device=cpu trainer.dtype=float32
-           trainer.publish_cuda_ipc=false schedule.steps=3)
+           trainer.publish_cuda_ipc=false schedule.steps=4)
 fi
 $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$OUT/gpu.txt"
 [[ -f $CKPT/ema.safetensors ]] || $PY -m flowgrpo.services.bench.trainer "${MODEL[@]}" --write-checkpoint "$CKPT" 2>&1 | tee "$OUT/checkpoint.log"

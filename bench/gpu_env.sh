@@ -2,9 +2,9 @@
 # (Python 3.12, torch, no pyzmq / OpenTelemetry / protobuf 7) without installing it.
 #  - the wheels of bench/fetch_gpu_wheels.sh (carried as .whl) go to /tmp/site when the bus's
 #    imports are missing;
-#  - pyproject maps flowgrpo.services to services/: when that import fails, the two are laid out
-#    together in /tmp/fgsrc (and PYTHONSAFEPATH keeps `python -m` from putting the checkout's
-#    flowgrpo/, which lacks services/, first).
+#  - the library is src/flowgrpo, the services reach it through the link src/flowgrpo/services
+#    -> ../../services; where the copy of the checkout lost that link, the two are laid out
+#    together in /tmp/fgsrc.
 # Sets PY (the interpreter) and PYTHONPATH; subprocesses (the services, torchrun) inherit both.
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
@@ -13,10 +13,10 @@ if compgen -G ".whl/*.whl" >/dev/null && ! $PY -c "import zmq, opentelemetry" 2>
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && _site=/tmp/site
 fi
-_src=$PWD
-if ! PYTHONPATH="$PWD" $PY -c "import flowgrpo.services.trainer" 2>/dev/null; then
-    rm -rf /tmp/fgsrc && mkdir -p /tmp/fgsrc && cp -r flowgrpo /tmp/fgsrc/ && cp -r services /tmp/fgsrc/flowgrpo/
+_src=$PWD/src
+if ! PYTHONPATH="$_src" $PY -c "import flowgrpo.services.bench" 2>/dev/null; then
+    rm -rf /tmp/fgsrc && mkdir -p /tmp/fgsrc && cp -r src/flowgrpo /tmp/fgsrc/
+    rm -rf /tmp/fgsrc/flowgrpo/services && cp -r services /tmp/fgsrc/flowgrpo/
     _src=/tmp/fgsrc
-    export PYTHONSAFEPATH=1
 fi
 export PYTHONPATH="${_site:+$_site:}$_src${PYTHONPATH:+:$PYTHONPATH}"

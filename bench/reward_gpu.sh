@@ -8,14 +8,14 @@
 # model alone on preprocessed pixels and tokens.
 #
 # Nothing to carry: the GPU image has python3 3.12 with torch, transformers, pillow and numpy,
-# and flowgrpo.rewards imports nothing else for PickScore. From the repository root:
+# and flowgrpo.rewards imports nothing else for PickScore. Every figure: the median of 3 timed
+# runs after a warm-up, with its range (the JSON: one row per scorer). From the repository root:
 #   run(command="bash bench/reward_gpu.sh", timeout_s=600)
 # On this CPU machine, a quick check of the script itself:
 #   DEVICE=cpu IMAGES=4 BATCH=2 DTYPES=float32 bash bench/reward_gpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
+source bench/gpu_env.sh
 DEVICE=${DEVICE:-cuda}
 IMAGES=${IMAGES:-512}
 BATCH=${BATCH:-64}

@@ -4,16 +4,19 @@
 #  1. one GPU, the 7B with random bf16 weights, LoRA r 64 / alpha 128 on the default gen-path
 #     targets, 512px, CFG 4, window 2 of 15 points, 16 trajectories per step, 2 optimizer steps:
 #     trajectories/s, the logp_old and update passes and their MFU against the bf16 matmul peak
-#     measured in the same run, peak memory, for several micro-batch / activation-checkpointing /
-#     autocast variants; the sync-mode rollout/trainer log-prob gap; LoRA publication (gather,
-#     host copy, the bus put as the service does it, a consumer's fetch in another process);
+#     measured in the same run (before and after the timed steps), peak memory, for several
+#     micro-batch / activation-checkpointing / autocast variants; the sync-mode rollout/trainer
+#     log-prob gap; LoRA publication (gather, the bus put as the service does it, a consumer
+#     process taking each version onto its GPU);
 #  2. with 2 GPUs or more (kind nvidia-h200-x2): a random checkpoint of the 7B in the published
 #     layout, loaded through the trainer's loader (meta device, FSDP2, each rank reads its rows:
 #     time, peak host and device memory per rank), full gen-path training, FSDP2 over 2 processes
 #     (torchrun): step time, MFU, memory per GPU, full gen-path publication (bf16 on the bus, and
 #     the same-host CUDA IPC path, each with a consumer process taking it onto its GPU);
 #  0. the CUDA IPC test (tests/bus/test_cuda_ipc.py, marker gpu) when pytest is there.
-# LORA=0 or FULL=0 skips a part (one part per device call keeps each call under 10 minutes).
+# Every timed figure: the median of 3 timed steps (publications) after a warm-up, with its range.
+# LORA=0 or FULL=0 skips a part (one part per device call keeps each call under 10 minutes);
+# LORA_DEADLINE / FULL_DEADLINE (s): what would start later is skipped.
 # The bus needs pyzmq, OpenTelemetry and protobuf 7, which the GPU image lacks: carry the wheels
 # of bench/fetch_gpu_wheels.sh (.whl). Without them publication is timed up to the host copy.
 #   run(command="bash bench/trainer_gpu.sh", carry=[".whl"], kind="nvidia-h200-x2", timeout_s=600)
@@ -34,7 +37,7 @@ if [[ $DEVICE == cuda* ]]; then
 else
     NGPU=2  # gloo processes on the CPU
     SMOKE=(--model tiny --device cpu --dtype fp32 --resolution 64 --batch 4 --group 2 --prompt-len 6
-           --reps 1 --publish-reps 1)
+           --reps 3 --publish-reps 3)
 fi
 $PY -c 'import torch, peft; print("torch", torch.__version__, "cuda", torch.version.cuda, "peft", peft.__version__)' \
     | tee -a "$OUT/gpu.txt"
@@ -56,8 +59,8 @@ if [[ $NGPU -ge 2 && ${FULL:-1} == 1 ]]; then
     CKPT=${CKPT:-/tmp/bagel-random}
     $PY -m flowgrpo.services.bench.trainer "${FULL_ARGS[@]}" --write-checkpoint "$CKPT" 2>&1 | tee "$OUT/trainer_full.log"
     timeout -k 10 "${FULL_TIMEOUT:-400}" $PY -m torch.distributed.run --standalone --nproc_per_node 2 -m flowgrpo.services.bench.trainer --policy full \
-        --variants "${FULL_VARIANTS:-ac4-compile}" --compile --trajectories random --reps 2 --publish-reps 1 \
-        --checkpoint "$CKPT" "${FULL_ARGS[@]}" \
+        --variants "${FULL_VARIANTS:-ac4-compile}" --compile --trajectories random --reps 3 --publish-reps 3 \
+        --deadline-s "${FULL_DEADLINE:-240}" --checkpoint "$CKPT" "${FULL_ARGS[@]}" \
         --json "$OUT/trainer_full_fsdp2.json" 2>&1 | tee -a "$OUT/trainer_full.log"
     status=$((status || $?))
 fi

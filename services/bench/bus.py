@@ -1,8 +1,9 @@
 """Data-bus throughput and latency against memcpy, measured in one run (``flowgrpo bench bus``).
 
 A producer store runs in a child process per transport and holds one float32 tensor per size;
-this process fetches each tensor several times and reports the median, as GB/s and as a ratio
-to numpy memcpy (``np.copyto`` into a preallocated array) of the same size, timed here, now.
+this process fetches each tensor once as a warm-up, then ``--repeats`` (>= 3) times, and reports
+the median with its range (services/bench/stats.py), as GB/s and as a ratio to numpy memcpy
+(``np.copyto`` into a preallocated array) of the same size, timed here, now, the same way.
 
 Rows:
 - ``ipc``, ``tcp``: socket frames received straight into a new array (shared memory off);
@@ -28,13 +29,12 @@ import functools
 import json
 import os
 import secrets
-import statistics
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ import zmq
 
 from flowgrpo.bus import BusClient, BusConfig, TensorRef, serve_store
 from flowgrpo.bus.config import SECRET_ENV, SECRET_FILE_ENV
+from flowgrpo.services.bench.stats import MIN_REPEATS, Figure, ratio, repeats_arg, timed, write_json
 
 MiB = 1 << 20
 GOALS = {"shm": 0.5, "tcp": 0.2}  # ratio to memcpy at 64 MiB on the reference 2-core machine
@@ -55,15 +56,16 @@ _PAGE = 4096
 class Row:
     size_mib: int
     path: str
-    gb_s: float
-    ratio: float
+    seconds: Figure  # one fetch of the tensor, made usable the way the path says
+    gb_s: Figure  # size / seconds
+    ratio: Figure  # memcpy's seconds / these seconds (memcpy of the same size, timed just before)
 
 
 @dataclass
 class Latency:
     transport: str
     message: str
-    p50_us: float
+    round_trip_us: Figure  # its median is the p50
     p99_us: float
 
 
@@ -84,16 +86,16 @@ def main(argv: list[str] | None = None) -> int:
         rows = _throughput(producers, secret, args.sizes_mib, args.repeats)
         latencies = _latencies(producers, secret, args.latency_n)
     _print(rows, latencies)
-    if args.json:
-        Path(args.json).write_text(json.dumps(_report(rows, latencies), indent=2) + "\n")
+    write_json(args.json, _report(rows, latencies))
     return 0
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flowgrpo bench bus", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64, 256], help="tensor sizes")
-    p.add_argument("--repeats", type=int, default=5, help="fetches per size and path (median taken)")
-    p.add_argument("--latency-n", type=int, default=2000, help="round trips per latency figure")
+    p.add_argument("--repeats", type=repeats_arg, default=5,
+                   help=f"timed fetches per size and path, after a warm-up (>= {MIN_REPEATS})")  # fmt: skip
+    p.add_argument("--latency-n", type=repeats_arg, default=2000, help="timed round trips per latency figure")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.add_argument("--producer", choices=["ipc", "tcp"], help=argparse.SUPPRESS)  # the child process
     return p
@@ -167,37 +169,32 @@ class _Producer:
 # --- measuring --------------------------------------------------------------------------------
 
 
-def _median_s(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up: connection, probe, first-touch of buffers
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _memcpy_s(nbytes: int, repeats: int) -> float:
+def _memcpy_s(nbytes: int, repeats: int) -> Figure:
     src = np.random.default_rng(1).random(nbytes // 4, np.float32)
     dst = np.empty_like(src)
-    return _median_s(lambda: np.copyto(dst, src), repeats)
+    return timed(lambda: np.copyto(dst, src), repeats=repeats)
 
 
 def _throughput(
     producers: dict[str, _Producer], secret: str, sizes_mib: Sequence[int], repeats: int
 ) -> list[Row]:
+    """Per size: memcpy, then every path, each timed after a warm-up fetch (the connection, the
+    probe, the first touch of buffers)."""
     clients = _Clients(secret)
     rows = []
     for mib in sizes_mib:
         nbytes = mib * MiB
-        reps = repeats if mib < 256 else max(3, repeats // 2)
+        reps = repeats if mib < 256 else max(MIN_REPEATS, repeats // 2)
         base = _memcpy_s(nbytes, reps)
-        rows.append(Row(mib, "memcpy", nbytes / base / 1e9, 1.0))
+        rows.append(_row(mib, "memcpy", base, base))
         for path, fn in _paths(str(mib), producers, clients).items():
-            seconds = _median_s(fn, reps)
-            rows.append(Row(mib, path, nbytes / seconds / 1e9, base / seconds))
+            rows.append(_row(mib, path, timed(fn, repeats=reps), base))
     clients.close()
     return rows
+
+
+def _row(mib: int, path: str, seconds: Figure, memcpy: Figure) -> Row:
+    return Row(mib, path, seconds, seconds.per(mib * MiB / 1e9, "GB/s"), ratio(memcpy, seconds, "x memcpy"))
 
 
 class _Clients:
@@ -265,7 +262,9 @@ def _echo_round_trip(sock: zmq.Socket[bytes]) -> None:
     sock.recv_multipart()
 
 
-def _round_trips(fn: Callable[[], object], n: int) -> tuple[float, float]:
+def _round_trips(fn: Callable[[], object], n: int) -> tuple[Figure, float]:
+    """``n`` timed round trips after 100 warm-up ones (fewer when n is smaller): their figure in
+    microseconds (the median is the p50) and their p99."""
     for _ in range(min(100, n)):
         fn()
     times = []
@@ -273,37 +272,47 @@ def _round_trips(fn: Callable[[], object], n: int) -> tuple[float, float]:
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e6)
-    p50, p99 = np.percentile(times, [50, 99])
-    return float(p50), float(p99)
+    return Figure.of(times, "us", keep=False), float(np.percentile(times, 99))
 
 
 # --- reporting --------------------------------------------------------------------------------
 
 
 def _print(rows: list[Row], latencies: list[Latency]) -> None:
-    print(f"bus throughput, float32 tensors, median of repeats ({os.cpu_count()} CPUs)")
-    print(f"{'size':>8}  {'path':<9} {'GB/s':>7}  {'x memcpy':>8}")
+    n = rows[0].seconds.n if rows else 0
+    print(f"bus throughput, float32 tensors, median (min-max) of {n} fetches after a warm-up "
+          f"(256 MiB: fewer) ({os.cpu_count()} CPUs)")  # fmt: skip
+    print(f"{'size':>8}  {'path':<9} {'GB/s':>19}  {'x memcpy':>17}")
     for row in rows:
-        print(f"{row.size_mib:>5} MiB  {row.path:<9} {row.gb_s:>7.2f}  {row.ratio:>8.2f}")
-    print("\nsmall-message round trip (us)")
-    print(f"{'transport':<10} {'message':<20} {'p50':>8} {'p99':>8}")
+        print(
+            f"{row.size_mib:>5} MiB  {row.path:<9} {row.gb_s.brief('.2f'):>19}  {row.ratio.brief('.2f'):>17}"
+        )
+    n = latencies[0].round_trip_us.n if latencies else 0
+    print(f"\nsmall-message round trip (us), {n} after 100 warm-up ones: p50 (min-max), p99")
+    print(f"{'transport':<10} {'message':<20} {'p50 (min-max)':>24} {'p99':>8}")
     for lat in latencies:
-        print(f"{lat.transport:<10} {lat.message:<20} {lat.p50_us:>8.1f} {lat.p99_us:>8.1f}")
+        cell = lat.round_trip_us.brief(".1f")
+        print(f"{lat.transport:<10} {lat.message:<20} {cell:>24} {lat.p99_us:>8.1f}")
     for line in [*_auth_lines(rows, latencies), *_goal_lines(rows, latencies)]:
         print(line)
 
 
-def _auth_ratios(rows: list[Row], latencies: list[Latency]) -> dict[str, dict[str, float]]:
-    """Each +curve figure over its plain one: throughput per size, round-trip p50 per message."""
-    speed = {(r.size_mib, r.path): r.gb_s for r in rows}
-    p50 = {(lat.transport, lat.message): lat.p50_us for lat in latencies}
-    out: dict[str, dict[str, float]] = {}
+def _auth_ratios(rows: list[Row], latencies: list[Latency]) -> dict[str, dict[str, Figure]]:
+    """Each +curve figure over its plain one: throughput per size (plain seconds / curve
+    seconds), round-trip p50 per message (curve / plain)."""
+    seconds = {(r.size_mib, r.path): r.seconds for r in rows}
+    trips = {(lat.transport, lat.message): lat.round_trip_us for lat in latencies}
+    out: dict[str, dict[str, Figure]] = {}
     for transport in ("ipc", "tcp"):
         curve = f"{transport}+curve"
-        ratios = {f"{mib} MiB": speed[mib, curve] / speed[mib, transport] for mib, p in speed if p == curve}
-        for (t, message), value in p50.items():
-            if t == curve and (transport, message) in p50:
-                ratios[f"{message} p50"] = value / p50[transport, message]
+        ratios = {
+            f"{mib} MiB": ratio(seconds[mib, transport], seconds[mib, curve])
+            for mib, p in seconds
+            if p == curve
+        }
+        for (t, message), value in trips.items():
+            if t == curve and (transport, message) in trips:
+                ratios[f"{message} p50"] = ratio(value, trips[transport, message])
         out[transport] = ratios
     return out
 
@@ -311,7 +320,7 @@ def _auth_ratios(rows: list[Row], latencies: list[Latency]) -> dict[str, dict[st
 def _auth_lines(rows: list[Row], latencies: list[Latency]) -> list[str]:
     lines = ["\nauthentication cost (CURVE on / off; throughput < 1 and latency > 1 cost):"]
     for transport, ratios in _auth_ratios(rows, latencies).items():
-        figures = ", ".join(f"{name} {ratio:.2f}x" for name, ratio in ratios.items())
+        figures = ", ".join(f"{name} {value.brief('.2f')}x" for name, value in ratios.items())
         lines.append(f"  {transport}: {figures}")
     return lines
 
@@ -321,22 +330,21 @@ def _goal_lines(rows: list[Row], latencies: list[Latency]) -> list[str]:
     for path, goal in GOALS.items():
         found = [r for r in rows if r.size_mib == 64 and r.path == path]
         if found:
-            verdict = "met" if found[0].ratio >= goal else "MISSED"
-            lines.append(f"  {path:<4} >= {goal:.1f}x: {found[0].ratio:.2f}x {verdict}")
+            verdict = "met" if found[0].ratio.median >= goal else "MISSED"
+            lines.append(f"  {path:<4} >= {goal:.1f}x: {found[0].ratio.brief('.2f')}x {verdict}")
     for lat in latencies:
         if lat.message == "PING":
-            verdict = "met" if lat.p50_us < LATENCY_GOAL_US else "MISSED"
-            lines.append(
-                f"  {lat.transport} PING p50 < {LATENCY_GOAL_US:.0f} us: {lat.p50_us:.0f} us {verdict}"
-            )
+            p50 = lat.round_trip_us.median
+            verdict = "met" if p50 < LATENCY_GOAL_US else "MISSED"
+            lines.append(f"  {lat.transport} PING p50 < {LATENCY_GOAL_US:.0f} us: {p50:.0f} us {verdict}")
     return lines
 
 
 def _report(rows: list[Row], latencies: list[Latency]) -> dict[str, Any]:
     return {
         "cpus": os.cpu_count(),
-        "throughput": [asdict(r) for r in rows],
-        "latency": [asdict(lat) for lat in latencies],
+        "throughput": rows,
+        "latency": latencies,
         "curve_over_plain": _auth_ratios(rows, latencies),
         "goals": {"ratio_at_64_mib": GOALS, "ping_p50_us": LATENCY_GOAL_US},
     }

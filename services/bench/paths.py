@@ -107,6 +107,38 @@ def plot(runs: dict[str, Path], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.replot and not args.keep:
+        parser.error("--replot needs --keep DIR (the runs of an earlier call)")
+    out = Path(args.out)
+    with tempfile.TemporaryDirectory(prefix="bench-paths-") as tmp:
+        folder = Path(args.keep or tmp)
+        if args.replot:
+            runs = {name: folder / f"path{i}" for i, name in enumerate(PATHS)}
+        else:
+            runs = run_paths(args.steps, folder, args.model)
+        text, _ = table(runs)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        plot(runs, out.with_suffix(".png"))
+    out.with_suffix(".md").write_text(page(text, args.steps, out.with_suffix(".png").name))
+    print(text)
+    return 0
+
+
+def page(text: str, steps: int, picture: str) -> str:
+    """The markdown page (docs/sync-paths.md): what was run, the table, the plot."""
+    return (
+        f"# Do the ways of running one recipe train the same?\n\n"
+        f"`flowgrpo bench paths --steps {steps}`: the tiny CPU demo recipe (`examples/tiny_demo.yaml`, "
+        "deterministic mode), each path compared with the `inprocess` run step for step, bitwise "
+        "(`flowgrpo compare`). Async with eta = 1 trains on samples one policy version old: it is "
+        "expected to part from the first step it trains at lag 1.\n\n"
+        f"{text}\n\n![mean reward per step, and the difference from the inprocess run]({picture})\n"
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flowgrpo bench paths", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--out", default="docs/sync-paths", help="writes OUT.md (the table) and OUT.png")
@@ -115,31 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--replot", action="store_true", help="only redo the table and plot of the runs in --keep"
     )
-    args = parser.parse_args(argv)
-    if args.replot and not args.keep:
-        parser.error("--replot needs --keep DIR (the runs of an earlier call)")
-    with tempfile.TemporaryDirectory(prefix="bench-paths-") as tmp:
-        folder = Path(args.keep or tmp)
-        if args.replot:
-            runs = {name: folder / f"path{i}" for i, name in enumerate(PATHS)}
-        else:
-            runs = run_paths(args.steps, folder, args.model)
-        text, _ = table(runs)
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        plot(runs, out.with_suffix(".png"))
-    picture = out.with_suffix(".png").name
-    page = (
-        f"# Do the ways of running one recipe train the same?\n\n"
-        f"`flowgrpo bench paths --steps {args.steps}`: the tiny CPU demo recipe (`examples/tiny_demo.yaml`, "
-        "deterministic mode), each path compared with the `inprocess` run step for step, bitwise "
-        "(`flowgrpo compare`). Async with eta = 1 trains on samples one policy version old: it is "
-        "expected to part from the first step it trains at lag 1.\n\n"
-        f"{text}\n\n![mean reward per step, and the difference from the inprocess run]({picture})\n"
-    )
-    out.with_suffix(".md").write_text(page)
-    print(text)
-    return 0
+    return parser
 
 
 if __name__ == "__main__":

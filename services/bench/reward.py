@@ -1,9 +1,10 @@
 """Reward scorers' throughput in images per second (``flowgrpo bench reward``), CPU by default.
 
-Each scorer is built once (``load_s``, reported apart), warmed up on one batch, then scores
-``--images`` images of ``--size`` px in batches of ``--batch-size``; the median of ``--repeats``
-runs is reported. The images are smooth gradients with noise and one rendered word, so JPEG
-sizes and OCR work are those of real pictures, not of flat or random ones.
+Each scorer is built once (``once_s.load``, a one-off reported apart), then scores ``--images``
+images of ``--size`` px in batches of ``--batch-size``: once as a warm-up, then ``--repeats``
+(>= 3) timed times; the median with its range is reported (services/bench/stats.py). The images
+are smooth gradients with noise and one rendered word, so JPEG sizes and OCR work are those of
+real pictures, not of flat or random ones.
 
 Rows:
 - ``jpeg_compressibility``: PIL JPEG at quality 95;
@@ -21,12 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from flowgrpo.rewards import Sample, SampleError, Scorer
+from flowgrpo.services.bench.stats import MIN_REPEATS, Figure, repeats_arg, timed, write_json
 
 SCORERS = ("jpeg_compressibility", "plugin", "ocr_offline", "judge", "pickscore")
 WORD = "FlowGRPO"
@@ -45,9 +46,9 @@ class Row:
     scorer: str
     images: int
     batch: int
-    load_s: float
-    seconds: float  # median over the repeats, all images
-    images_per_s: float
+    seconds: Figure  # all images, over the repeats
+    images_per_s: Figure  # images / seconds
+    once_s: dict[str, float]  # "load": building the scorer, once
 
 
 def bench_images(count: int, size: int, seed: int = 0) -> list[npt.NDArray[np.uint8]]:
@@ -92,14 +93,13 @@ def time_scorer(
 def time_built(
     name: str, scorer: Scorer, samples: Sequence[Sample], batch: int, repeats: int, *, load_s: float
 ) -> Row:
-    _score_all(scorer, samples[:batch], batch)  # warm-up: lazy init, first kernels
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        _score_all(scorer, samples, batch)
-        times.append(time.perf_counter() - started)
-    seconds = statistics.median(times)
-    return Row(name, len(samples), batch, load_s, seconds, len(samples) / seconds)
+    # the warm-up run: lazy initialisation, the first kernels
+    seconds = timed(lambda: _score_all(scorer, samples, batch), repeats=repeats, warmup=1)
+    return _row(name, len(samples), batch, seconds, load_s)
+
+
+def _row(name: str, images: int, batch: int, seconds: Figure, load_s: float) -> Row:
+    return Row(name, images, batch, seconds, seconds.per(images, "images/s"), {"load": load_s})
 
 
 def _score_all(scorer: Scorer, samples: Sequence[Sample], batch: int) -> None:
@@ -213,22 +213,17 @@ def _model_only_row(name: str, scorer: Any, samples: Sequence[Sample], args: arg
         with torch.inference_mode():
             scorer.image_features(pixels)
             scorer.text_features(tokens)
-        if pixels.is_cuda:
-            torch.cuda.synchronize()
 
-    run()
-    times = []
     batches = max(len(samples) // args.batch_size, 1)
-    for _ in range(args.repeats):
-        started = time.perf_counter()
+    device = pixels.device
+
+    def all_batches() -> None:
         for _ in range(batches):
             run()
-        times.append(time.perf_counter() - started)
-    seconds = statistics.median(times)
+
+    seconds = timed(all_batches, repeats=args.repeats, device=device)
     count = batches * args.batch_size
-    return Row(
-        name.replace("pickscore", "pickscore_model"), count, args.batch_size, 0.0, seconds, count / seconds
-    )
+    return _row(name.replace("pickscore", "pickscore_model"), count, args.batch_size, seconds, 0.0)
 
 
 def _torch_dtype(name: str) -> Any:
@@ -249,7 +244,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--images", type=int, default=32, help="images scored per repeat")
     parser.add_argument("--size", type=int, default=512, help="image side in pixels")
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--repeats", type=repeats_arg, default=MIN_REPEATS, help="timed runs, after a warm-up"
+    )
     parser.add_argument("--pickscore-geometry", choices=["tiny", "vit-h-14"], default="tiny")
     parser.add_argument("--device", default="cpu", help="pickscore's device: cpu, cuda, cuda:1")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
@@ -280,10 +277,11 @@ def run_rows(args: argparse.Namespace) -> list[Row]:
 
 
 def print_rows(rows: Sequence[Row], args: argparse.Namespace) -> None:
-    print(f"reward scorers, {args.size}x{args.size} images, median of {args.repeats} runs")
-    print(f"{'scorer':<40} {'images':>6} {'batch':>5} {'load_s':>7} {'seconds':>8} {'images/s':>9}")
+    print(f"reward scorers, {args.size}x{args.size} images, median (min-max) of {args.repeats} runs "
+          "after a warm-up; load: once")  # fmt: skip
+    print(f"{'scorer':<40} {'images':>6} {'batch':>5} {'load s':>7} {'seconds':>21} {'images/s':>21}")
     for r in rows:
-        timing = f"{r.load_s:>7.2f} {r.seconds:>8.3f} {r.images_per_s:>9.1f}"
+        timing = f"{r.once_s['load']:>7.2f} {r.seconds.brief('.3f'):>21} {r.images_per_s.brief('.1f'):>21}"
         print(f"{r.scorer:<40} {r.images:>6} {r.batch:>5} {timing}")
 
 
@@ -291,8 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     rows = run_rows(args)
     print_rows(rows, args)
-    if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    write_json(args.json, rows)
     return 0
 
 

@@ -1,11 +1,8 @@
-"""The static image-query path of ``predict_velocity`` (attention.py), its compilation
-(parallelize.py) and the rollout benchmark's FLOP count and CPU smoke run (tiny model, CPU, fp32).
-Each test says whether it expects bitwise equality or a tolerance."""
+"""The static image-query path of ``predict_velocity`` and its compilation (parallelize.py), on
+the tiny model (CPU, fp32); the rollout benchmark's tests are in tests/bench/test_rollout.py. Each
+test says whether it expects bitwise equality or a tolerance."""
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,10 +11,9 @@ from torch import Tensor
 from torch._dynamo.testing import CompileCounter
 
 from flowgrpo.models.bagel.attention import MAX_QUERY_RUNS, KVCache, QueryRun, query_runs
-from flowgrpo.models.bagel.config import bagel_7b, tiny
+from flowgrpo.models.bagel.config import tiny
 from flowgrpo.models.bagel.model import BagelModel, latent_position_ids, query_mask
 from flowgrpo.models.bagel.parallelize import compile_query_layers, uncompile_query_layers
-from flowgrpo.services.bench import rollout
 
 SOI, EOI = 386, 387
 MARKERS = {"soi_id": SOI, "eoi_id": EOI}
@@ -97,40 +93,3 @@ def test_compiled_query_layers_match_eager_and_compile_once(model: BagelModel) -
         uncompile_query_layers(model)
     assert counter.frame_count == 2  # query_qkv and query_out, once each
     assert "query_qkv" not in vars(model.decoder.layers[0])
-
-
-def test_spec_flop_count() -> None:
-    """Exact parameter count; SPEC section 7's figures: 2.76e13 (512px) and 1.20e14 (1024px) per
-    text-CFG step of one sample (two rows of empty context), 6.525e9 gen matmul parameters."""
-    cfg = bagel_7b()
-    assert rollout.gen_matmul_params(cfg) == 6_525_288_448
-    assert rollout.spec_step_flops(cfg, 1024, [0, 0]) == pytest.approx(2.76e13, rel=2e-3)
-    assert rollout.spec_step_flops(cfg, 4096, [0, 0]) == pytest.approx(1.20e14, rel=4e-3)
-    extra = rollout.spec_step_flops(cfg, 1024, [48, 0]) - rollout.spec_step_flops(cfg, 1024, [0, 0])
-    assert extra == 4 * 1026 * 48 * 128 * 28 * 28  # prompt keys only add attention FLOPs
-
-
-def test_bench_requests_share_prompts_by_group() -> None:
-    """Exact: 17 samples = 16 of prompt p0 and 1 of p1 (8 tokens longer), with the markers."""
-    special = rollout.SPECIAL_TINY
-    reqs = rollout.make_requests(17, 10, special)
-    assert [r.prompt_uid for r in reqs] == ["p0"] * 16 + ["p1"]
-    assert reqs[0].prompt_ids.numel() == 10 and reqs[16].prompt_ids.numel() == 18
-    assert reqs[0].prompt_ids[0] == special.im_start and reqs[0].prompt_ids[-1] == special.im_end
-    assert rollout.context_lengths(reqs[15:]) == [10, 18, 0, 0]
-    assert rollout.parse_shapes("512x8,1024X2") == [(512, 8), (1024, 2)] and rollout.parse_shapes("") == []
-
-
-def test_bench_smoke_on_cpu(tmp_path: Path) -> None:
-    """The whole benchmark on the tiny model (fp32, CPU, aot_eager): every code path runs and the
-    JSON holds a row per shape, the variants and the drift; the fast path agrees with the general one."""
-    out = tmp_path / "r.json"
-    argv = ["--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--shapes", "64x2", "--variants", "64x2"]
-    assert rollout.main([*argv, "--compile-backend", "aot_eager", "--json", str(out)]) == 0
-    report = json.loads(out.read_text())
-    assert [(r["resolution"], r["batch"]) for r in report["rows"]] == [(64, 2)]
-    assert report["rows"][0]["images_per_s"] > 0
-    variants = {v["variant"]: v for v in report["variants"]}
-    assert set(variants) == {"general-eager", "query-eager", "query-compiled"}
-    assert all(v["rel_diff"] < 1e-5 for v in variants.values())
-    assert 0 < report["drift_tiny"]["rel_err"] < 0.05

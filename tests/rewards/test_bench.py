@@ -14,13 +14,13 @@ def test_bench_reports_images_per_second_for_every_scorer(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "rows.json"
-    argv = ["--images", "4", "--size", "64", "--batch-size", "2", "--repeats", "1", "--json", str(out)]
+    argv = ["--images", "2", "--size", "64", "--batch-size", "2", "--repeats", "3", "--json", str(out)]
     assert reward.main(argv) == 0
     rows = json.loads(out.read_text())
     names = [row["scorer"] for row in rows]
     assert names == ["jpeg_compressibility", "plugin", "ocr_offline", "judge",
                      "pickscore[tiny,cpu,float32]", "pickscore_model[tiny,cpu,float32]"]  # fmt: skip
-    assert all(row["images_per_s"] > 0 for row in rows)
+    assert all(row["images_per_s"]["median"] > 0 and row["images_per_s"]["n"] == 3 for row in rows)
     assert "images/s" in capsys.readouterr().out
 
 

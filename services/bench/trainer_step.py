@@ -1,0 +1,253 @@
+"""The trainer benchmark's batch and its step configurations (``flowgrpo bench trainer``): each
+variant (micro-batch size, activation checkpointing, autocast, compile) runs one warm-up step,
+whose rollout/trainer log-prob gap is the sync-mode gap, then ``--reps`` (>= 3) timed steps."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flowgrpo.models.bagel.config import BagelConfig, SpecialTokens
+from flowgrpo.models.bagel.model import BagelModel
+from flowgrpo.models.bagel.parallelize import (
+    checkpoint_query_layers,
+    compile_query_layers,
+    uncheckpoint_query_layers,
+    uncompile_query_layers,
+)
+from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, token_grid
+from flowgrpo.sampler_math import shifted_schedule
+from flowgrpo.sampler_params import SamplerParams
+from flowgrpo.services.bench.common import GiB, free, mfu
+from flowgrpo.services.bench.stats import Figure, Runs, run_timed
+from flowgrpo.services.trainer.config import LossConfig, OptimConfig
+from flowgrpo.services.trainer.distributed import Dist
+from flowgrpo.services.trainer.policy import TrainablePolicy
+from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory, compute_autocast
+
+# --- batch --------------------------------------------------------------------------------------
+
+
+def sampled_batch(
+    model: BagelModel, special: SpecialTokens, requests: list[SampleRequest], params: SamplerParams
+) -> list[Trajectory]:
+    """Trajectories drawn by the sampler with ``model`` (host tensors, as the service gets them)."""
+    sampler = BagelSampler(model, None, special)
+    with compute_autocast(model):
+        out = sampler.generate(requests, params, seed=0, step=0)
+    g = torch.Generator().manual_seed(1)
+    advantages = torch.randn(len(requests), generator=g).clamp(-5, 5).tolist()
+    return [
+        Trajectory(
+            r.prompt_uid,
+            r.sample_index,
+            0,
+            a,
+            r.prompt_ids,
+            out.latents[i].cpu(),
+            out.log_probs[i].cpu(),
+            out.sigmas[i].cpu(),
+        )
+        for i, (r, a) in enumerate(zip(requests, advantages, strict=True))
+    ]
+
+
+def random_batch(cfg: BagelConfig, requests: list[SampleRequest], params: SamplerParams) -> list[Trajectory]:
+    """Random latents at a fixed window (begin 3) and zero behaviour log-probs: enough for timing."""
+    g = torch.Generator().manual_seed(2)
+    rows, cols = token_grid(params)
+    schedule = shifted_schedule(params.num_points, params.timestep_shift)
+    w = params.window_size
+    out = []
+    for r in requests:
+        latents = torch.randn(w + 1, rows * cols, cfg.latent_token_dim, generator=g)
+        a = float(torch.randn((), generator=g).clamp(-5, 5))
+        sigmas = schedule[3 : 4 + w].clone()
+        out.append(
+            Trajectory(r.prompt_uid, r.sample_index, 0, a, r.prompt_ids, latents, torch.zeros(w), sigmas)
+        )
+    return out
+
+
+# --- configurations -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    micro: int
+    checkpointing: bool
+    autocast: bool = True
+    addmm: bool = False  # an experiment, not the trainer's path: see addmm_lora
+    compile: bool = False  # the query path compiled (compile_query_layers), under autograd
+
+
+def parse_variants(text: str) -> list[Variant]:
+    """'ac4,ac8,none2,ac4-fp32' -> variants: activation checkpointing ('ac') or not ('none'), the
+    micro-batch size, '-fp32': LoRA matmuls in fp32 (no autocast: peft's own dtype handling),
+    '-addmm': the experiment of :func:`addmm_lora`, '-compile': the query path compiled."""
+    out = []
+    for item in filter(None, text.split(",")):
+        head, *flags = item.split("-")
+        ac = head.startswith("ac")
+        micro = int(head.removeprefix("ac").removeprefix("none"))
+        out.append(
+            Variant(item, micro, ac, "fp32" not in flags, addmm="addmm" in flags, compile="compile" in flags)
+        )
+    return out
+
+
+def addmm_lora(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """EXPERIMENT (bench only): every peft LoRA Linear computes base(x) + s B (A x) as
+    addmm(base(x), A x, B^T, alpha=s), one GEMM whose epilogue adds the base output, instead of
+    peft's B output, its scaling and the add as three passes over [tokens, out] (autocast only).
+    Returns the patched layers; deleting their instance ``forward`` undoes it."""
+    import torch.nn.functional as F
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    patched: list[torch.nn.Module] = []
+    for layer in model.modules():
+        if not isinstance(layer, LoraLinear):
+            continue
+
+        def forward(x: Tensor, *args: Any, _layer: Any = layer, **kwargs: Any) -> Tensor:
+            result: Tensor = _layer.base_layer(x, *args, **kwargs)
+            if _layer.disable_adapters or _layer.merged:
+                return result
+            name = _layer.active_adapters[0]
+            h = F.linear(x, _layer.lora_A[name].weight)
+            flat = result.reshape(-1, result.shape[-1])
+            b = _layer.lora_B[name].weight
+            out = torch.addmm(flat, h.reshape(-1, h.shape[-1]), b.t(), alpha=_layer.scaling[name])
+            return out.view(result.shape)
+
+        vars(layer)["forward"] = forward
+        patched.append(layer)
+    return patched
+
+
+# --- measuring one ---------------------------------------------------------------------------------
+
+
+@dataclass
+class StepBench:
+    """What every variant is measured with."""
+
+    policy: TrainablePolicy
+    initial: dict[str, Tensor] | None  # the sampled weights (LoRA): each warm-up is a sync step
+    batch: list[Trajectory]
+    params: SamplerParams
+    special: SpecialTokens
+    dist: Dist
+    repeats: int
+    mini_batches: int
+    compiled_before_sharding: bool  # sharded runs: --compile
+
+    @property
+    def device(self) -> torch.device:
+        return self.policy.model.vae2llm.weight.device
+
+
+def measure_variant(variant: Variant, bench: StepBench) -> dict[str, Any]:
+    """One row: a warm-up step, ``bench.repeats`` timed steps, their figures (MFU: add_mfu)."""
+    row: dict[str, Any] = {"variant": variant.name, "micro_batch": variant.micro,
+                           "checkpointing": variant.checkpointing, "autocast": variant.autocast}  # fmt: skip
+    skipped = _skip_reason(variant, bench)
+    if skipped:
+        return row | {"error": skipped}
+    _configure(variant, bench)
+    row["compiled"] = variant.compile
+    try:
+        runs = _timed_steps(variant, bench)
+    except torch.OutOfMemoryError as e:
+        row["error"] = "out of memory: " + str(e).splitlines()[0][:300]
+    except Exception as e:  # report it and go on with the next variant
+        row["error"] = repr(e)[:1000]
+    if "error" in row:
+        free(bench.device)
+        return row
+    return row | _figures(runs, bench)
+
+
+def _skip_reason(variant: Variant, bench: StepBench) -> str:
+    if bench.dist.enabled and not variant.checkpointing:  # applied once, before sharding
+        return "skipped: sharded runs always use activation checkpointing"
+    if bench.dist.enabled and variant.compile != bench.compiled_before_sharding:
+        return "skipped: sharded runs compile (--compile) or not, before sharding"
+    return ""
+
+
+def _configure(variant: Variant, bench: StepBench) -> None:
+    """Compile first, checkpoint around it (the order load_policy applies); sharded models were
+    configured once, before sharding."""
+    if bench.dist.enabled:
+        return
+    model = bench.policy.model
+    uncheckpoint_query_layers(model)
+    uncompile_query_layers(model)
+    if variant.compile:
+        compile_query_layers(model)
+    if variant.checkpointing:
+        checkpoint_query_layers(model)
+
+
+def _timed_steps(variant: Variant, bench: StepBench) -> Runs[dict[str, float]]:
+    if bench.initial is not None:  # back to the sampled weights: the warm-up step is a sync step
+        bench.policy.load_published(bench.initial)
+    loss = LossConfig(mini_batches=bench.mini_batches, micro_batch_size=variant.micro)
+    trainer = FlowGRPOStep(bench.policy, bench.special, OptimConfig(), loss, bench.dist)
+    trainer.mixed_precision = variant.autocast
+    patched = addmm_lora(bench.policy.model) if variant.addmm else []
+    try:
+        return run_timed(lambda: _step(trainer, bench), repeats=bench.repeats, device=bench.device)
+    finally:
+        for layer in patched:
+            vars(layer).pop("forward", None)
+        trainer.optimizer.zero_grad(set_to_none=True)
+
+
+def _step(trainer: FlowGRPOStep, bench: StepBench) -> dict[str, float]:
+    """One ``FlowGRPOStep.run`` on a sync batch (policy_version = the trainer's version): its
+    metrics and, on a GPU, its peak memory."""
+    device = bench.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    metrics = trainer.run([replace(t, policy_version=trainer.version) for t in bench.batch], bench.params)
+    if device.type == "cuda":
+        metrics["peak_gib"] = torch.cuda.max_memory_allocated(device) / GiB
+    return metrics
+
+
+def _figures(runs: Runs[dict[str, float]], bench: StepBench) -> dict[str, Any]:
+    warm, steps = runs.warmup[0], runs.outputs
+    return {
+        "trajectories": len(bench.batch),
+        "step_s": runs.seconds,
+        "old_log_prob_s": Figure.of([m["timing_s/old_log_prob"] for m in steps]),
+        "update_s": Figure.of([m["timing_s/update_actor"] for m in steps]),
+        "traj_per_s_per_gpu": runs.seconds.per(len(bench.batch) / bench.dist.world, "traj/s/GPU"),
+        "peak_gib": max(m.get("peak_gib", math.nan) for m in steps),
+        "loss": statistics.median(m.get("actor/pg_loss", math.nan) for m in steps),
+        "grad_norm": statistics.median(m.get("actor/grad_norm", math.nan) for m in steps),
+        "sync_logp_gap_max": warm.get("actor/rollout_logp_gap/max", math.nan),
+        "sync_logp_gap_mean": warm.get("actor/rollout_logp_gap/mean", math.nan),
+        "once_s": {"warmup_step": runs.warmup_seconds[0]},
+    }
+
+
+def add_mfu(row: dict[str, Any], flops: dict[str, float], world: int, peak_tflops: float) -> None:
+    """MFU of the row's passes (every rank runs 1/world of the rows) against ``peak_tflops``;
+    HFU adds activation checkpointing's recompute to the update pass."""
+    if "error" in row:
+        return
+    old, update = flops["old"] / world, flops["update"] / world
+    recompute = flops["recompute"] / world if row["checkpointing"] else 0.0
+    row["mfu_old_log_prob"] = mfu(old, row["old_log_prob_s"], peak_tflops)
+    row["mfu_update"] = mfu(update, row["update_s"], peak_tflops)
+    row["hfu_update"] = mfu(update + recompute, row["update_s"], peak_tflops)
+    row["mfu_step"] = mfu(old + update, row["step_s"], peak_tflops)

@@ -1,0 +1,75 @@
+"""``flowgrpo bench trainer`` on the tiny model, CPU, fp32: every code path of a LoRA row and the
+publication runs, and the figures hold together (the speeds and MFUs recompute from the stored
+timings, FLOPs and peak; each step's two passes fit inside it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flowgrpo.services.bench import trainer
+
+from .figures import check_figures, median
+
+MODEL = ["--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--lora-rank", "4"]
+SIZES = ["--resolution", "32", "--num-points", "8", "--batch", "4", "--group", "2", "--prompt-len", "6"]
+TINY = MODEL + SIZES
+
+
+def test_the_trainer_benchmark_reports_consistent_figures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "trainer.json"
+    assert trainer.main([*TINY, "--variants", "none2,ac4", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    check_figures(report)
+    peak = report["matmul_peak"]
+    assert peak["used_tflops"] == max(median(peak["before"]), median(peak["after"]))
+    assert peak["before"]["n"] == peak["after"]["n"] == 10
+    flops, world, used = report["flops"], report["world"], peak["used_tflops"] * 1e12
+    assert [r["variant"] for r in report["rows"]] == ["none2", "ac4"]
+    for row in report["rows"]:
+        assert "error" not in row, row
+        step = row["step_s"]
+        assert step["n"] == 3 and row["once_s"]["warmup_step"] > 0
+        assert median(row["traj_per_s_per_gpu"]) * median(step) * world == pytest.approx(row["trajectories"])
+        assert median(row["mfu_step"]) == pytest.approx(
+            (flops["old"] + flops["update"]) / world / median(step) / used
+        )
+        assert median(row["mfu_update"]) == pytest.approx(
+            flops["update"] / world / median(row["update_s"]) / used
+        )
+        assert median(row["mfu_old_log_prob"]) == pytest.approx(
+            flops["old"] / world / median(row["old_log_prob_s"]) / used
+        )
+        recompute = flops["recompute"] if row["checkpointing"] else 0.0
+        hfu = (flops["update"] + recompute) / world / median(row["update_s"]) / used
+        assert median(row["hfu_update"]) == pytest.approx(hfu)
+        parts = zip(row["old_log_prob_s"]["values"], row["update_s"]["values"], step["values"], strict=True)
+        assert all(old + update <= total for old, update, total in parts)  # the same three runs
+        assert row["sync_logp_gap_max"] < 1e-4  # fp32: the warm-up step recomputes the sampler's log-probs
+    assert report["rows"][1]["checkpointing"] and median(report["rows"][1]["hfu_update"]) > median(
+        report["rows"][1]["mfu_update"]
+    )
+    _check_publication(report["publication"])
+    assert "median (min-max) of 3 steps after a warm-up" in capsys.readouterr().out
+
+
+def _check_publication(pub: dict[str, object]) -> None:
+    assert pub["gather_s"]["n"] == 3  # type: ignore[index]
+    for key, bytes_per_value in (("bus_fp32", 4), ("bus_bfloat16", 2)):
+        assert pub[f"{key}_publish_s"]["n"] == 3  # type: ignore[index]
+        consumer = pub[f"{key}_consumer"]
+        assert isinstance(consumer, dict) and "error" not in consumer, consumer
+        assert consumer["bytes"] == pub["bytes_fp32"] // 4 * bytes_per_value  # type: ignore[operator]
+        assert consumer["tensors"] == pub["tensors"]
+        took = zip(consumer["fetch_s"]["values"], consumer["total_s"]["values"], strict=True)
+        assert all(fetch <= whole for fetch, whole in took)
+
+
+def test_fewer_than_three_timed_steps_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        trainer.main([*TINY, "--reps", "2"])
+    assert "every figure is a median of >= 3 runs" in capsys.readouterr().err
