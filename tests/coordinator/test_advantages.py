@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ def test_advantages_follow_the_worked_example_with_ddof_1_and_clip() -> None:
 
 
 @pytest.mark.parametrize("ddof", [0, 1])
-def test_unclipped_advantages_have_zero_mean_and_unit_std(ddof: int) -> None:
+def test_unclipped_advantages_have_zero_mean_and_unit_std(ddof: Literal[0, 1]) -> None:
     rng = np.random.default_rng(0)
     rewards = {f"p{i}": rng.normal(i, 1 + i, size=16).tolist() for i in range(3)}
     out, zero_std = group_advantages(rewards, AdvantageConfig(std_ddof=ddof, eps=1e-12, clip=100))
