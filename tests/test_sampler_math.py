@@ -1,4 +1,6 @@
-"""The shared sampler math against its formulas (fp32; tolerances stated per test)."""
+"""The shared sampler math against oracles that do not restate it: definitions from first
+principles (Gaussian densities, the flow's marginals, DDIM), worked numbers and properties (fp32;
+tolerances stated per test)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import math
 
 import pytest
 import torch
+from torch.distributions import Normal
 
 from flowgrpo.sampler_math import (
     batch_noise,
@@ -21,31 +24,77 @@ from flowgrpo.sampler_params import SamplerSettings
 
 
 def test_shifted_schedule_points_and_steps() -> None:
+    """The shift multiplies the noise-to-signal odds t / (1 - t) by 3 at every point (SD3's
+    timestep shift); 15 points are 14 steps from 1 to 0, and the midpoint 0.5 lands on 0.75."""
     t = shifted_schedule(15, shift=3.0)
-    assert t.shape == (15,) and t.dtype == torch.float32  # 15 points -> 14 steps
-    raw = torch.linspace(1, 0, 15, dtype=torch.float64)
-    torch.testing.assert_close(t, (3 * raw / (1 + 2 * raw)).float(), rtol=0, atol=0)
+    assert t.shape == (15,) and t.dtype == torch.float32
     assert t[0] == 1.0 and t[-1] == 0.0 and bool((t[1:] < t[:-1]).all())
+    assert t[7] == 0.75  # raw t = 7/14 = 0.5: odds 1 -> 3
+    raw = [1 - i / 14 for i in range(1, 14)]
+    odds = [float(s) / (1 - float(s)) for s in t[1:-1]]
+    assert odds == pytest.approx([3 * r / (1 - r) for r in raw], rel=1e-5)
     with pytest.raises(ValueError, match="at least 2 points"):
         shifted_schedule(1)
 
 
-def test_sde_step_matches_the_closed_form() -> None:
+def spec_scale(schedule: torch.Tensor, i: int, noise_level: float) -> float:
+    """SPEC section 3's standard deviation of step i's Gaussian: std_t sqrt(-dt), std_t =
+    a sqrt(sigma / (1 - s)) with s = sigma, except schedule[1] on the first step (sigma = 1)."""
+    sigma, sigma_next = float(schedule[i]), float(schedule[i + 1])
+    s = float(schedule[1]) if i == 0 else sigma
+    return noise_level * math.sqrt(sigma / (1 - s)) * math.sqrt(sigma - sigma_next)
+
+
+@pytest.mark.parametrize("i", [0, 2, 9, 13])
+def test_sde_log_prob_at_the_sampled_point_is_minus_half_the_mean_square_noise(i: int) -> None:
+    """x' = mean + scale eps gives -(x' - mean)^2 / (2 scale^2) = -eps^2 / 2 per element, averaged
+    over the sample's elements, whatever the step; and the noise is drawn at SPEC's scale."""
     torch.manual_seed(0)
     x, v, eps = torch.randn(3, 8, 64), torch.randn(3, 8, 64), torch.randn(3, 8, 64)
     t = shifted_schedule(15)
-    a, sig, sig_next, s1 = 1.3, float(t[2]), float(t[3]), float(t[1])
-    out = sde_step(x, v, sig, sig_next, sigma_after_first=s1, noise_level=a, noise=eps)
-    std = a * math.sqrt(sig / (1 - sig))
-    dt = sig_next - sig
-    mean = x * (1 + std**2 * dt / (2 * sig)) + v * (1 + std**2 * (1 - sig) / (2 * sig)) * dt
-    x_next = mean + std * math.sqrt(-dt) * eps
-    lp = (-((x_next - mean) ** 2) / (2 * std**2 * -dt)).mean(dim=(1, 2))
-    torch.testing.assert_close(out.mean, mean, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(out.x_next, x_next, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(out.log_prob, lp, rtol=1e-6, atol=1e-6)
-    # the log-prob of a sampled step is -E[eps^2]/2 per element: the closed-form Gaussian term
+    out = sde_step(x, v, t[i], t[i + 1], sigma_after_first=float(t[1]), noise_level=1.3, noise=eps)
+    torch.testing.assert_close(out.x_next - out.mean, spec_scale(t, i, 1.3) * eps, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(out.log_prob, -(eps**2).mean(dim=(1, 2)) / 2, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("i", [0, 4, 12])
+def test_sde_log_prob_is_the_gaussian_density_without_its_normaliser(i: int) -> None:
+    """Scoring any x' (not a sampled one): torch's Normal(mean, scale) log-density plus the terms
+    the BAGEL reference drops, log(scale) + log(2 pi) / 2, averaged over elements (float64)."""
+    torch.manual_seed(1)
+    x, v, x_next = torch.randn(3, 8, 64), torch.randn(3, 8, 64), torch.randn(3, 8, 64)
+    t = shifted_schedule(15)
+    out = sde_step(x, v, t[i], t[i + 1], sigma_after_first=float(t[1]), noise_level=0.7, x_next=x_next)
+    scale = spec_scale(t, i, 0.7)
+    density = Normal(out.mean.double(), scale).log_prob(x_next.double())
+    expected = (density + math.log(scale) + math.log(2 * math.pi) / 2).mean(dim=(1, 2))
+    torch.testing.assert_close(out.log_prob.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("a", [0.7, 1.3])
+def test_sde_step_keeps_the_marginals_of_the_flow(a: float) -> None:
+    """From first principles, without the step's formula (a = noise_level): for data x0 ~ N(0, c^2) the flow's
+    marginal at t is N(0, (1 - t)^2 c^2 + t^2) and the exact velocity E[eps - x0 | x_t = x] is
+    (t - c^2 (1 - t)) x / var_t. A step that adds noise must correct its drift so the marginal of
+    the next point is still the flow's (the FlowGRPO SDE): one Euler-Maruyama step of it from the
+    marginal at sigma must land on the marginal at sigma' up to O(dt^2), the error falling 4x when
+    dt halves; a wrong drift or noise scale leaves an O(dt) error (2x). Two values of c separate
+    the coefficients of x and of v."""
+
+    def marginal(t: float, c: float) -> float:
+        return (1 - t) ** 2 * c**2 + t**2
+
+    sigma, one = 0.6, torch.ones(1, 1, 1)
+    for c in (0.5, 2.0):
+        errors = []
+        for dt in (0.04, 0.02, 0.01):
+            k = (sigma - c**2 * (1 - sigma)) / marginal(sigma, c)  # v = k x
+            step = sde_step(one, k * one, sigma, sigma - dt, sigma_after_first=0.9, noise_level=a, noise=one)
+            gain = float(step.mean)  # x' = gain x + scale eps
+            scale = float(step.x_next - step.mean)
+            errors.append(gain**2 * marginal(sigma, c) + scale**2 - marginal(sigma - dt, c))
+        assert errors[0] / errors[1] == pytest.approx(4, rel=0.05), (c, errors)
+        assert errors[1] / errors[2] == pytest.approx(4, rel=0.05), (c, errors)
 
 
 def test_first_step_uses_schedule_point_one() -> None:
@@ -65,23 +114,44 @@ def test_scoring_a_stored_step_reproduces_the_sampled_log_prob() -> None:
 
 
 def test_noise_level_zero_is_the_euler_ode() -> None:
+    """The deterministic limit: the mean and the sample are x + v dt, and the step has no density."""
     torch.manual_seed(2)
     x, v, eps = torch.randn(2, 8, 64), torch.randn(2, 8, 64), torch.randn(2, 8, 64)
     out = sde_step(x, v, 0.8, 0.6, sigma_after_first=0.9, noise_level=0.0, noise=eps)
-    torch.testing.assert_close(out.x_next, ode_step(x, v, 0.8, 0.6), rtol=0, atol=1e-7)
+    euler = x + v * (0.6 - 0.8)
+    torch.testing.assert_close(out.mean, euler, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out.x_next, euler, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ode_step(x, v, 0.8, 0.6), euler, rtol=0, atol=1e-6)
     assert torch.equal(out.log_prob, torch.zeros(2))
 
 
-def test_cps_step_formula() -> None:
+def test_cps_without_noise_is_ddim_which_is_the_euler_ode() -> None:
+    """noise_level 0: s = 0 and the step is DDIM, (1 - sigma') x0_hat + sigma' x1_hat, which for
+    a straight flow is exactly the Euler step x + v (sigma' - sigma)."""
     torch.manual_seed(3)
     x, v, eps = torch.randn(2, 4, 64), torch.randn(2, 4, 64), torch.randn(2, 4, 64)
-    sig, sig_next, a = 0.8, 0.7, 0.8
-    out = cps_step(x, v, sig, sig_next, noise_level=a, noise=eps)
-    s = sig_next * math.sin(a * math.pi / 2)
-    mean = (1 - sig_next) * (x - sig * v) + math.sqrt(sig_next**2 - s**2) * (x + (1 - sig) * v)
-    torch.testing.assert_close(out.mean, mean, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(out.x_next, mean + s * eps, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(out.log_prob, -((s * eps) ** 2).mean(dim=(1, 2)), rtol=1e-5, atol=1e-6)
+    out = cps_step(x, v, 0.8, 0.7, noise_level=0.0, noise=eps)
+    torch.testing.assert_close(out.x_next, x + v * (0.7 - 0.8), rtol=0, atol=1e-6)
+    assert torch.equal(out.std, torch.zeros(2)) and torch.equal(out.log_prob, torch.zeros(2))
+
+
+def test_cps_preserves_the_noise_coefficient_under_an_exact_model() -> None:
+    """With an exact velocity (x = (1 - sigma) x0 + sigma x1, v = x1 - x0) the predictions are
+    x0 and x1 themselves. noise_level 1/3 puts sin(pi / 6) = 1/2 of sigma' on fresh noise and
+    sqrt(1 - 1/4) of it on x1, so x' = (1 - sigma') x0 + sigma' (sqrt(3)/2 x1 + 1/2 eps): the
+    coefficients of the noises still add up to sigma' in quadrature. The log-prob is the
+    references' -mean((x' - mean)^2), with no variance scaling."""
+    torch.manual_seed(3)
+    x0, x1, eps = torch.randn(2, 4, 64), torch.randn(2, 4, 64), torch.randn(2, 4, 64)
+    sig, sig_next = 0.8, 0.7
+    x, v = (1 - sig) * x0 + sig * x1, x1 - x0
+    out = cps_step(x, v, sig, sig_next, noise_level=1 / 3, noise=eps)
+    expected = (1 - sig_next) * x0 + sig_next * (math.sqrt(3) / 2 * x1 + eps / 2)
+    torch.testing.assert_close(out.x_next, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.std, torch.full((2,), sig_next / 2), rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        out.log_prob, -((sig_next / 2 * eps) ** 2).mean(dim=(1, 2)), rtol=1e-4, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("renorm", ["global", "channel", "text_channel"])

@@ -107,6 +107,8 @@ def test_decode_request_names_bad_fields(token: bytes, fields: dict[str, object]
 def test_tensor_ref_converts_to_and_from_proto_and_json() -> None:
     ref = TensorRef("tcp://h:5", "step3/p1/s0/latents", "latents", "float32", (3, 5, 64), 3840, "ab12", 7)
     proto = ref.to_proto()
-    assert isinstance(proto, common_pb2.TensorRef) and list(proto.shape) == [3, 5, 64]
+    fields = (proto.endpoint, proto.key, proto.column, proto.dtype, list(proto.shape), proto.nbytes)
+    assert fields == ("tcp://h:5", "step3/p1/s0/latents", "latents", "float32", [3, 5, 64], 3840)
+    assert (proto.store_id, proto.policy_version) == ("ab12", 7)  # field by field, not only a round trip
     assert TensorRef.from_proto(common_pb2.TensorRef.FromString(proto.SerializeToString())) == ref
     assert TensorRef.from_dict(json.loads(json.dumps(ref.to_dict()))) == ref

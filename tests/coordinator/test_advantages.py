@@ -1,6 +1,10 @@
-"""Group advantages against the formula written out by hand (SPEC section 3)."""
+"""Group advantages against worked numbers and the defining property of a standardisation
+(zero mean, unit std), not against the formula restated (SPEC section 3)."""
 
 from __future__ import annotations
+
+import math
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -10,24 +14,38 @@ from flowgrpo.services.coordinator.config import AdvantageConfig
 from flowgrpo.services.coordinator.run import PromptOrder
 
 
-def test_advantages_follow_the_formula_with_ddof_1_and_clip() -> None:
+def test_advantages_follow_the_worked_example_with_ddof_1_and_clip() -> None:
     rewards = {"a": [1.0, 2.0, 3.0, 10.0], "b": [0.5, 0.5, 0.5, 0.5], "c": [0.0]}
     out, zero_std = group_advantages(rewards, AdvantageConfig(std_ddof=1, eps=1e-4, clip=1.0))
-    r = np.array(rewards["a"])
-    expected = np.clip((r - r.mean()) / (r.std(ddof=1) + 1e-4), -1.0, 1.0)
-    assert out["a"] == pytest.approx(expected.tolist(), abs=1e-12)
-    assert out["a"][-1] == 1.0  # clipped: (10 - 4) / 4.08 > 1
+    # mean 4, deviations -3, -2, -1, 6: squares sum to 50, so std (ddof 1) = sqrt(50 / 3) ~ 4.08
+    scale = math.sqrt(50 / 3) + 1e-4
+    assert out["a"] == pytest.approx([-3 / scale, -2 / scale, -1 / scale, 1.0], abs=1e-12)  # 6 / 4.08 clipped
     assert out["b"] == [0.0] * 4 and out["c"] == [0.0]  # equal rewards, and a group of one
     assert zero_std == pytest.approx(2 / 3)
 
 
+@pytest.mark.parametrize("ddof", [0, 1])
+def test_unclipped_advantages_have_zero_mean_and_unit_std(ddof: Literal[0, 1]) -> None:
+    rng = np.random.default_rng(0)
+    rewards = {f"p{i}": rng.normal(i, 1 + i, size=16).tolist() for i in range(3)}
+    out, zero_std = group_advantages(rewards, AdvantageConfig(std_ddof=ddof, eps=1e-12, clip=100))
+    for uid, a in out.items():
+        assert np.mean(a) == pytest.approx(0, abs=1e-12), uid
+        assert np.std(a, ddof=ddof) == pytest.approx(1, rel=1e-9), uid
+    assert zero_std == 0
+
+
 def test_ddof_0_and_global_std() -> None:
     rewards = {"a": [0.0, 1.0], "b": [0.0, 3.0]}
-    out, _ = group_advantages(rewards, AdvantageConfig(std_ddof=0, eps=0.0 + 1e-12, clip=100))
+    out, _ = group_advantages(rewards, AdvantageConfig(std_ddof=0, eps=1e-12, clip=100))
     assert out["a"] == pytest.approx([-1.0, 1.0]) and out["b"] == pytest.approx([-1.0, 1.0])
-    scale = np.array([0.0, 1.0, 0.0, 3.0]).std()
+    # global: all four rewards 0, 1, 0, 3 have mean 1 and squared deviations 1 + 0 + 1 + 4 = 6,
+    # so std (ddof 0) = sqrt(6 / 4); each group is still centred on its own mean
     out, _ = group_advantages(rewards, AdvantageConfig(std_ddof=0, eps=1e-12, clip=100, global_std=True))
-    assert out["b"] == pytest.approx([-1.5 / scale, 1.5 / scale])
+    scale = math.sqrt(1.5)
+    assert out["a"] == pytest.approx([-0.5 / scale, 0.5 / scale]) and out["b"] == pytest.approx(
+        [-1.5 / scale, 1.5 / scale]
+    )
 
 
 def test_the_prompt_order_is_a_function_of_seed_and_cursor() -> None:

@@ -20,7 +20,9 @@ def test_bench_reports_images_per_second_for_every_scorer(
     names = [row["scorer"] for row in rows]
     assert names == ["jpeg_compressibility", "plugin", "ocr_offline", "judge",
                      "pickscore[tiny,cpu,float32]", "pickscore_model[tiny,cpu,float32]"]  # fmt: skip
-    assert all(row["images_per_s"]["median"] > 0 and row["images_per_s"]["n"] == 3 for row in rows)
+    for row in rows:  # every image, batches of 2; the rate is the images over the median time
+        assert (row["images"], row["batch"]) == (2, 2) and row["images_per_s"]["n"] == 3, row
+        assert row["images_per_s"]["median"] == pytest.approx(2 / row["seconds"]["median"], rel=1e-12), row
     assert "images/s" in capsys.readouterr().out
 
 

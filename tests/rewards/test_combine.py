@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -41,6 +42,12 @@ class Constant(Scorer):
         ]
 
 
+class Slow(Constant):
+    def score(self, samples: Sequence[Sample]) -> list[Outcome]:
+        time.sleep(0.2)
+        return super().score(samples)
+
+
 class Broken(Scorer):
     name = "broken"
 
@@ -50,13 +57,14 @@ class Broken(Scorer):
 
 def test_reward_is_the_weighted_sum_and_extras_are_named_after_their_scorer() -> None:
     model = RewardModel(
-        [Weighted(Constant("a", 2.0, extras={"x": 7.0}), 0.5), Weighted(Constant("b", -1.0), 3.0)]
+        [Weighted(Slow("a", 2.0, extras={"x": 7.0}), 0.5), Weighted(Constant("b", -1.0), 3.0)]
     )
     batch = model.score([Sample(IMAGE, "p")])
     [result] = batch.results
     assert result.reward == pytest.approx(0.5 * 2.0 + 3.0 * -1.0)
     assert result.scores == {"a": 2.0, "a/x": 7.0, "b": -1.0}
-    assert set(batch.seconds) == {"a", "b"} and all(s >= 0 for s in batch.seconds.values())
+    assert set(batch.seconds) == {"a", "b"}
+    assert batch.seconds["a"] >= 0.2 > batch.seconds["b"]  # each scorer's own time: a sleeps 0.2 s
     assert model.weights == {"a": 0.5, "b": 3.0}
 
 

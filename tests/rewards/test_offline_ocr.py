@@ -39,7 +39,7 @@ def engine() -> Iterator[RapidOcrTranscriber]:
 def test_reads_at_least_90_percent_of_20_rendered_words_exactly(engine: RapidOcrTranscriber) -> None:
     texts = engine.transcribe([render(word) for word in WORDS])
     exact = [t == w for t, w in zip(texts, WORDS, strict=True)]
-    assert len(WORDS) >= 20 and sum(exact) >= 0.9 * len(WORDS), list(zip(WORDS, texts, strict=True))
+    assert sum(exact) >= 0.9 * len(WORDS), list(zip(WORDS, texts, strict=True))
 
 
 def test_ocr_reward_of_rendered_text_against_its_prompt(engine: RapidOcrTranscriber) -> None:

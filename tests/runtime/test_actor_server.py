@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable
 
 import grpc
@@ -65,7 +66,11 @@ def test_not_ready_while_starting_then_serving() -> None:
             assert await health(channel, "flowgrpo.v1.Coordinator") == SERVING
             assert await health(channel, "flowgrpo.v1.Reward") == SERVING
         assert (info.role, info.replica_id, info.grpc_address) == ("coordinator", "probe-0", server.address)
-        assert info.protocol_version == PROTOCOL_VERSION and info.policy_version == -1 and info.pid > 0
+        assert (
+            info.protocol_version == PROTOCOL_VERSION
+            and info.policy_version == -1
+            and info.pid == os.getpid()
+        )
         await server.stop()
 
     asyncio.run(body())

@@ -398,7 +398,7 @@ def test_the_rollout_still_serves_a_legitimate_generate_load_and_release(service
     response = services.rollout.Generate(request, timeout=120)
     assert [(s.sample_index, s.policy_version) for s in response.samples] == [(0, 1), (1, 1)]
     released = services.rollout.Release(rollout_pb2.ReleaseRequest(tags=["after"]), timeout=60)
-    assert released.released_bytes > 0
+    assert released.released_bytes == sum(ref.nbytes for s in response.samples for ref in s.outputs.values())
 
 
 # --- trainer ----------------------------------------------------------------------------------

@@ -129,9 +129,9 @@ def test_scores_stream_back_before_the_stream_closes_with_weights_summed(
         value, scores = expected_reward(array, reward.plugin)
         assert result.reward == pytest.approx(value, rel=1e-12)
         assert dict(result.scores) == pytest.approx(scores, rel=1e-12)
-        assert result.latency_s > 0
         assert set(result.scorer_latency_s) == set(scores) - {k for k in scores if "/" in k}
-        assert all(v >= 0 for v in result.scorer_latency_s.values())
+        # from arrival to reply: it contains its batch's scorers, which run one after the other
+        assert result.latency_s >= sum(result.scorer_latency_s.values()), result
     assert len({round(r.reward, 6) for r in results.values()}) == len(ids), (
         "distinct images, distinct rewards"
     )

@@ -4,6 +4,7 @@ reproduces the next step bitwise; a checkpoint reshards between 2 ranks and 1 pr
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -89,14 +90,21 @@ def test_a_two_rank_checkpoint_loads_into_one_process(tiny: Path, saved_by_two: 
     published = one.policy.published()
     assert update.tensors.keys() == published.keys()
     assert all(torch.equal(update.tensors[n], published[n]) for n in published)
-    # nothing pickled: JSON and safetensors only (DCP's default writer would add a pickled .metadata)
+    # nothing pickled: JSON and safetensors only (DCP's default writer would add a pickled .metadata),
+    # and the safetensors files of each folder hold exactly its tensors, whatever the sharding
+    stored: dict[str, set[str]] = {}
     for path in (p for p in checkpoint.rglob("*") if p.is_file()):
         if path.suffix == ".json":
             json.loads(path.read_text())
         else:
             assert path.suffix == ".safetensors", path
             with safe_open(str(path), framework="pt") as f:
-                assert f.keys() is not None
+                stored.setdefault(path.parent.name, set()).update(f.keys())
+    names = set(one.policy.trainable())
+    moments = {f"{n}/{k}" for n in names for k in ("step", "exp_avg", "exp_avg_sq")}
+    rng = stored.pop("rng")
+    assert "cpu" in rng and all(re.fullmatch(r"cuda\d+", k) for k in rng - {"cpu"}), rng
+    assert stored == {"gen_path": names, "optimizer": moments}
 
 
 def test_a_one_process_checkpoint_loads_on_two_ranks(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -110,7 +111,7 @@ def test_merged_lora_rollout_differs_only_by_rounding(tiny: Path) -> None:
     update = PolicyUpdate(1, "lora", dict(step.policy.published()), lora_rank=4, lora_alpha=8.0)
     PolicyApplier(sampler.model, lora_mode="merge").apply(update)
     metrics = step.run(rollout(sampler, [1.0, -1.0, 0.5, -0.5], version=1, step=1), PARAMS)
-    assert 0 <= metrics["actor/rollout_logp_gap/max"] < 1e-4
+    assert metrics["actor/rollout_logp_gap/max"] < 1e-4
 
 
 def test_off_policy_samples_get_importance_weights(tiny: Path) -> None:
@@ -118,9 +119,18 @@ def test_off_policy_samples_get_importance_weights(tiny: Path) -> None:
     sampler = sampler_for(tiny)
     step.run(rollout(sampler, [1.0, -1.0, 0.5, -0.5]), PARAMS)  # now at version 1
     stale = rollout(sampler, [1.0, -1.0, 0.5, -0.5], version=0, step=1)  # drawn with v0 weights
+    with torch.no_grad():  # the proximal policy: the v1 weights the step starts from
+        prox = [float(lp) for t in stale for lp in step._window_log_probs([t], PARAMS).log_prob.flatten()]
+    behaviour = [float(lp) for t in stale for lp in t.log_probs]
     metrics = step.run(stale, PARAMS)
-    assert metrics["trainer/lag/max"] == 1.0 and 0 < metrics["actor/is_ess"] <= 1.0
-    assert metrics["actor/rollout_logp_gap/max"] > 0  # v0 behaviour vs v1 proximal policy
+    assert metrics["trainer/lag/max"] == 1.0
+    gaps = [abs(p - b) for p, b in zip(prox, behaviour, strict=True)]  # v0 behaviour vs v1 proximal
+    assert metrics["actor/rollout_logp_gap/max"] == pytest.approx(max(gaps), rel=1e-6)
+    # Kish's effective sample size n_eff / n of the truncated weights w = min(p_prox / p_behaviour, cap),
+    # compared as 1 - ESS: the weights are close to 1, and all-equal weights would give exactly 1
+    w = [min(math.exp(p - b), step.loss.is_cap) for p, b in zip(prox, behaviour, strict=True)]
+    ess = sum(w) ** 2 / (len(w) * sum(x * x for x in w))
+    assert 1 - metrics["actor/is_ess"] == pytest.approx(1 - ess, rel=1e-3), (metrics["actor/is_ess"], ess)
 
 
 def test_mini_batches_and_micro_batches_accumulate_to_the_same_first_gradient(tiny: Path) -> None:
