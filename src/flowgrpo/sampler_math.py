@@ -92,8 +92,10 @@ class StepResult:
     """One denoising step: the next latent, the Gaussian it was drawn from, and its log-prob.
 
     ``log_prob`` is one scalar per sample: the Gaussian log-density WITHOUT normaliser terms,
-    averaged over all latent elements (the BAGEL reference setting). ``std`` is the per-sample
-    standard deviation of the step (0 for an ODE step), used by the KL term.
+    averaged over all latent elements (the BAGEL reference setting). ``std`` is what the KL term
+    divides by, per sample (0 for an ODE step): for "sde" the diffusion scale std_t (the step's
+    Gaussian has std_t sqrt(-dt), so the KL is the true one times -dt, as in flow_grpo's
+    ``kl_loss``); for "cps" the step's own std. Like the log-prob, its scale depends on sde_type.
     """
 
     x_next: Tensor  # [B, N, C]
