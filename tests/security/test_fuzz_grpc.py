@@ -35,6 +35,7 @@ from flowgrpo.bus import BusServer, serve_store
 from flowgrpo.bus.torch_tensors import put_tensor
 from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
 from flowgrpo.runtime import wait_ready
+from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -50,25 +51,9 @@ MESSAGES = 1000  # per service
 SEED = 20250101
 CRASHES = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
 FETCH = "bus.fetch_timeout_s=1.0"  # a mutated ref that names a port nobody serves fails within 1 s
-PARAMS = common_pb2.SamplerParams(
-    num_points=2,
-    timestep_shift=3.0,
-    cfg_text_scale=2.0,
-    cfg_img_scale=1.0,
-    cfg_interval_lo=0.0,
-    cfg_interval_hi=1.0,
-    cfg_renorm_type="global",
-    sde_type="sde",
-    noise_level=1.0,
-    window_size=1,
-    window_range_lo=0,
-    window_range_hi=1,
-    window_strategy="random",
-    height=16,
-    width=16,
-    deterministic=True,
-    decode_images=True,
-)  # fmt: skip (cheap: one denoising step of a 16 x 16 image, so a request that passes costs little)
+# cheap: one denoising step of a 16 x 16 image, so a request that passes costs little
+PARAMS = SamplerParams(num_points=2, cfg_text_scale=2.0, noise_level=1.0, window_size=1, window_range=(0, 1),
+                       height=16, width=16, deterministic=True).to_proto()  # fmt: skip
 Q = "language_model.model.layers.0.self_attn.q_proj_moe_gen"
 COORDINATOR = """
     import asyncio, sys

@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from flowgrpo.bus import BusServer, TensorRef, serve_store
 from flowgrpo.bus.torch_tensors import put_tensor
 from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
+from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.trainer.checkpoint import checkpoint_name, latest_checkpoint
 from flowgrpo.v1 import (
     common_pb2,
@@ -38,12 +39,8 @@ from flowgrpo.v1 import (
 )
 from tests.services.launch import kill_service, spawn_service
 
-PARAMS = common_pb2.SamplerParams(
-    num_points=6, timestep_shift=3.0, cfg_text_scale=2.0, cfg_img_scale=1.0, cfg_interval_lo=0.0,
-    cfg_interval_hi=1.0, cfg_renorm_type="global", sde_type="sde", noise_level=1.0, window_size=2,
-    window_range_lo=0, window_range_hi=4, window_strategy="random", height=32, width=32, deterministic=True,
-    decode_images=True,
-)  # fmt: skip
+PARAMS = SamplerParams(num_points=6, cfg_text_scale=2.0, noise_level=1.0, window_range=(0, 4),
+                       height=32, width=32, deterministic=True).to_proto()  # fmt: skip
 TRAINER = ["trainer.policy.lora_rank=4", "trainer.policy.lora_alpha=8", "trainer.loss.mini_batches=1",
            "trainer.loss.micro_batch_size=1", "trainer.optim.lr=1e-3"]  # fmt: skip
 Q = "language_model.model.layers.0.self_attn.q_proj_moe_gen"  # a LoRA target of the tiny model

@@ -18,17 +18,14 @@ from flowgrpo.bus import TensorRef, serve_store
 from flowgrpo.bus.torch_tensors import put_tensor
 from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
 from flowgrpo.runtime import open_channel
-from flowgrpo.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from flowgrpo.sampler_params import SamplerParams
+from flowgrpo.v1 import rollout_pb2, rollout_pb2_grpc
 
 from .launch import spawn_service, stop_service
 
 LIMIT = 1024
-PARAMS = common_pb2.SamplerParams(
-    num_points=6, timestep_shift=3.0, cfg_text_scale=2.0, cfg_img_scale=1.0, cfg_interval_lo=0.0,
-    cfg_interval_hi=1.0, cfg_renorm_type="global", sde_type="sde", noise_level=1.0, window_size=2,
-    window_range_lo=0, window_range_hi=2, window_strategy="random", height=64, width=64, deterministic=True,
-    decode_images=True,
-)  # fmt: skip
+PARAMS = SamplerParams(num_points=6, cfg_text_scale=2.0, noise_level=1.0, window_range=(0, 2),
+                       height=64, width=64, deterministic=True).to_proto()  # fmt: skip
 
 
 @pytest.fixture(scope="module")
