@@ -302,8 +302,9 @@ def _read_prompt_file(path: str | None) -> list[str]:
 def _cmd_make_tiny_bagel(args: argparse.Namespace) -> int:
     from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
 
-    path = make_tiny_bagel(args.dir, seed=args.seed)
-    print(f"wrote a tiny random BAGEL checkpoint (published layout) to {path}")
+    path = make_tiny_bagel(args.dir, seed=args.seed, complete=args.complete, flux_ae=args.flux_ae)
+    layout = "the complete published layout" if args.complete else "published layout"
+    print(f"wrote a tiny random BAGEL checkpoint ({layout}) to {path}")
     return 0
 
 
@@ -570,6 +571,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny.add_argument("dir", help="output folder (created; existing files are replaced)")
     tiny.add_argument("--seed", type=int, default=0, help="the same seed writes byte-identical files")
+    tiny.add_argument(
+        "--complete",
+        action="store_true",
+        help="every file and tensor of the published folder (ViT, connector, full config.json, "
+        "preprocessor_config.json) and a 512 px latent grid: what vLLM-Omni's BAGEL loader needs",
+    )
+    tiny.add_argument(
+        "--flux-ae",
+        action="store_true",
+        help="a random autoencoder in the published FLUX geometry (335 MB) instead of the tiny one",
+    )
     _add_data_commands(sub)
     _add_generate(add)
     bench = add(

@@ -54,6 +54,8 @@ def prepare_model(cfg: RunConfig) -> RunConfig:
             "--seed",
             str(cfg.model.tiny_seed),
         ]
+        if cfg.rollout.engine == "vllm_omni":  # vLLM-Omni loads the whole published layout
+            cmd.append("--complete")
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return with_checkpoint(cfg, str(folder))
 

@@ -9,7 +9,20 @@ from flowgrpo.runtime.config import ServiceProcessConfig
 
 
 @dataclass
+class VllmOmniConfig:
+    """``rollout.engine=vllm_omni`` only (docs/rollout-engines.md)."""
+
+    deploy_config: str = ""  # a vLLM-Omni deploy YAML; "": its single-stage BAGEL deploy on rollout.device
+    # how policy updates reach vLLM-Omni's pipeline: "in_place" (load_weights in the worker; GPUs),
+    # "reload" (rebuild the pipeline from a staged folder; what works on a CPU), "auto": by device
+    weight_sync: Literal["auto", "in_place", "reload"] = "auto"
+
+
+@dataclass
 class EngineConfig:
+    # "native": this project's PyTorch BAGEL sampler; "vllm_omni": vLLM-Omni's BAGEL pipeline with
+    # this project's sampler math (needs vllm-omni installed; bfloat16, LoRA merged)
+    engine: Literal["native", "vllm_omni"] = "native"
     checkpoint: str = ""  # BAGEL folder in the published layout (ema.safetensors, ae.safetensors, ...)
     device: str = "cpu"  # "cuda", "cuda:1", "cpu"
     dtype: Literal["bfloat16", "float32"] = "float32"  # weights; sampler math always runs in fp32
@@ -21,12 +34,23 @@ class EngineConfig:
     # the trainer's own computation (behaviour == recomputed log-probs bitwise on CPU; slower)
     lora_mode: Literal["merge", "peft"] = "merge"
     compile: bool = True  # CUDA only: torch.compile the query path's per-layer halves (~20 s once)
+    vllm_omni: VllmOmniConfig = field(default_factory=VllmOmniConfig)
 
     def validate(self) -> None:
         if self.max_batch_samples < 1:
             raise ValueError(f"rollout.max_batch_samples={self.max_batch_samples} must be >= 1")
         if self.max_request_samples < 1:
             raise ValueError(f"rollout.max_request_samples={self.max_request_samples} must be >= 1")
+        if self.engine == "vllm_omni" and self.dtype != "bfloat16":
+            raise ValueError(
+                f"rollout.engine=vllm_omni samples in bfloat16 only (vLLM-Omni's BAGEL casts to it): "
+                f"set rollout.dtype=bfloat16, not {self.dtype}"
+            )
+        if self.engine == "vllm_omni" and self.lora_mode != "merge":
+            raise ValueError(
+                "rollout.lora_mode=peft runs peft's unmerged LoRA layers, which only the native engine has: "
+                "use rollout.lora_mode=merge with rollout.engine=vllm_omni"
+            )
 
 
 @dataclass

@@ -2,12 +2,9 @@
 
 :class:`RolloutEngine` is what the rollout service needs from a sampler: trajectories with
 behaviour log-probs for a batch of samples, atomic policy updates, and the version it holds.
-:class:`NativeBagelEngine` implements it with our PyTorch BAGEL. A vLLM-Omni engine would
-implement the same three members: its BAGEL pipeline with a custom scheduler whose step is
-``flowgrpo.sampler_math.sde_step`` inside the window (recording x_t and the log-prob per step,
-seeded per sample from ``sample_noise``), prompt token ids passed in directly (no re-tokenising),
-and policy updates turned into LoRA requests (``kind="lora"``: the adapter tensors under a new
-adapter id per version) or an in-place weight reload (``kind="gen_path"``).
+:class:`NativeBagelEngine` implements it with our PyTorch BAGEL (the default: the fastest we
+measured); ``flowgrpo.services.rollout.omni.engine.VllmOmniBagelEngine`` implements it on
+vLLM-Omni's BAGEL pipeline with the same sampler math (``rollout.engine=vllm_omni``).
 """
 
 from __future__ import annotations
@@ -52,6 +49,10 @@ class RolloutEngine(Protocol):
 
     def apply_update(self, update: PolicyUpdate) -> None:
         """Apply a whole update or nothing (a refused update leaves the engine as it was)."""
+        ...
+
+    def close(self) -> None:
+        """Free what the engine holds outside this process's memory (worker processes, files)."""
         ...
 
 
@@ -105,3 +106,6 @@ class NativeBagelEngine:
 
     def apply_update(self, update: PolicyUpdate) -> None:
         self._policy.apply(update)
+
+    def close(self) -> None:
+        pass  # everything it holds is this process's memory

@@ -86,12 +86,24 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
         self.policy_version = self.engine.policy_version
 
     async def stop(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
         self.client.close()
         if self.bus is not None:
             self.bus.close()
 
     def _load_engine(self) -> RolloutEngine:
         cfg = self.config.rollout
+        if cfg.engine == "vllm_omni":
+            from flowgrpo.services.rollout.omni.engine import VllmOmniBagelEngine  # needs vllm-omni
+
+            return VllmOmniBagelEngine.from_checkpoint(
+                cfg.checkpoint,
+                device=cfg.device,
+                dtype=getattr(torch, cfg.dtype),
+                weight_sync=cfg.vllm_omni.weight_sync,
+                deploy_config=cfg.vllm_omni.deploy_config,
+            )
         return NativeBagelEngine.from_checkpoint(
             cfg.checkpoint,
             device=cfg.device,

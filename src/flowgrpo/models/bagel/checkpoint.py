@@ -6,7 +6,13 @@
 | ``ae.safetensors`` | FLUX autoencoder, keys ``encoder.*`` / ``decoder.*`` |
 | ``llm_config.json`` | Qwen2 config of the decoder |
 | ``vit_config.json``, ``config.json`` | ViT and top-level configs (only ``special_token_ids`` is read) |
+| ``preprocessor_config.json`` | the ViT's image processor (image understanding; never read here) |
 | ``tokenizer.json`` (+ ``tokenizer_config.json``, ``vocab.json``, ``merges.txt``) | tokenizer |
+
+The tiny factory writes this layout in two sizes: the text-to-image subset this project reads,
+or, with ``complete=True``, every file and tensor of the published folder (the ViT, connector and
+``vit_pos_embed`` weights, ``config.json`` with ``model_type: bagel``, ``preprocessor_config.json``),
+which loaders that read the whole published folder strictly (vLLM-Omni's) require.
 
 Every component loads on its own: the model needs ``ema.safetensors`` + ``llm_config.json``
 only, the VAE ``ae.safetensors`` only. Keys load 1:1 (module names are the published names);
@@ -22,6 +28,7 @@ import math
 import os
 import tempfile
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,10 +42,11 @@ from flowgrpo.models.bagel.config import (
     SPECIAL_TOKEN_NAMES,
     BagelConfig,
     SpecialTokens,
+    flux_vae,
     tiny,
     tiny_vae,
 )
-from flowgrpo.models.bagel.model import BagelModel
+from flowgrpo.models.bagel.model import BagelModel, sincos_2d_table
 from flowgrpo.models.bagel.vae import AttnBlock, AutoEncoder, ResnetBlock, Upsample, vae_config_from_shapes
 
 if TYPE_CHECKING:
@@ -49,6 +57,7 @@ VAE_FILE = "ae.safetensors"
 LLM_CONFIG_FILE = "llm_config.json"
 VIT_CONFIG_FILE = "vit_config.json"
 CONFIG_FILE = "config.json"
+PREPROCESSOR_CONFIG_FILE = "preprocessor_config.json"
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
@@ -238,9 +247,14 @@ def save_bagel_checkpoint(
     tokenizer: Tokenizer | None = None,
     special_tokens: SpecialTokens | None = None,
     vit_config: Mapping[str, Any] | None = None,
+    understanding: Mapping[str, Tensor] | None = None,
 ) -> Path:
     """Write ``model`` (and ``vae``, ``tokenizer``) in the published layout; every file atomically.
-    Without a tokenizer, ``special_tokens`` go to ``config.json`` so the folder stays usable."""
+    Without a tokenizer, ``special_tokens`` go to ``config.json`` so the folder stays usable.
+    ``understanding`` (the ViT, connector and ``vit_pos_embed`` tensors under their published
+    names, with ``vit_config``) makes the folder complete: ``config.json`` then describes the whole
+    published model (``model_type: bagel``, its llm/vit/vae configs) and a
+    ``preprocessor_config.json`` is written."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cfg = model.config
@@ -249,11 +263,16 @@ def save_bagel_checkpoint(
         _write_json(folder / VIT_CONFIG_FILE, vit_config)
     top: dict[str, Any] = {
         "visual_gen": True,
-        "visual_und": False,  # no ViT weights are written
+        "visual_und": understanding is not None,
         "latent_patch_size": cfg.patch,
         "max_latent_size": cfg.max_latent_size,
         "timestep_shift": 1.0,
     }
+    if understanding is not None:
+        if vit_config is None:
+            raise ValueError("a complete checkpoint (understanding weights) needs its vit_config")
+        top.update(_complete_top_config(cfg, vit_config))
+        _write_json(folder / PREPROCESSOR_CONFIG_FILE, _preprocessor_config(vit_config))
     if vae is not None:
         top["vae_config"] = {"z_channels": vae.config.z_channels, "downsample": vae.config.downsample}
     if special_tokens is not None:
@@ -263,8 +282,91 @@ def save_bagel_checkpoint(
         _save_tokenizer(tokenizer, folder)
     if vae is not None:
         _save_tensors(vae.state_dict(), folder / VAE_FILE)
-    _save_tensors(model.state_dict(), folder / EMA_FILE)
+    _save_tensors({**model.state_dict(), **(understanding or {})}, folder / EMA_FILE)
     return folder
+
+
+def _complete_top_config(cfg: BagelConfig, vit_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of a published ``config.json`` beyond what this project reads."""
+    return {
+        "model_type": "bagel",
+        "architectures": ["BagelForConditionalGeneration"],
+        "llm_config": cfg.to_llm_config(),
+        "vit_config": dict(vit_config),
+        "vit_max_num_patch_per_side": vit_patches_per_side(vit_config),
+        "connector_act": "gelu_pytorch_tanh",
+        "interpolate_pos": False,
+    }
+
+
+def _preprocessor_config(vit_config: Mapping[str, Any]) -> dict[str, Any]:
+    """SigLIP's image processor at the ViT's image size (as the published folder has it)."""
+    side = int(vit_config["image_size"])
+    return {
+        "image_processor_type": "SiglipImageProcessor",
+        "do_resize": True,
+        "size": {"height": side, "width": side},
+        "resample": 3,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    }
+
+
+def vit_patches_per_side(vit_config: Mapping[str, Any]) -> int:
+    return int(vit_config["image_size"]) // int(vit_config["patch_size"])
+
+
+def understanding_shapes(vit_config: Mapping[str, Any], llm_hidden: int) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the image-understanding tensors of ``ema.safetensors``: the SigLIP ViT
+    (its patch embedding stored flattened, as a linear), the MLP connector into the decoder's
+    width, and the ViT tokens' 2-D position table."""
+    hidden, inner = int(vit_config["hidden_size"]), int(vit_config["intermediate_size"])
+    patch, channels = int(vit_config["patch_size"]), int(vit_config.get("num_channels", 3))
+    side = vit_patches_per_side(vit_config)
+    vit = "vit_model.vision_model."
+    shapes: dict[str, tuple[int, ...]] = {
+        vit + "embeddings.patch_embedding.weight": (hidden, channels * patch * patch),
+        vit + "embeddings.patch_embedding.bias": (hidden,),
+        vit + "embeddings.position_embedding.weight": (side * side, hidden),
+        vit + "post_layernorm.weight": (hidden,),
+        vit + "post_layernorm.bias": (hidden,),
+        "connector.fc1.weight": (llm_hidden, hidden),
+        "connector.fc1.bias": (llm_hidden,),
+        "connector.fc2.weight": (llm_hidden, llm_hidden),
+        "connector.fc2.bias": (llm_hidden,),
+        "vit_pos_embed.pos_embed": (side * side, llm_hidden),
+    }
+    for i in range(int(vit_config["num_hidden_layers"])):
+        layer = f"{vit}encoder.layers.{i}."
+        for name in ("layer_norm1", "layer_norm2"):
+            shapes[layer + name + ".weight"] = shapes[layer + name + ".bias"] = (hidden,)
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            shapes[f"{layer}self_attn.{proj}.weight"] = (hidden, hidden)
+            shapes[f"{layer}self_attn.{proj}.bias"] = (hidden,)
+        shapes[layer + "mlp.fc1.weight"], shapes[layer + "mlp.fc1.bias"] = (inner, hidden), (inner,)
+        shapes[layer + "mlp.fc2.weight"], shapes[layer + "mlp.fc2.bias"] = (hidden, inner), (hidden,)
+    return shapes
+
+
+def random_understanding(
+    vit_config: Mapping[str, Any], llm_hidden: int, generator: torch.Generator
+) -> dict[str, Tensor]:
+    """Random image-understanding tensors (normal 0.02 weights, zero biases, unit norm scales,
+    the exact sin-cos table for ``vit_pos_embed``); text-to-image never runs them."""
+    tensors: dict[str, Tensor] = {}
+    for name, shape in understanding_shapes(vit_config, llm_hidden).items():
+        if name == "vit_pos_embed.pos_embed":
+            tensors[name] = sincos_2d_table(llm_hidden, vit_patches_per_side(vit_config))
+        elif "layer_norm" in name or "layernorm" in name:
+            tensors[name] = torch.ones(shape) if name.endswith(".weight") else torch.zeros(shape)
+        elif name.endswith(".bias"):
+            tensors[name] = torch.zeros(shape)
+        else:
+            tensors[name] = torch.randn(shape, generator=generator) * 0.02
+    return tensors
 
 
 def _save_tokenizer(tokenizer: Tokenizer, folder: Path) -> None:
@@ -326,8 +428,13 @@ TINY_VIT_CONFIG = {
     "num_channels": 3,
     "image_size": 28,
     "patch_size": 14,
-    "note": "the tiny checkpoint has no ViT weights; text-to-image does not use them",
+    "hidden_act": "gelu_pytorch_tanh",
+    "layer_norm_eps": 1e-6,
 }
+# A complete tiny checkpoint's latent grid: 32 tokens per side (512 px), what vLLM-Omni's BAGEL
+# pipeline needs (it always warms up at 512x512). The sin-cos table is exact at any size, so the
+# sampled images equal those of the smaller grid for every size both allow.
+COMPLETE_TINY_MAX_LATENT_SIZE = 32
 
 
 def build_tiny_tokenizer(vocab_size: int = 384) -> Tokenizer:
@@ -357,10 +464,20 @@ def tiny_tokenizer() -> tuple[Tokenizer, SpecialTokens]:
     return tokenizer, SpecialTokens(**{field: int(i) for field, i in ids.items() if i is not None})
 
 
-def make_tiny_bagel(folder: str | Path, seed: int = 0) -> Path:
-    """Write a complete tiny checkpoint (weights, VAE, configs, tokenizer) to ``folder``; the same
-    seed gives the same bytes. Returns the folder."""
+def make_tiny_bagel(
+    folder: str | Path, seed: int = 0, *, complete: bool = False, flux_ae: bool = False
+) -> Path:
+    """Write a tiny checkpoint (weights, VAE, configs, tokenizer) to ``folder``; the same seed gives
+    the same bytes. Returns the folder.
+
+    ``complete``: the whole published layout (random ViT, connector and ``vit_pos_embed`` weights,
+    the full ``config.json``, ``preprocessor_config.json``) and a 32-token latent grid; the
+    generation weights are the same as without it. ``flux_ae``: a random autoencoder in the
+    published FLUX geometry (84M parameters, 335 MB) instead of the tiny smooth one, for loaders
+    that hard-code that geometry."""
     cfg = tiny()
+    if complete:
+        cfg = replace(cfg, max_latent_size=COMPLETE_TINY_MAX_LATENT_SIZE)
     tokenizer, specials = tiny_tokenizer()
     if tokenizer.get_vocab_size(with_added_tokens=True) > cfg.vocab:
         raise RuntimeError(f"the tiny tokenizer outgrew the tiny vocabulary of {cfg.vocab}")
@@ -368,8 +485,20 @@ def make_tiny_bagel(folder: str | Path, seed: int = 0) -> Path:
         torch.manual_seed(seed)
         model = BagelModel(cfg)
         vae = smooth_tiny_decoder_(AutoEncoder(tiny_vae()))
+        if flux_ae:
+            vae = AutoEncoder(flux_vae())
+    understanding = None
+    if complete:  # its own generator: the generation weights stay those of the plain tiny checkpoint
+        generator = torch.Generator().manual_seed(seed + 1)
+        understanding = random_understanding(TINY_VIT_CONFIG, cfg.hidden, generator)
     return save_bagel_checkpoint(
-        model, vae, folder, tokenizer=tokenizer, special_tokens=specials, vit_config=TINY_VIT_CONFIG
+        model,
+        vae,
+        folder,
+        tokenizer=tokenizer,
+        special_tokens=specials,
+        vit_config=TINY_VIT_CONFIG,
+        understanding=understanding,
     )
 
 

@@ -61,73 +61,24 @@ class PolicyApplier:
     _peft_modules: tuple[tuple[str, ...], int] | None = None  # peft mode: (modules, rank) injected
 
     def apply(self, update: PolicyUpdate) -> None:
-        if update.version <= self.version:
-            raise PolicyUpdateError(
-                f"policy version {update.version} is not newer than the loaded version {self.version}"
-            )
         params = dict(self.model.named_parameters())
+        pairs = check_update(update, params, self.version)
         if update.kind == "gen_path":
-            self._check_gen_path(update, params)
+            if self._base and any(n in update.tensors for n in self._base):
+                raise PolicyUpdateError(
+                    "a gen_path update touches LoRA-merged weights; use one update kind per run"
+                )
             self._apply_gen_path(update, params)
-        elif update.kind == "lora":
-            pairs = self._check_lora(update, params)
-            if self.lora_mode == "peft":
-                self._apply_lora_peft(update, pairs)
-            else:
-                self._apply_lora(update, pairs, params)
+        elif self.lora_mode == "peft":
+            self._apply_lora_peft(update, pairs)
         else:
-            raise PolicyUpdateError(f"unknown update kind {update.kind!r}: expected 'lora' or 'gen_path'")
+            self._apply_lora(update, pairs, params)
         self.version = update.version
-
-    # --- full gen path ---------------------------------------------------------------------
-
-    def _check_gen_path(self, update: PolicyUpdate, params: Mapping[str, nn.Parameter]) -> None:
-        unknown = sorted(n for n in update.tensors if n not in params)
-        frozen = sorted(n for n in update.tensors if n in params and not is_gen_path(n))
-        shapes = sorted(
-            f"{n}: got {list(t.shape)}, the model has {list(params[n].shape)}"
-            for n, t in update.tensors.items()
-            if n in params and t.shape != params[n].shape
-        )
-        _fail_if(unknown, "names the model cannot place")
-        _fail_if(frozen, "tensors outside the gen path (the und path is frozen and never published)")
-        _fail_if(shapes, "mis-shaped tensors")
-        if self._base and any(n in update.tensors for n in self._base):
-            raise PolicyUpdateError(
-                "a gen_path update touches LoRA-merged weights; use one update kind per run"
-            )
 
     @torch.no_grad()
     def _apply_gen_path(self, update: PolicyUpdate, params: Mapping[str, nn.Parameter]) -> None:
         for name, tensor in update.tensors.items():
             params[name].copy_(tensor.to(params[name].device, params[name].dtype))
-
-    # --- LoRA --------------------------------------------------------------------------------
-
-    def _check_lora(
-        self, update: PolicyUpdate, params: Mapping[str, nn.Parameter]
-    ) -> dict[str, tuple[Tensor, Tensor]]:
-        if update.lora_rank <= 0 or update.lora_alpha <= 0:
-            raise PolicyUpdateError(
-                "a LoRA update needs rank > 0 and alpha > 0, "
-                f"got rank {update.lora_rank} alpha {update.lora_alpha}"
-            )
-        modules = {n.removesuffix(LORA_A).removesuffix(LORA_B) for n in update.tensors}
-        bad_names = sorted(n for n in update.tensors if not n.endswith((LORA_A, LORA_B)))
-        _fail_if(bad_names, f"names that are neither '<module>{LORA_A}' nor '<module>{LORA_B}'")
-        half = sorted(m for m in modules if (m + LORA_A in update.tensors) != (m + LORA_B in update.tensors))
-        _fail_if(half, "modules with only one of lora_A / lora_B")
-        unknown = sorted(m for m in modules if _base_weight(m, params) is None)
-        _fail_if(unknown, "LoRA modules the model cannot place")
-        frozen = sorted(m for m in modules if not is_gen_path(m))
-        _fail_if(frozen, "LoRA modules outside the gen path")
-        pairs = {m: (update.tensors[m + LORA_A], update.tensors[m + LORA_B]) for m in modules}
-        errors = (
-            _lora_shape_error(m, a, b, _shape(m, params), update.lora_rank) for m, (a, b) in pairs.items()
-        )
-        shapes = sorted(e for e in errors if e)
-        _fail_if(shapes, "mis-shaped LoRA tensors")
-        return pairs
 
     @torch.no_grad()
     def _apply_lora(
@@ -141,8 +92,7 @@ class PolicyApplier:
         for module, (a, b) in pairs.items():
             weight = params[module + ".weight"]
             base = self._base.setdefault(module, weight.detach().clone())
-            delta = b.to(weight.device, torch.float32) @ a.to(weight.device, torch.float32)
-            weight.copy_((base.float() + update.lora_scale * delta).to(weight.dtype))
+            weight.copy_(merge_lora(base, a, b, update.lora_scale))
 
     @torch.no_grad()
     def _apply_lora_peft(self, update: PolicyUpdate, pairs: Mapping[str, tuple[Tensor, Tensor]]) -> None:
@@ -173,12 +123,74 @@ class PolicyApplier:
             layer.scaling[PEFT_ADAPTER] = update.lora_scale
 
 
-def _base_weight(module: str, params: Mapping[str, nn.Parameter]) -> nn.Parameter | None:
+# --- checks and merges both rollout engines use ------------------------------------------------
+
+
+def check_update(
+    update: PolicyUpdate, params: Mapping[str, Tensor], version: int
+) -> dict[str, tuple[Tensor, Tensor]]:
+    """Check a whole update against a model's parameters (``params``: names to tensors, a meta
+    model's will do) holding ``version``; nothing is applied. Returns the LoRA pairs by module
+    (empty for a gen-path update); raises PolicyUpdateError naming everything that does not fit."""
+    if update.version <= version:
+        raise PolicyUpdateError(
+            f"policy version {update.version} is not newer than the loaded version {version}"
+        )
+    if update.kind == "gen_path":
+        _check_gen_path(update, params)
+        return {}
+    if update.kind == "lora":
+        return _check_lora(update, params)
+    raise PolicyUpdateError(f"unknown update kind {update.kind!r}: expected 'lora' or 'gen_path'")
+
+
+def merge_lora(base: Tensor, a: Tensor, b: Tensor, scale: float) -> Tensor:
+    """W = W_base + scale B A in fp32, rounded once to the base's dtype (on the base's device)."""
+    delta = b.to(base.device, torch.float32) @ a.to(base.device, torch.float32)
+    return (base.float() + scale * delta).to(base.dtype)
+
+
+def _check_gen_path(update: PolicyUpdate, params: Mapping[str, Tensor]) -> None:
+    unknown = sorted(n for n in update.tensors if n not in params)
+    frozen = sorted(n for n in update.tensors if n in params and not is_gen_path(n))
+    shapes = sorted(
+        f"{n}: got {list(t.shape)}, the model has {list(params[n].shape)}"
+        for n, t in update.tensors.items()
+        if n in params and t.shape != params[n].shape
+    )
+    _fail_if(unknown, "names the model cannot place")
+    _fail_if(frozen, "tensors outside the gen path (the und path is frozen and never published)")
+    _fail_if(shapes, "mis-shaped tensors")
+
+
+def _check_lora(update: PolicyUpdate, params: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+    if update.lora_rank <= 0 or update.lora_alpha <= 0:
+        raise PolicyUpdateError(
+            "a LoRA update needs rank > 0 and alpha > 0, "
+            f"got rank {update.lora_rank} alpha {update.lora_alpha}"
+        )
+    modules = {n.removesuffix(LORA_A).removesuffix(LORA_B) for n in update.tensors}
+    bad_names = sorted(n for n in update.tensors if not n.endswith((LORA_A, LORA_B)))
+    _fail_if(bad_names, f"names that are neither '<module>{LORA_A}' nor '<module>{LORA_B}'")
+    half = sorted(m for m in modules if (m + LORA_A in update.tensors) != (m + LORA_B in update.tensors))
+    _fail_if(half, "modules with only one of lora_A / lora_B")
+    unknown = sorted(m for m in modules if _base_weight(m, params) is None)
+    _fail_if(unknown, "LoRA modules the model cannot place")
+    frozen = sorted(m for m in modules if not is_gen_path(m))
+    _fail_if(frozen, "LoRA modules outside the gen path")
+    pairs = {m: (update.tensors[m + LORA_A], update.tensors[m + LORA_B]) for m in modules}
+    errors = (_lora_shape_error(m, a, b, _shape(m, params), update.lora_rank) for m, (a, b) in pairs.items())
+    shapes = sorted(e for e in errors if e)
+    _fail_if(shapes, "mis-shaped LoRA tensors")
+    return pairs
+
+
+def _base_weight(module: str, params: Mapping[str, Tensor]) -> Tensor | None:
     """The weight LoRA adapts: ``<module>.weight``, or ``<module>.base_layer.weight`` once peft wrapped it."""
     return params.get(module + ".weight", params.get(module + ".base_layer.weight"))
 
 
-def _shape(module: str, params: Mapping[str, nn.Parameter]) -> torch.Size:
+def _shape(module: str, params: Mapping[str, Tensor]) -> torch.Size:
     weight = _base_weight(module, params)
     assert weight is not None  # checked before
     return weight.shape
