@@ -339,6 +339,15 @@ BAD_OVERRIDES = {
         ["schedule.eval_every=30", "data.val_prompts=0", "schedule.eval_every=0"],
     ),
     "no dataset": (["data.dataset="], ["data.dataset", "flowgrpo data prepare"]),
+    "vLLM-Omni in fp32": (
+        ["rollout.engine=vllm_omni", "rollout.dtype=float32"],
+        ["rollout.engine=vllm_omni samples in bfloat16 only", "set rollout.dtype=bfloat16"],
+    ),
+    "vLLM-Omni with peft LoRA": (
+        ["rollout.engine=vllm_omni", "rollout.lora_mode=peft"],
+        ["rollout.lora_mode=peft", "only the native engine", "rollout.lora_mode=merge"],
+    ),
+    "unknown engine": (["rollout.engine=vllm"], ["rollout.engine: 'vllm' is not one of", "'vllm_omni'"]),
 }
 
 

@@ -178,3 +178,46 @@ def test_special_tokens_from_tokenizer_config_or_arguments(tiny_dir: Path, tmp_p
     assert load_special_tokens(nothing, fallback=fallback) == fallback
     with pytest.raises(CheckpointError, match="special-token ids"):
         load_special_tokens(nothing)
+
+
+def test_complete_layout_has_every_published_file_and_the_same_generation_weights(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """``complete=True``: the understanding tensors under their published names and shapes, the
+    full config.json and preprocessor_config.json; the native loader reads it (ignoring the ViT),
+    every generation weight equals the plain tiny checkpoint's, and the larger latent grid samples
+    the same images at the sizes both allow (the sin-cos table is exact at any size)."""
+    from flowgrpo.models.bagel.checkpoint import TINY_VIT_CONFIG, tensor_shapes, understanding_shapes
+    from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
+    from flowgrpo.sampler_params import SamplerParams
+
+    complete = make_tiny_bagel(tmp_path / "complete", seed=0, complete=True)
+    assert sorted(p.name for p in complete.iterdir()) == sorted([*FILES, "preprocessor_config.json"])
+    top = json.loads((complete / "config.json").read_text())
+    assert top["model_type"] == "bagel" and top["visual_und"] is True
+    assert top["llm_config"] == json.loads((complete / "llm_config.json").read_text())
+    assert top["vit_config"] == TINY_VIT_CONFIG == json.loads((complete / "vit_config.json").read_text())
+    assert top["vit_max_num_patch_per_side"] == 2 and top["max_latent_size"] == 32
+    processor = json.loads((complete / "preprocessor_config.json").read_text())
+    assert processor["image_processor_type"] == "SiglipImageProcessor" and processor["size"]["height"] == 28
+
+    shapes = tensor_shapes(complete / "ema.safetensors")
+    understanding = understanding_shapes(TINY_VIT_CONFIG, tiny().hidden)
+    assert {k: v for k, v in shapes.items() if k in understanding} == understanding
+    assert shapes["vit_model.vision_model.embeddings.patch_embedding.weight"] == (32, 3 * 14 * 14)
+    assert shapes["connector.fc1.weight"] == (64, 32) and shapes["vit_pos_embed.pos_embed"] == (4, 64)
+
+    plain, full = load_bagel_model(tiny_dir, torch.float32), load_bagel_model(complete, torch.float32)
+    assert full.config.max_latent_size == 32 and plain.config.max_latent_size == 8
+    full_state = full.state_dict()
+    for name, tensor in plain.state_dict().items():
+        if name != "latent_pos_embed.pos_embed":
+            assert torch.equal(tensor, full_state[name]), name
+    params = SamplerParams(
+        num_points=4, height=64, width=64, window_size=1, window_range=(0, 2), deterministic=True
+    )
+    request = [SampleRequest("p", 0, torch.tensor([384, 5, 6, 385]))]
+    specials = load_special_tokens(tiny_dir)
+    ours = BagelSampler(full, load_vae(complete), specials).generate(request, params, seed=1, step=0)
+    theirs = BagelSampler(plain, load_vae(tiny_dir), specials).generate(request, params, seed=1, step=0)
+    assert torch.equal(ours.final_latents, theirs.final_latents) and torch.equal(ours.images, theirs.images)

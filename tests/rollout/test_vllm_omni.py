@@ -94,16 +94,22 @@ def test_initial_noise_comes_from_the_sample_coordinates(omni: Any) -> None:
 
 
 def test_windows_and_latents_match_the_native_engine(sampled: tuple[Trajectories, Trajectories]) -> None:
-    ours, theirs = sampled
+    assert_same_samples(*sampled)
+
+
+def assert_same_samples(ours: Trajectories, theirs: Trajectories) -> None:
+    """Windows, schedule and behaviour log-probs exact; latents and images within bf16 rounding."""
     assert len(set(ours.window_begin.tolist())) > 1, "the prompts should draw different windows"
-    assert torch.equal(ours.window_begin, theirs.window_begin)
-    assert torch.equal(ours.timesteps, theirs.timesteps) and torch.equal(ours.sigmas, theirs.sigmas)
-    window, final = relative(ours.latents, theirs.latents), relative(ours.final_latents, theirs.final_latents)
+    assert torch.equal(ours.window_begin.cpu(), theirs.window_begin.cpu())
+    assert torch.equal(ours.timesteps.cpu(), theirs.timesteps.cpu())
+    assert torch.equal(ours.sigmas.cpu(), theirs.sigmas.cpu())
+    window = relative(ours.latents.cpu(), theirs.latents.cpu())
+    final = relative(ours.final_latents.cpu(), theirs.final_latents.cpu())
     assert window < BF16_LATENTS and final < BF16_LATENTS, (window, final)
     # the behaviour log-prob of a sampled step is a function of its noise: equal up to fp32 rounding
-    torch.testing.assert_close(ours.log_probs, theirs.log_probs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.log_probs.cpu(), theirs.log_probs.cpu(), rtol=1e-5, atol=1e-6)
     assert ours.images is not None and theirs.images is not None
-    pixels = (ours.images.float() - theirs.images.float()).abs()
+    pixels = (ours.images.cpu().float() - theirs.images.cpu().float()).abs()
     assert ours.images.shape == theirs.images.shape == (len(REQUESTS), 64, 64, 3)
     assert float(pixels.mean()) < 2.0 and float(pixels.max()) <= 16, (pixels.mean(), pixels.max())
 
@@ -171,7 +177,15 @@ def lora_update(native: NativeBagelEngine, version: int, scale: float = 0.5) -> 
 def test_a_policy_update_changes_both_engines_alike(
     omni: Any, native: NativeBagelEngine, sampled: tuple[Trajectories, Trajectories]
 ) -> None:
-    before = sampled[0]
+    assert_update_moves_both_alike(omni, native, *sampled)
+
+
+def assert_update_moves_both_alike(
+    omni: Any, native: NativeBagelEngine, before: Trajectories, native_before: Trajectories
+) -> None:
+    """A refused update changes nothing; a LoRA update moves both engines' samples by the same
+    amount; an all-zero update (merged onto the base, not the previous merge) returns bitwise to
+    the base samples."""
     bad = lora_update(native, 1)
     bad.tensors["language_model.model.layers.0.self_attn.q_proj_moe_gen.lora_A.weight"] = torch.zeros(4, 3)
     with pytest.raises(PolicyUpdateError, match="mis-shaped LoRA tensors"):
@@ -183,17 +197,39 @@ def test_a_policy_update_changes_both_engines_alike(
     assert omni.policy_version == 1
     ours = omni.generate(REQUESTS, PARAMS, seed=SEED, step=STEP)
     theirs = native.generate(REQUESTS, PARAMS, seed=SEED, step=STEP)
-    moved_ours = relative(ours.final_latents, before.final_latents)
-    moved_theirs = relative(theirs.final_latents, sampled[1].final_latents)
+    moved_ours = relative(ours.final_latents.cpu(), before.final_latents.cpu())
+    moved_theirs = relative(theirs.final_latents.cpu(), native_before.final_latents.cpu())
     assert moved_ours > 0.05 and moved_theirs > 0.05, (moved_ours, moved_theirs)
-    assert relative(ours.final_latents, theirs.final_latents) < BF16_LATENTS
-    # a later update merges onto the base, not onto the previous merge: back to the base weights
+    assert relative(ours.final_latents.cpu(), theirs.final_latents.cpu()) < BF16_LATENTS
     zero = PolicyUpdate(
         2, "lora", {n: torch.zeros_like(t) for n, t in update.tensors.items()}, lora_rank=4, lora_alpha=8.0
     )
     omni.apply_update(zero)
     again = omni.generate(REQUESTS, PARAMS, seed=SEED, step=STEP)
     assert torch.equal(again.final_latents, before.final_latents)
+
+
+@pytest.mark.gpu
+def test_in_place_updates_on_cuda(checkpoint: Path) -> None:
+    """The GPU path (not run here: the lent GPU machines cannot install vLLM-Omni): the same
+    parity and update checks on CUDA, updates loaded in place through vLLM's weight loaders."""
+    pytest.importorskip("vllm_omni", reason="needs vLLM-Omni installed")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from flowgrpo.services.rollout.omni.engine import VllmOmniBagelEngine
+
+    omni = VllmOmniBagelEngine.from_checkpoint(checkpoint, device="cuda", dtype=torch.bfloat16)
+    try:
+        assert omni.weight_sync == "in_place"
+        native = NativeBagelEngine.from_checkpoint(
+            checkpoint, device="cuda", dtype=torch.bfloat16, max_batch_samples=8, compile=False
+        )
+        ours = omni.generate(REQUESTS, PARAMS, seed=SEED, step=STEP)
+        theirs = native.generate(REQUESTS, PARAMS, seed=SEED, step=STEP)
+        assert_same_samples(ours, theirs)
+        assert_update_moves_both_alike(omni, native, ours, theirs)
+    finally:
+        omni.close()
 
 
 def test_flowgrpo_run_learns_against_its_control(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

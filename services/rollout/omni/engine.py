@@ -80,9 +80,14 @@ class VllmOmniBagelEngine:
         weight_sync: WeightSync = "auto",
         deploy_config: str = "",
     ) -> VllmOmniBagelEngine:
-        import vllm_omni
-        from vllm_omni.entrypoints.omni import Omni
-
+        try:
+            import vllm_omni
+            from vllm_omni.entrypoints.omni import Omni
+        except ImportError as error:
+            raise RuntimeError(
+                f"rollout.engine=vllm_omni needs vLLM-Omni installed beside flowgrpo ({error}); "
+                "see docs/rollout-engines.md, or use rollout.engine=native"
+            ) from error
         from flowgrpo.services.rollout.omni.pipeline import PIPELINE_CLASS, WORKER_EXTENSION_CLASS
 
         if dtype != torch.bfloat16:

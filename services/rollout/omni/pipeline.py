@@ -19,7 +19,6 @@ stock pipeline. One sample per request: BAGEL's pipeline uses only the first pro
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,57 +30,13 @@ from vllm_omni.diffusion.models.bagel.pipeline_bagel import BagelPipeline, defau
 from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExtension
 
 from flowgrpo.models.bagel.checkpoint import VAE_FILE, tensor_shapes
-from flowgrpo.models.bagel.sampling import window_step
 from flowgrpo.models.bagel.vae import vae_config_from_shapes
-from flowgrpo.sampler_math import ode_step, sample_noise, shifted_schedule
+from flowgrpo.sampler_math import sample_noise
 from flowgrpo.services.rollout.omni.request import OmniSampleRequest
+from flowgrpo.services.rollout.omni.scheduler import FlowGrpoScheduler
 
 PIPELINE_CLASS = f"{__name__}.FlowGrpoBagelPipeline"
 WORKER_EXTENSION_CLASS = f"{__name__}.FlowGrpoWorkerExtension"
-# vLLM-Omni computes the same schedule in fp32 on the device; ours is float64 then fp32
-SCHEDULE_TOLERANCE = 1e-5
-
-
-@dataclass
-class SchedulerOutput:
-    prev_sample: Tensor  # [N, 64] fp32: x after the step
-    log_prob: Tensor | None  # [] fp32 inside the window, None outside
-
-
-class FlowGrpoScheduler:
-    """BAGEL's scheduler hook for one sample: ``step(v_t, t, x_t, dt)`` is called once per
-    denoising step, in order, with the CFG-combined velocity."""
-
-    def __init__(self, request: OmniSampleRequest) -> None:
-        self.request = request
-        self.params = request.sampler_params
-        self.schedule = shifted_schedule(self.params.num_points, self.params.timestep_shift)
-        self.index = 0
-
-    def step(self, v_t: Tensor, t: Tensor | float, x_t: Tensor, dt: Any, **_: Any) -> SchedulerOutput:
-        i, self.index = self.index, self.index + 1
-        if i >= self.params.num_steps:
-            raise RuntimeError(f"scheduler step {i} past the schedule's {self.params.num_steps} steps")
-        sigma, sigma_next = self.schedule[i : i + 1], self.schedule[i + 1 : i + 2]  # [1]: one sample
-        if abs(float(t) - float(sigma)) > SCHEDULE_TOLERANCE:
-            raise RuntimeError(f"step {i}: vLLM-Omni's t={float(t)} is not this schedule's {float(sigma)}")
-        x, v = x_t.float()[None], v_t.float()[None]  # [1, N, 64]
-        offset = i - self.request.window_begin
-        if not 0 <= offset < self.params.window_size:
-            return SchedulerOutput(ode_step(x, v, sigma, sigma_next)[0], None)
-        noise = sample_noise(
-            tuple(x.shape[1:]),
-            seed=self.request.seed,
-            step=self.request.step,
-            prompt_uid=self.request.prompt_uid,
-            sample_index=self.request.sample_index,
-            stream=f"sde/{i}",
-        ).to(x.device)
-        after_first = float(self.schedule[1])
-        result = window_step(
-            self.params, x, v, sigma, sigma_next, sigma_after_first=after_first, noise=noise[None]
-        )
-        return SchedulerOutput(result.x_next[0], result.log_prob[0])
 
 
 class FlowGrpoBagelPipeline(BagelPipeline):
