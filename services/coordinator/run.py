@@ -24,10 +24,10 @@ import numpy as np
 from opentelemetry import trace
 
 from flowgrpo.bus import BusClient, TensorRef, TensorStore
-from flowgrpo.columns import TRAJECTORY_COLUMNS
+from flowgrpo.columns import TRAIN_INPUT_COLUMNS
 from flowgrpo.data import PromptRow, PromptSplit
 from flowgrpo.rewards.config import ScorerSpec
-from flowgrpo.services.coordinator.advantages import group_advantages
+from flowgrpo.services.coordinator.advantages import group_advantages, nft_optimality
 from flowgrpo.services.coordinator.config import RunConfig
 from flowgrpo.services.coordinator.handles import Replica, ReplicaError
 from flowgrpo.services.coordinator.lifecycle import RunInterrupted
@@ -390,19 +390,26 @@ class Coordinator:
         advantages, self._zero_std = group_advantages(
             {g.row.prompt_uid: g.rewards for g in groups}, self.config.advantages
         )
+        trainer = self.config.trainer
+        if trainer.algorithm == "diffusion_nft":
+            advantages = nft_optimality(advantages, trainer.nft.adv_clip)
+        columns = [c for c in TRAIN_INPUT_COLUMNS[trainer.algorithm] if c != "prompt_ids"]
         samples = [
             trainer_pb2.TrainSample(
                 prompt_uid=g.row.prompt_uid,
                 sample_index=s.sample_index,
                 policy_version=s.policy_version,
                 advantage=a,
-                inputs={"prompt_ids": g.ids_ref, **{c: s.outputs[c] for c in TRAJECTORY_COLUMNS}},
+                inputs={"prompt_ids": g.ids_ref, **{c: s.outputs[c] for c in columns}},
             )
             for g in groups
             for s, a in zip(g.samples, advantages[g.row.prompt_uid], strict=True)
         ]
         request = trainer_pb2.TrainStepRequest(
-            step=step, samples=samples, params=self.config.sampling.params().to_proto()
+            step=step,
+            samples=samples,
+            params=self.config.sampling.params().to_proto(),
+            seed=self.config.schedule.seed,
         )
         try:
             timeout = self.config.launch.request_timeout_s
@@ -517,23 +524,19 @@ def _split(groups: list[Group], parts: int) -> list[list[Group]]:
 
 
 def _progress_line(step: int, steps: int, m: dict[str, float]) -> str:
-    loss, clipfrac = m.get("actor/pg_loss", math.nan), m.get("actor/pg_clipfrac", math.nan)
-    version, lag = int(m["training/policy_version"]), m.get("trainer/lag/max", 0)
-    return (
-        f"step {step}/{steps}  reward {m['critic/rewards/mean']:+.6f}  loss {loss:+.5f}  "
-        f"clipfrac {clipfrac:.2f}  lag {lag:.0f}  v{version}  {m['timing_s/step']:.1f} s"
-    )
+    fields = "  ".join(f"{k} {v}" for k, v in _postfix(m).items() if k != "v")
+    return f"step {step}/{steps}  {fields}  v{int(m['training/policy_version'])}  {m['timing_s/step']:.1f} s"
 
 
 def _postfix(m: dict[str, float]) -> dict[str, str]:
-    """The progress bar's key metrics."""
-    return {
+    """The progress bar's key metrics (the clip fraction where the algorithm clips: FlowGRPO)."""
+    shown = {
         "reward": f"{m['critic/rewards/mean']:+.6f}",
         "loss": f"{m.get('actor/pg_loss', math.nan):+.5f}",
-        "clipfrac": f"{m.get('actor/pg_clipfrac', math.nan):.2f}",
-        "lag": f"{m.get('trainer/lag/max', 0):.0f}",
-        "v": f"{int(m['training/policy_version'])}",
     }
+    if "actor/pg_clipfrac" in m:
+        shown["clipfrac"] = f"{m['actor/pg_clipfrac']:.2f}"
+    return {**shown, "lag": f"{m.get('trainer/lag/max', 0):.0f}", "v": f"{int(m['training/policy_version'])}"}
 
 
 def reward_summary(history: list[dict[str, float]], window: int = 4) -> str:

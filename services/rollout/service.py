@@ -276,6 +276,7 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
             "latents": out.latents[row],
             "log_probs": out.log_probs[row],
             "sigmas": out.sigmas[row],
+            "final_latents": out.final_latents[row],
             "timesteps": out.timesteps[row],
         }
         if out.images is not None:

@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from flowgrpo.models.bagel.peft_format import load_peft_adapter, save_peft_adapter
 from flowgrpo.models.bagel.policy import PolicyUpdate
 from flowgrpo.services.trainer.distributed import Dist
+from flowgrpo.services.trainer.nft import DiffusionNFTStep
 from flowgrpo.services.trainer.policy import lora_published_name
 from flowgrpo.services.trainer.step import FlowGRPOStep
 
@@ -131,6 +132,7 @@ def save_checkpoint(
     _barrier(dist)
     try:
         _write_weights(tmp, trainer, base_model)
+        _write_old_policy(tmp, trainer)
         _write_optimizer(tmp, trainer)
         _write_rng(tmp / "rng" / _rng_name(dist.rank))
         if dist.rank == 0:
@@ -173,8 +175,10 @@ def load_checkpoint(path: str | Path, trainer: FlowGRPOStep) -> int:
         )
     # every check first, then everything is applied: never half-loaded
     weights = _check_weights(path, trainer)
+    old_policy = _check_old_policy(path, trainer)
     optimizer = _check_optimizer(path, trainer)
     weights()
+    old_policy()
     optimizer()
     rng = path / "rng" / _rng_name(dist.rank)
     _set_rng_state(load_file(str(rng if rng.is_file() else path / "rng" / _rng_name(0))))
@@ -278,6 +282,28 @@ def _check_weights(path: Path, trainer: FlowGRPOStep) -> Callable[[], None]:
     params: dict[str, Tensor] = dict(trainer.policy.trainable())
     reader = _fitting_reader(path / "gen_path", params)
     return lambda: _dcp_load(reader, params, trainer.dist)
+
+
+def _write_old_policy(tmp: Path, trainer: FlowGRPOStep) -> None:
+    """DiffusionNFT's old (sampling) policy: part of the state a resumed run needs (it is an
+    average of every earlier version, not something the weights can give back)."""
+    if isinstance(trainer, DiffusionNFTStep):
+        _dcp_save(tmp / "old_policy", trainer.policy.old_state(), trainer.dist)
+
+
+def _check_old_policy(path: Path, trainer: FlowGRPOStep) -> Callable[[], None]:
+    stored = (path / "old_policy").is_dir()
+    if stored != isinstance(trainer, DiffusionNFTStep):
+        raise CheckpointError(
+            f"{path} {'holds' if stored else 'has no'} a DiffusionNFT old policy and this trainer "
+            f"{'does not train' if stored else 'trains'} DiffusionNFT: resume with the algorithm "
+            "it was saved with"
+        )
+    if not stored:
+        return lambda: None
+    old = trainer.policy.old_state()
+    reader = _fitting_reader(path / "old_policy", old)
+    return lambda: _dcp_load(reader, old, trainer.dist)
 
 
 def _param_names(trainer: FlowGRPOStep) -> list[str]:

@@ -59,7 +59,48 @@ class LossConfig:
 
 
 @dataclass
+class NftConfig:
+    """``trainer.algorithm=diffusion_nft`` (docs/algorithms.md has the equations). Defaults: the
+    reference code's (NVlabs/DiffusionNFT, SD3.5-M PickScore)."""
+
+    beta: float = 1.0  # strength of the implicit policies v+- = v_old +- beta (v - v_old); 0.1 for OCR
+    adv_clip: float = 5.0  # advantages clipped to +-adv_clip, r = A / (2 adv_clip) + 1/2; scales the loss
+    timestep_fraction: float = 0.99  # times trained per sample: int(fraction x steps) of the schedule's
+    # the old (sampling) policy after step k: old <- d old + (1 - d) current, d = min(rate (k - after), max)
+    # (0 before ``after``); the reference's default: after 0, rate 0.001, max 0.5; OCR: 75, 0.0075, 0.999
+    old_decay_after: int = 0
+    old_decay_rate: float = 0.001
+    old_decay_max: float = 0.5
+
+    def validate(self) -> None:
+        if self.beta <= 0 or self.adv_clip <= 0:
+            raise ValueError(f"trainer.nft.beta={self.beta} and adv_clip={self.adv_clip} must be > 0")
+        if not 0 < self.timestep_fraction <= 1:
+            raise ValueError(f"trainer.nft.timestep_fraction={self.timestep_fraction} must be in (0, 1]")
+        if not 0 <= self.old_decay_max < 1 or self.old_decay_rate < 0 or self.old_decay_after < 0:
+            raise ValueError(
+                f"trainer.nft.old_decay_max={self.old_decay_max} must be in [0, 1), old_decay_rate "
+                f"and old_decay_after >= 0 (got {self.old_decay_rate}, {self.old_decay_after})"
+            )
+
+    def old_decay(self, steps_done: int) -> float:
+        """The old policy's decay after ``steps_done`` training steps."""
+        if steps_done < self.old_decay_after:
+            return 0.0
+        return min((steps_done - self.old_decay_after) * self.old_decay_rate, self.old_decay_max)
+
+    def trained_times(self, num_steps: int) -> int:
+        return max(1, int(num_steps * self.timestep_fraction))
+
+
+Algorithm = Literal["flow_grpo", "diffusion_nft"]
+
+
+@dataclass
 class TrainerConfig:
+    # "flow_grpo": the clipped policy gradient on the SDE window's log-probs; "diffusion_nft":
+    # DiffusionNFT on the forward process (clean latents, an old policy; docs/algorithms.md)
+    algorithm: Algorithm = "flow_grpo"
     checkpoint: str = (
         ""  # BAGEL folder in the published layout (only ema.safetensors + llm_config.json are read)
     )
@@ -68,6 +109,7 @@ class TrainerConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    nft: NftConfig = field(default_factory=NftConfig)
     # recompute each decoder layer's image-query work in the backward: ~6x less activation
     # memory for ~1/3 more update time (the 7B full gen path needs it at micro-batch > 1)
     activation_checkpointing: bool = False

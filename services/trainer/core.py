@@ -13,7 +13,7 @@ from opentelemetry import trace
 
 from flowgrpo.bus import BusClient, TensorRef
 from flowgrpo.bus.torch_tensors import to_torch
-from flowgrpo.columns import TRAJECTORY_COLUMNS
+from flowgrpo.columns import TRAIN_INPUT_COLUMNS
 from flowgrpo.fields import FieldError, check_float, check_id, check_int
 from flowgrpo.models.bagel.checkpoint import load_special_tokens
 from flowgrpo.models.bagel.sampling import token_grid
@@ -33,6 +33,7 @@ from flowgrpo.services.trainer.checkpoint import latest_checkpoint, load_checkpo
 from flowgrpo.services.trainer.config import TrainerServiceConfig
 from flowgrpo.services.trainer.distributed import Dist
 from flowgrpo.services.trainer.load import load_policy
+from flowgrpo.services.trainer.nft import DiffusionNFTStep
 from flowgrpo.services.trainer.publish import Publisher
 from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory
 from flowgrpo.telemetry import links_from
@@ -41,7 +42,6 @@ from flowgrpo.v1 import common_pb2, trainer_pb2
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
-INPUT_COLUMNS = ("prompt_ids", *TRAJECTORY_COLUMNS)
 MAX_ADVANTAGE = 1e6  # |advantage|: the coordinator clips to advantages.clip (5); fp32 keeps headroom
 
 
@@ -62,7 +62,13 @@ class TrainerCore:
             activation_checkpointing=cfg.activation_checkpointing,
             compile=cfg.compile,
         )
-        self.trainer = FlowGRPOStep(policy, load_special_tokens(cfg.checkpoint), cfg.optim, cfg.loss, dist)
+        special = load_special_tokens(cfg.checkpoint)
+        self.inputs = TRAIN_INPUT_COLUMNS[cfg.algorithm]  # what a sample must carry for this algorithm
+        self.trainer = (
+            DiffusionNFTStep(policy, special, cfg.optim, cfg.loss, nft=cfg.nft, dist=dist)
+            if cfg.algorithm == "diffusion_nft"
+            else FlowGRPOStep(policy, special, cfg.optim, cfg.loss, dist)
+        )
         self.limits = ModelLimits.of(policy.model.config)  # what a request's images and prompts may be
         self.client = BusClient(config.bus)
         # the store is rank 0's bus server's, set by the service once it serves (None: a follower)
@@ -79,7 +85,7 @@ class TrainerCore:
 
     def check(self, request: trainer_pb2.TrainStepRequest) -> SamplerParams:
         """Refuse a malformed request (before any rank starts on it); return its sampler settings.
-        Every field is checked (the seed takes any int64: the trainer draws no noise from it)."""
+        Every field is checked (the seed takes any int64: it is hashed into noise coordinates)."""
         if not request.samples:
             raise InvalidArgument("TrainStep needs at least one sample")
         try:
@@ -108,11 +114,11 @@ class TrainerCore:
                 "(this trainer's version; a sample cannot come from a newer policy)"
             )
         check_float(f"{where}.advantage", sample.advantage, -MAX_ADVANTAGE, MAX_ADVANTAGE)
-        missing = [c for c in INPUT_COLUMNS if c not in sample.inputs]
+        missing = [c for c in self.inputs if c not in sample.inputs]
         if missing:
             raise FieldError(
                 f"{where}.inputs: sample {sample.prompt_uid}/{sample.sample_index} lacks input "
-                f"columns {missing}; the trainer needs {list(INPUT_COLUMNS)}"
+                f"columns {missing}; the trainer ({self.config.trainer.algorithm}) needs {list(self.inputs)}"
             )
         for column, dtype, dims in self._input_shapes(params):
             check_ref(f"{where}.inputs[{column!r}]", sample.inputs[column], column, (dtype,),
@@ -122,12 +128,14 @@ class TrainerCore:
         """Column, dtype and shape of each input of a sample drawn with ``params``."""
         size, (rows, cols), limits = params.window_size, token_grid(params), self.limits
         tokens, dim = rows * cols, limits.token_dim
-        return [
-            ("prompt_ids", "int64", [(1, limits.max_prompt_tokens)]),
-            ("latents", "float32", [(size + 1, size + 1), (tokens, tokens), (dim, dim)]),
-            ("log_probs", "float32", [(size, size)]),
-            ("sigmas", "float32", [(size + 1, size + 1)]),
-        ]
+        shapes = {
+            "prompt_ids": ("int64", [(1, limits.max_prompt_tokens)]),
+            "latents": ("float32", [(size + 1, size + 1), (tokens, tokens), (dim, dim)]),
+            "log_probs": ("float32", [(size, size)]),
+            "sigmas": ("float32", [(size + 1, size + 1)]),
+            "final_latents": ("float32", [(tokens, tokens), (dim, dim)]),
+        }
+        return [(column, *shapes[column]) for column in self.inputs]
 
     def train(
         self, request: trainer_pb2.TrainStepRequest, may_stop: Callable[[], None] | None = None
@@ -140,12 +148,14 @@ class TrainerCore:
         with tracer.start_as_current_span(
             "trainer.step", links=links_from(traces), attributes={"step": request.step}
         ):
-            return self.trainer.run(batch, params, may_stop if self.dist.world == 1 else None)
+            stop = may_stop if self.dist.world == 1 else None
+            return self.trainer.run(batch, params, stop, seed=request.seed, step=request.step)
 
     def publish(self) -> common_pb2.WeightUpdate:
         """Publish the current version (a collective under FSDP: every rank calls it; rank 0's
         publisher has the store and returns the update)."""
-        return self.publisher.publish(self.trainer.version)
+        with self.trainer.sampling_policy():  # DiffusionNFT's rollouts sample with its old policy
+            return self.publisher.publish(self.trainer.version)
 
     def save(self, folder: str, step: int) -> Path | None:
         cfg = self.config.trainer
@@ -154,36 +164,45 @@ class TrainerCore:
     def close(self) -> None:
         self.client.close()
 
-    def _check_inputs(
-        self,
-        where: str,
-        ids: torch.Tensor,
-        latents: torch.Tensor,
-        log_probs: torch.Tensor,
-        sigmas: torch.Tensor,
-    ) -> None:
+    def _check_inputs(self, where: str, inputs: dict[str, torch.Tensor]) -> None:
         """The fetched values: prompt ids in the vocabulary, finite trajectories, sigmas in [0, 1].
         Every rank fetches the whole batch, so every rank refuses it alike, before any collective."""
         try:
-            check_token_ids(f"{where}['prompt_ids']", ids, self.limits.vocab)
-            check_finite(f"{where}['latents']", latents)
-            check_finite(f"{where}['log_probs']", log_probs)
-            check_finite(f"{where}['sigmas']", sigmas, 0.0, 1.0)
+            for column, value in inputs.items():
+                if column == "prompt_ids":
+                    check_token_ids(f"{where}['prompt_ids']", value, self.limits.vocab)
+                elif column == "sigmas":
+                    check_finite(f"{where}['sigmas']", value, 0.0, 1.0)
+                else:
+                    check_finite(f"{where}[{column!r}]", value)
         except FieldError as error:
             raise InvalidArgument(str(error)) from None
 
     def _fetch_batch(
         self, request: trainer_pb2.TrainStepRequest
     ) -> tuple[list[Trajectory], list[dict[str, str]]]:
-        refs = [TensorRef.from_proto(s.inputs[c]) for s in request.samples for c in INPUT_COLUMNS]
+        refs = [TensorRef.from_proto(s.inputs[c]) for s in request.samples for c in self.inputs]
         fetched = fetch_inputs(self.client, refs, "trajectories")
-        width = len(INPUT_COLUMNS)
+        width = len(self.inputs)
         batch = []
         for i, sample in enumerate(request.samples):
-            ids, latents, log_probs, sigmas = (
-                to_torch(f).clone() for f in fetched[i * width : (i + 1) * width]
+            inputs = {
+                c: to_torch(f).clone()
+                for c, f in zip(self.inputs, fetched[i * width : (i + 1) * width], strict=True)
+            }
+            self._check_inputs(f"TrainStepRequest.samples[{i}].inputs", inputs)
+            none = torch.empty(0)  # an input this algorithm does not read
+            batch.append(
+                Trajectory(
+                    sample.prompt_uid,
+                    sample.sample_index,
+                    sample.policy_version,
+                    sample.advantage,
+                    inputs["prompt_ids"],
+                    inputs.get("latents", none),
+                    inputs.get("log_probs", none),
+                    inputs.get("sigmas", none),
+                    inputs.get("final_latents"),
+                )
             )
-            self._check_inputs(f"TrainStepRequest.samples[{i}].inputs", ids, latents, log_probs, sigmas)
-            batch.append(Trajectory(sample.prompt_uid, sample.sample_index, sample.policy_version,
-                                    sample.advantage, ids, latents, log_probs, sigmas))  # fmt: skip
         return batch, [f.trace for f in fetched]

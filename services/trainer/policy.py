@@ -4,7 +4,9 @@
 Trainable parameters are fp32 (master weights and optimizer state); the frozen weights stay in
 the load dtype. ``published`` gives what changed, in the policy-update naming that rollouts
 load; ``reference()`` runs a forward with the reference policy for the KL term (adapters
-disabled for LoRA, a frozen copy of the gen path for full training, kept only when asked for).
+disabled for LoRA, a frozen copy of the gen path for full training, kept only when asked for);
+``old()`` runs one with DiffusionNFT's old (sampling) policy, an fp32 average of the trainable
+tensors swapped in place (LoRA and full alike: one mechanism, sharded like the parameters).
 
 The policy may be built on the meta device and sharded before any weight exists
 (``services/trainer/load.py``); ``init_adapters`` and ``keep_reference`` then run once the
@@ -45,6 +47,7 @@ class TrainablePolicy:
         # LoRA adapters are injected in place: the policy's model stays the BagelModel
         self.model = _add_lora(model, config) if config.kind == "lora" else _unfreeze_gen_path(model)
         self._reference: dict[str, Tensor] | None = None
+        self._old: dict[str, Tensor] | None = None  # DiffusionNFT's old policy (keep_old)
         if not model.vae2llm.weight.is_meta:
             self.init_adapters()
             if keep_reference:
@@ -133,18 +136,49 @@ class TrainablePolicy:
                 "full training has no KL reference: build the policy with keep_reference=True "
                 "(the trainer does when trainer.loss.kl_beta > 0)"
             )
+        with self._swapped(self._reference):
+            yield
+
+    # --- DiffusionNFT's old (sampling) policy -------------------------------------------------
+
+    def keep_old(self) -> None:
+        """The old policy starts as the trainable tensors are now; it is an average of them, so
+        it is kept in fp32, sharded like them (a DTensor under FSDP2: checkpoints save it so)."""
+        self._old = {n: p.detach().clone().float() for n, p in self.trainable().items()}
+
+    def old_state(self) -> dict[str, Tensor]:
+        if self._old is None:
+            raise RuntimeError("this policy keeps no old policy (keep_old was not called)")
+        return self._old
+
+    @contextlib.contextmanager
+    def old(self) -> Iterator[None]:
+        """Forwards (and publications) inside run the old policy."""
+        with self._swapped({n: local_tensor(t) for n, t in self.old_state().items()}):
+            yield
+
+    @torch.no_grad()
+    def refresh_old(self, decay: float) -> None:
+        """old <- decay old + (1 - decay) current, on each rank's shards."""
+        for name, param in self.trainable().items():
+            old = local_tensor(self.old_state()[name])
+            old.mul_(decay).add_(local_tensor(param).float(), alpha=1.0 - decay)
+
+    @contextlib.contextmanager
+    def _swapped(self, values: dict[str, Tensor]) -> Iterator[None]:
+        """The trainable tensors set to ``values`` (this rank's shards) inside, restored after."""
         params = {n: local_tensor(p) for n, p in self.trainable().items()}  # this rank's shards
         current = {n: p.detach().clone() for n, p in params.items()}
         with torch.no_grad():
             for n, p in params.items():
-                p.copy_(self._reference[n])
+                p.copy_(values[n])
         try:
             yield
         finally:
             with torch.no_grad():
                 for n, p in params.items():
                     p.copy_(current[n])
-            self._reshard()  # drop the root's gathered reference weights: the next forward regathers
+            self._reshard()  # drop the root's gathered weights: the next forward regathers
 
     def _reshard(self) -> None:
         reshard = getattr(self.model, "reshard", None)  # an FSDP2 module

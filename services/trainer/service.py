@@ -19,15 +19,20 @@ import time
 import grpc.aio
 
 from flowgrpo.bus import BusServer, serve_store
+from flowgrpo.columns import TRAIN_INPUT_COLUMNS
 from flowgrpo.runtime import Actor, InvalidArgument, ServiceError, message, raise_if_abandoned
 from flowgrpo.services.trainer.checkpoint import confined_folder
 from flowgrpo.services.trainer.config import TrainerServiceConfig
-from flowgrpo.services.trainer.core import INPUT_COLUMNS, TrainerCore
+from flowgrpo.services.trainer.core import TrainerCore
 from flowgrpo.services.trainer.distributed import Dist
 from flowgrpo.services.trainer.follow import SAVE, STOP, TRAIN, CommandChannel
 from flowgrpo.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
-STAGE = common_pb2.StageSpec(stage="trainer", consumes=[*INPUT_COLUMNS, "advantages"], produces=["weights"])
+
+def stage(algorithm: str) -> common_pb2.StageSpec:
+    """What the trainer reads and writes: its algorithm's inputs and the advantages, weights out."""
+    inputs = TRAIN_INPUT_COLUMNS[algorithm]
+    return common_pb2.StageSpec(stage="trainer", consumes=[*inputs, "advantages"], produces=["weights"])
 
 
 class TrainerService(Actor, trainer_pb2_grpc.TrainerServicer):
@@ -42,7 +47,7 @@ class TrainerService(Actor, trainer_pb2_grpc.TrainerServicer):
         self.step = 0  # last completed training step (the coordinator's numbering)
         self.current = common_pb2.WeightUpdate()  # the newest publication
         self.bus: BusServer | None = None
-        self.stages = [STAGE]
+        self.stages = [stage(config.trainer.algorithm)]
 
     async def start(self) -> None:
         self.core = await self.compute(TrainerCore, self.config, self.dist)

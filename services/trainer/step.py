@@ -62,9 +62,10 @@ class Trajectory:
     policy_version: int
     advantage: float
     prompt_ids: Tensor  # [L] int64
-    latents: Tensor  # [W + 1, N, 64] fp32
+    latents: Tensor  # [W + 1, N, 64] fp32 (FlowGRPO's inputs: empty for DiffusionNFT)
     log_probs: Tensor  # [W] fp32: behaviour log-probs
     sigmas: Tensor  # [W + 1] fp32
+    final_latents: Tensor | None = None  # [N, 64] fp32: the clean latent (DiffusionNFT's input)
 
 
 class FlowGRPOStep:
@@ -103,21 +104,32 @@ class FlowGRPOStep:
         batch: Sequence[Trajectory],
         params: SamplerParams,
         may_stop: Callable[[], None] | None = None,
+        *,
+        seed: int = 0,
+        step: int = 0,
     ) -> dict[str, float]:
         """Train on ``batch``. ``may_stop`` is called between micro-batches until the first
         optimizer update (it raises to abandon the step): before it, nothing of the step has
         touched the weights or the optimizer, so an abandoned step leaves the trainer as it was;
-        once an update is applied the step runs to its end."""
+        once an update is applied the step runs to its end. ``seed`` and ``step`` are the
+        coordinates of whatever a step draws at random (FlowGRPO draws nothing)."""
         if not batch:
             raise ValueError("a training step needs at least one trajectory")
         self._may_stop = may_stop or _nothing
         try:
             with self._lora_inputs_uncast():
-                return self._run(batch, params)
+                return self._run(batch, params, seed, step)
         finally:
             self._may_stop = _nothing
 
-    def _run(self, batch: Sequence[Trajectory], params: SamplerParams) -> dict[str, float]:
+    def sampling_policy(self) -> contextlib.AbstractContextManager[None]:
+        """Inside, the policy is the one rollouts sample with (what is published): FlowGRPO's is
+        the trained policy itself."""
+        return contextlib.nullcontext()
+
+    def _run(
+        self, batch: Sequence[Trajectory], params: SamplerParams, seed: int, step: int
+    ) -> dict[str, float]:
         metrics: dict[str, float] = {}
         started = time.perf_counter()
         behaviour = torch.stack([t.log_probs for t in batch])
@@ -282,10 +294,8 @@ class FlowGRPOStep:
         """Log-probs [B, W] of the stored window steps under the current weights (the velocity
         has gradients when grad mode is on). One forward per window step, like the sampler;
         in deterministic mode under the sampler's deterministic kernels."""
-        if params.deterministic:
-            with deterministic_kernels():
-                return self._window_log_probs_now(part, params)
-        return self._window_log_probs_now(part, params)
+        with deterministic_or_not(params):
+            return self._window_log_probs_now(part, params)
 
     def _window_log_probs_now(self, part: Sequence[Trajectory], params: SamplerParams) -> StepResult:
         model = self.policy.model
@@ -325,6 +335,11 @@ class FlowGRPOStep:
 
 def _nothing() -> None:
     pass
+
+
+def deterministic_or_not(params: SamplerParams) -> contextlib.AbstractContextManager[None]:
+    """The sampler's deterministic kernels when the settings ask for them (forwards only)."""
+    return deterministic_kernels() if params.deterministic else contextlib.nullcontext()
 
 
 def compute_autocast(model: BagelModel) -> contextlib.AbstractContextManager[object]:

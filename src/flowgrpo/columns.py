@@ -161,6 +161,7 @@ for _spec in (
     ),
     ColumnSpec("log_probs", "float32", ("W",), "behaviour log-prob of each window step (mean over elements)"),
     ColumnSpec("sigmas", "float32", ("W1",), "shifted t of the stored latents"),
+    ColumnSpec("final_latents", "float32", ("N", 64), "x at t = 0: the clean latent the image decodes from"),
     ColumnSpec("timesteps", "int64", ("W",), "schedule indices of the window steps"),
     ColumnSpec("images", "uint8", ("H", "Wpx", 3), "decoded image, HWC"),
     ColumnSpec("rewards", "float32", (), "scalar reward of one sample"),
@@ -171,4 +172,11 @@ for _spec in (
 
 # What a trajectory is on the bus: the rollout produces these per sample, the coordinator
 # forwards them (with the prompt's ids) and the trainer consumes them. Named once, here.
-TRAJECTORY_COLUMNS = ("latents", "log_probs", "sigmas")
+TRAJECTORY_COLUMNS = ("latents", "log_probs", "sigmas", "final_latents")
+
+# What each training algorithm reads of a sample (``trainer.algorithm``): FlowGRPO its SDE window,
+# DiffusionNFT only the clean latent (it trains on the forward process).
+TRAIN_INPUT_COLUMNS = {
+    "flow_grpo": ("prompt_ids", "latents", "log_probs", "sigmas"),
+    "diffusion_nft": ("prompt_ids", "final_latents"),
+}

@@ -86,7 +86,10 @@ class TrainStepRequest(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     SAMPLES_FIELD_NUMBER: _builtins.int
     PARAMS_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
     step: _builtins.int
+    seed: _builtins.int
+    """the run seed: DiffusionNFT draws its noise and times from"""
     @_builtins.property
     def samples(self) -> _containers.RepeatedCompositeFieldContainer[Global___TrainSample]: ...
     @_builtins.property
@@ -99,10 +102,11 @@ class TrainStepRequest(_message.Message):
         step: _builtins.int = ...,
         samples: _abc.Iterable[Global___TrainSample] | None = ...,
         params: _common_pb2.SamplerParams | None = ...,
+        seed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["params", b"params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["params", b"params", "samples", b"samples", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["params", b"params", "samples", b"samples", "seed", b"seed", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
