@@ -14,6 +14,7 @@ from flowgrpo.sampler_math import (
     batch_noise,
     combine_cfg,
     cps_step,
+    initial_noise,
     ode_step,
     sample_noise,
     sde_step,
@@ -210,6 +211,22 @@ def test_noise_is_a_pure_function_of_its_coordinates() -> None:
         [batch_noise((4, 64), 7, 3, keys[:1], "init"), batch_noise((4, 64), 7, 3, keys[1:], "init")]
     )
     assert torch.equal(full, split)  # bitwise: batch composition does not change the draws
+
+
+def test_initial_noise_is_the_samples_or_with_sharing_the_groups() -> None:
+    """Unshared: the sample's own "init" draw. Shared (branched rollouts): one draw per (seed, step,
+    prompt), the same for every sample index and unlike any sample's own; still standard normal."""
+    coords = {"seed": 7, "step": 3, "prompt_uid": "p1"}
+    own = [initial_noise((4, 64), **coords, sample_index=i, shared=False) for i in range(3)]  # type: ignore[arg-type]
+    assert torch.equal(own[2], sample_noise((4, 64), **coords, sample_index=2, stream="init"))  # type: ignore[arg-type]
+    group = [initial_noise((4, 64), **coords, sample_index=i, shared=True) for i in range(3)]  # type: ignore[arg-type]
+    assert all(torch.equal(g, group[0]) for g in group)
+    assert not any(torch.equal(group[0], o) for o in own)
+    for key, value in [("seed", 8), ("step", 4), ("prompt_uid", "p2")]:
+        other = initial_noise((4, 64), **{**coords, key: value}, sample_index=0, shared=True)  # type: ignore[arg-type]
+        assert not torch.equal(group[0], other), key
+    big = initial_noise((256, 64), **coords, sample_index=0, shared=True)  # type: ignore[arg-type]
+    assert abs(float(big.mean())) < 0.02 and abs(float(big.std()) - 1.0) < 0.02  # 16384 draws: 5 sigma
 
 
 def test_window_is_shared_by_a_group_and_moves_across_steps() -> None:

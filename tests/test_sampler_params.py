@@ -20,7 +20,7 @@ CHANGED = {
     "num_points": 9, "timestep_shift": 2.5, "cfg_text_scale": 3.5, "cfg_img_scale": 1.25,
     "cfg_interval": (0.125, 0.875), "cfg_renorm_type": "channel", "cfg_renorm_min": 0.5,
     "sde_type": "cps", "noise_level": 0.75, "window_size": 3, "window_range": (1, 6),
-    "window_strategy": "progressive", "deterministic": True, "height": 48, "width": 80,
+    "window_strategy": "progressive", "deterministic": True, "branch": True, "height": 48, "width": 80,
     "decode_images": False,
 }  # fmt: skip
 
@@ -39,7 +39,7 @@ def test_every_field_round_trips_through_the_wire() -> None:
     params = SamplerParams(**CHANGED)  # type: ignore[arg-type]
     assert all(getattr(params, k) != getattr(SamplerParams(), k) for k in CHANGED)
     msg = params.to_proto()
-    assert (msg.cfg_interval_lo, msg.window_range_hi, msg.sde_type) == (0.125, 6, "cps")
+    assert (msg.cfg_interval_lo, msg.window_range_hi, msg.sde_type, msg.branch) == (0.125, 6, "cps", True)
     assert SamplerParams.from_proto(common_pb2.SamplerParams.FromString(msg.SerializeToString())) == params
 
 
@@ -88,3 +88,10 @@ def test_the_runs_settings_reach_the_rollout_and_validation_uses_the_ode() -> No
     val = sampling.params(evaluation=True)
     assert (val.num_points, val.noise_level, val.window_size, val.window_range) == (12, 0.0, 1, (0, 11))
     assert (val.cfg_text_scale, val.cfg_renorm_type, val.deterministic) == (3.5, "channel", True)
+    assert train.branch and not val.branch  # validation: every run's images from the same noise
+
+
+def test_branching_is_a_dotted_override_of_a_run_and_reaches_the_wire() -> None:
+    config = apply_overrides(RunConfig(), ["data.prompts=p", "sampling.branch=true"])
+    assert config.sampling.branch and config.sampling.params().to_proto().branch
+    assert not RunConfig().sampling.params().to_proto().branch  # off unless asked for

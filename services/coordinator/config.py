@@ -80,11 +80,12 @@ class SamplingConfig(SamplerSettings):
             raise ValueError(f"sampling.resolution={self.resolution} must be a positive multiple of 16")
 
     def params(self, evaluation: bool = False) -> SamplerParams:
-        """Training rollouts, or validation ones (ODE, ``eval_num_points``, no window)."""
+        """Training rollouts, or validation ones (ODE, ``eval_num_points``, no window, and each
+        sample's own initial noise: unbranched, so validation images do not depend on ``branch``)."""
         settings = {f.name: getattr(self, f.name) for f in fields(SamplerSettings)}
         if evaluation:
             points = self.eval_num_points
-            settings |= {"num_points": points, "noise_level": 0.0, "window_size": 1,
+            settings |= {"num_points": points, "noise_level": 0.0, "window_size": 1, "branch": False,
                          "window_range": (0, points - 1), "window_strategy": "fixed"}  # fmt: skip
         return SamplerParams(**settings, height=self.resolution, width=self.resolution)
 

@@ -207,9 +207,23 @@ def sample_noise(
     ``stream`` names the draw ("init" or "sde/<denoising step>"), so each draw is independent.
     Drawn on the CPU so the same coordinates give the same noise on every device.
     """
-    gen = torch.Generator(device="cpu").manual_seed(
-        coordinate_seed(seed, step, prompt_uid, sample_index, stream)
-    )
+    return _normal(shape, seed, step, prompt_uid, sample_index, stream)
+
+
+def initial_noise(
+    shape: tuple[int, ...], *, seed: int, step: int, prompt_uid: str, sample_index: int, shared: bool
+) -> Tensor:
+    """A sample's initial noise x_1: its own draw (stream "init"), or with ``shared`` (branched
+    rollouts, ``SamplerSettings.branch``) its prompt group's one draw (stream "init/group", not a
+    function of ``sample_index``), so the G samples follow one ODE trajectory until their window."""
+    if shared:
+        return _normal(shape, seed, step, prompt_uid, "init/group")
+    return sample_noise(shape, seed=seed, step=step, prompt_uid=prompt_uid, sample_index=sample_index,
+                        stream="init")  # fmt: skip
+
+
+def _normal(shape: tuple[int, ...], *coords: object) -> Tensor:
+    gen = torch.Generator(device="cpu").manual_seed(coordinate_seed(*coords))
     return torch.randn(shape, generator=gen, dtype=torch.float32)
 
 

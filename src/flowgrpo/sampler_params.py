@@ -48,7 +48,9 @@ class SamplerSettings:
     x_t = (1 - t) x0 + t eps on the schedule t <- s t / (1 + (s - 1) t); classifier-free guidance
     inside ``cfg_interval``; SDE (or CPS) steps with ``noise_level`` inside a window of
     ``window_size`` consecutive steps that begins in [lo, hi - window_size] of ``window_range``
-    (per prompt group, by ``window_strategy``), the Euler ODE elsewhere.
+    (per prompt group, by ``window_strategy``), the Euler ODE elsewhere. With ``branch`` the G
+    samples of a group start from one initial noise, so the ODE steps before their shared window
+    are one trajectory: computed once per group, then branched into the samples at the window.
     """
 
     num_points: int = knob(15, 2, MAX_NUM_POINTS)  # schedule points: num_points - 1 denoising steps
@@ -64,6 +66,7 @@ class SamplerSettings:
     window_range: tuple[int, int] = knob((0, 7), 0, MAX_NUM_POINTS)
     window_strategy: WindowStrategy = "random"
     deterministic: bool = False  # deterministic kernels, one sample per forward (bitwise on CPU)
+    branch: bool = False  # a group's samples share their initial noise and the ODE steps before the window
 
     @property
     def num_steps(self) -> int:

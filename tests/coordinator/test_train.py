@@ -453,3 +453,19 @@ def test_the_paths_benchmark_finds_the_sync_paths_equal_and_eta_1_apart(tiny: Pa
         assert verdicts[name] == {"identical": True, "first_step": None, "steps": 3}, text
     assert verdicts["async eta=1"]["first_step"] == 2, text  # step 2 trains samples drawn with v0
     assert text.count("none (bitwise equal)") == 3
+
+
+def test_diffusion_nft_trains_async_at_lag_1_on_optimalities(tiny: Path, tmp_path: Path) -> None:
+    """DiffusionNFT end to end, async with eta = 1 (no importance ratio: staleness only means an
+    older sampling policy made the image): ODE rollouts, the trainer reading clean latents only,
+    every sample's optimality r in [0, 1], the old policy trailing the trained one."""
+    nft = ("trainer.algorithm=diffusion_nft", "sampling.noise_level=0", "trainer.nft.old_decay_rate=0.25",
+           "trainer.nft.timestep_fraction=0.5")  # fmt: skip
+    train(tmp_path, tiny, "launch.launcher=inprocess", "schedule.mode=async", "schedule.staleness=1", *nft)
+    metrics = read_metrics(tmp_path)
+    assert [r["trainer/lag/max"] for r in metrics] == [0.0] + [1.0] * (STEPS - 1)
+    for r in metrics:
+        assert 0.0 <= r["critic/advantages/min"] <= 0.5 <= r["critic/advantages/max"] <= 1.0, r
+        assert r["actor/nft/old_decay"] == min(0.25 * r["step"], 0.5)
+        assert r["actor/grad_norm"] > 0 and "actor/pg_clipfrac" not in r and "actor/ratio_mean" not in r
+    assert metrics[-1]["actor/nft/old_deviation"] > 0  # the trained policy has left the sampling one

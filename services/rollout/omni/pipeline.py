@@ -31,7 +31,7 @@ from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExte
 
 from flowgrpo.models.bagel.checkpoint import VAE_FILE, tensor_shapes
 from flowgrpo.models.bagel.vae import vae_config_from_shapes
-from flowgrpo.sampler_math import sample_noise
+from flowgrpo.sampler_math import initial_noise
 from flowgrpo.services.rollout.omni.request import OmniSampleRequest
 from flowgrpo.services.rollout.omni.scheduler import FlowGrpoScheduler
 
@@ -119,13 +119,13 @@ class FlowGrpoBagelPipeline(BagelPipeline):
         )
         request = self._request
         if request is not None:
-            inputs["packed_init_noises"] = sample_noise(
+            inputs["packed_init_noises"] = initial_noise(
                 tuple(inputs["packed_init_noises"].shape),
                 seed=request.seed,
                 step=request.step,
                 prompt_uid=request.prompt_uid,
                 sample_index=request.sample_index,
-                stream="init",
+                shared=request.sampler_params.branch,
             )
         return inputs
 

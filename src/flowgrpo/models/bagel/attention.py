@@ -78,6 +78,13 @@ class KVCache:
             self._runs, self._runs_known = query_runs(self.key_mask), True
         return self._runs
 
+    def with_host_mask(self, host_mask: Tensor) -> KVCache:
+        """This cache with its :meth:`query_runs` taken from ``host_mask``, a CPU tensor equal to
+        ``key_mask`` that the caller built from lengths it knows on the host: no device read (the
+        branched sampler builds a context per row layout inside its loop)."""
+        self._runs, self._runs_known = query_runs(host_mask), True
+        return self
+
     @classmethod
     def empty(cls, cfg: BagelConfig, batch: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
         """A cache of ``batch`` rows with no entries: the text-unconditional CFG context."""

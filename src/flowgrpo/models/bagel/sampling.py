@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -30,6 +30,7 @@ from flowgrpo.sampler_math import (
     batch_noise,
     combine_cfg,
     cps_step,
+    initial_noise,
     ode_step,
     sde_step,
     shifted_schedule,
@@ -183,11 +184,14 @@ class BagelSampler:
         if not requests:
             raise ValueError("generate() needs at least one request")
         check = between_steps or _nothing
-        if params.deterministic:
-            with deterministic_kernels():
-                parts = [self._generate_batch([r], params, seed, step, check) for r in requests]
-            return concat_trajectories(parts)
-        return self._generate_batch(list(requests), params, seed, step, check)
+        if not params.deterministic:
+            return self._generate_batch(list(requests), params, seed, step, check)
+        with deterministic_kernels():
+            if not params.branch:
+                return concat_trajectories(
+                    [self._generate_batch([r], params, seed, step, check) for r in requests]
+                )
+            return self._generate_branched_alone(list(requests), params, seed, step, check)
 
     def _generate_batch(
         self,
@@ -197,93 +201,277 @@ class BagelSampler:
         step: int,
         between_steps: Callable[[], None],
     ) -> Trajectories:
-        device = self.model.vae2llm.weight.device
-        rows, cols = token_grid(params)
-        pos_ids = latent_position_ids(rows, cols, self.model.config.max_latent_size, device)
-        keys = [(r.prompt_uid, r.sample_index) for r in requests]
-        context = with_cfg_branches(self.model, self._prompt_cache(requests), params)
-        # The schedule and the window starts are known on the host: deciding which steps are
-        # stochastic from them, rather than from device tensors, keeps the loop free of syncs.
-        host_schedule = shifted_schedule(params.num_points, params.timestep_shift)
-        schedule = host_schedule.to(device)
-        host_begins = [window_begin(params, seed, step, r.prompt_uid) for r in requests]
-        begins = torch.tensor(host_begins, device=device)
-        x = batch_noise((rows * cols, self.model.config.latent_token_dim), seed, step, keys, "init").to(
-            device
-        )
-        size = params.window_size
-        window_x, window_lp = (
-            [x.new_zeros(x.shape) for _ in range(size + 1)],
-            [x.new_zeros(len(requests)) for _ in range(size)],
-        )
-        for i in range(params.num_steps):
-            between_steps()
-            sigma, sigma_next = schedule[i].expand(len(requests)), schedule[i + 1].expand(len(requests))
-            v = guided_velocity(self.model, context, x, sigma, pos_ids, params=params, special=self.special)
-            offset = i - begins  # position of step i inside each sample's window
-            host_offsets = [i - b for b in host_begins]
-            _record(window_x, x, offset, host_offsets, size + 1)
-            if any(0 <= o < size for o in host_offsets):
-                in_window = (offset >= 0) & (offset < size)
-                noise = batch_noise(tuple(x.shape[1:]), seed, step, keys, f"sde/{i}").to(device)
-                stoch = window_step(
-                    params, x, v, sigma, sigma_next, sigma_after_first=float(host_schedule[1]), noise=noise
-                )
-                _record(window_lp, stoch.log_prob, offset, host_offsets, size)
-                x = torch.where(in_window.view(-1, 1, 1), stoch.x_next, ode_step(x, v, sigma, sigma_next))
-            else:
-                x = ode_step(x, v, sigma, sigma_next)
-        _record(window_x, x, params.num_steps - begins, [params.num_steps - b for b in host_begins], size + 1)
-        return self._trajectories(
-            window_x, window_lp, begins=begins, schedule=schedule, final=x, params=params, grid=(rows, cols)
-        )
+        """One batch: every unit (a group's prefix when branching, else a sample) from its initial
+        noise to t = 0, every row of a step in one forward."""
+        batch = _Batch(self, requests, params, seed=seed, step=step)
+        window = batch.new_window()
+        final = batch.denoise(batch.initial_noise(), range(params.num_steps), window, between_steps)
+        return batch.trajectories(window, final)
 
-    def _prompt_cache(self, requests: list[SampleRequest]) -> KVCache:
-        """Prefill each distinct prompt once; its G samples share the cache row."""
+    def _generate_branched_alone(
+        self,
+        requests: list[SampleRequest],
+        params: SamplerParams,
+        seed: int,
+        step: int,
+        between_steps: Callable[[], None],
+    ) -> Trajectories:
+        """Deterministic branching: each group's prefix in a batch of one, then each of its samples
+        in a batch of one from the prefix's end: the computations of unbranched deterministic
+        sampling from the group's initial noise, so the results are bitwise the same (on CPU)."""
+        parts: list[Trajectories | None] = [None] * len(requests)
+        for uid in dict.fromkeys(r.prompt_uid for r in requests):
+            rows = [i for i, r in enumerate(requests) if r.prompt_uid == uid]
+            group = _Batch(self, [requests[i] for i in rows], params, seed=seed, step=step)
+            begin = group.units[0].branch
+            prefix = group.denoise(group.initial_noise(), range(begin), None, between_steps)
+            for i in rows:
+                alone = _Batch(self, [requests[i]], params, seed=seed, step=step, cache=group.cache)
+                window = alone.new_window()
+                final = alone.denoise(prefix, range(begin, params.num_steps), window, between_steps)
+                parts[i] = alone.trajectories(window, final)
+        return concat_trajectories([p for p in parts if p is not None])
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """Samples that follow one trajectory until step ``branch`` (one row), then one row each: a
+    prompt group when branching (``branch`` = its window's begin), else one sample (``branch`` 0)."""
+
+    prompt: int  # its prompt's row in the batch's prompt cache
+    members: range  # its samples: consecutive positions of the batch's (unit-sorted) samples
+    branch: int
+    begin: int  # the first step of the window (its group's)
+
+
+@dataclass
+class _Window:
+    """What a batch records of each sample's window: x[begin + k] (k = 0..size) and the step
+    log-probs (k = 0..size - 1), in the batch's sample order."""
+
+    x: list[Tensor]  # [B, N, 64] each
+    log_prob: list[Tensor]  # [B] each
+
+
+class _Batch:
+    """The samples of one sampler batch grouped into units, their prompt cache, and the denoising
+    loop over a row layout that changes where units branch.
+
+    The samples are sorted by unit (a stable sort by prompt when branching; the request order
+    otherwise), so a branched unit's rows are its members' positions, consecutive. Rows of a
+    step: for each unit in order, one row before its branch step, its members' rows from it on.
+    All of it is known on the host, so the loop reads nothing back from the device."""
+
+    def __init__(
+        self,
+        sampler: BagelSampler,
+        requests: list[SampleRequest],
+        params: SamplerParams,
+        *,
+        seed: int,
+        step: int,
+        cache: KVCache | None = None,
+    ) -> None:
+        self.sampler, self.params, self.seed, self.step = sampler, params, seed, step
+        model = sampler.model
+        self.device = model.vae2llm.weight.device
+        self.grid = token_grid(params)
+        self.pos_ids = latent_position_ids(*self.grid, model.config.max_latent_size, self.device)
+        self.shape = (self.grid[0] * self.grid[1], model.config.latent_token_dim)
         uids = list(dict.fromkeys(r.prompt_uid for r in requests))
-        first = {uid: next(r for r in requests if r.prompt_uid == uid) for uid in uids}
-        for r in requests:
+        prompt_of = {uid: i for i, uid in enumerate(uids)}
+        begins = {uid: window_begin(params, seed, step, uid) for uid in uids}
+        self.order = list(range(len(requests)))
+        if params.branch:
+            self.order.sort(key=lambda i: prompt_of[requests[i].prompt_uid])
+        self.requests = [requests[i] for i in self.order]
+        self.keys = [(r.prompt_uid, r.sample_index) for r in self.requests]
+        self.units: list[_Unit] = []
+        for pos, r in enumerate(self.requests):
+            last = self.units[-1] if self.units else None
+            if params.branch and last is not None and self.keys[last.members.start][0] == r.prompt_uid:
+                self.units[-1] = replace(last, members=range(last.members.start, pos + 1))
+            else:
+                begin = begins[r.prompt_uid]
+                self.units.append(_Unit(prompt_of[r.prompt_uid], range(pos, pos + 1),
+                                        branch=begin if params.branch else 0, begin=begin))  # fmt: skip
+        self.begins = [begins[uid] for uid, _ in self.keys]
+        first = {uid: next(r for r in self.requests if r.prompt_uid == uid) for uid in uids}
+        for r in self.requests:
             if not torch.equal(r.prompt_ids.cpu(), first[r.prompt_uid].prompt_ids.cpu()):
                 raise ValueError(f"prompt {r.prompt_uid!r} arrives with two different token sequences")
-        cache = prefill_prompts(self.model, [first[uid].prompt_ids for uid in uids])
-        rows = torch.tensor([uids.index(r.prompt_uid) for r in requests], device=cache.key_mask.device)
-        return cache.select(rows)
+        self.prompt_lengths = [int(first[uid].prompt_ids.numel()) for uid in uids]
+        # each distinct prompt prefilled once; its rows share the cache row
+        self.cache = (
+            cache if cache is not None else prefill_prompts(model, [first[u].prompt_ids for u in uids])
+        )
+        self.host_schedule = shifted_schedule(params.num_points, params.timestep_shift)
+        self.schedule = self.host_schedule.to(self.device)
 
-    def _trajectories(
-        self,
-        window_x: list[Tensor],
-        window_lp: list[Tensor],
-        *,
-        begins: Tensor,
-        schedule: Tensor,
-        final: Tensor,
-        params: SamplerParams,
-        grid: tuple[int, int],
-    ) -> Trajectories:
-        steps = begins[:, None] + torch.arange(params.window_size + 1, device=begins.device)
+    # --- the loop -----------------------------------------------------------------------------
+
+    def initial_noise(self) -> Tensor:
+        """One row per unit at t = 1: a sample's own noise, or its group's when branching."""
+        shared = self.params.branch
+        noise = []
+        for unit in self.units:
+            uid, index = self.keys[unit.members.start]
+            noise.append(initial_noise(self.shape, seed=self.seed, step=self.step, prompt_uid=uid,
+                                       sample_index=index, shared=shared))  # fmt: skip
+        return torch.stack(noise).to(self.device)
+
+    def new_window(self) -> _Window:
+        size, b = self.params.window_size, len(self.requests)
+        zeros = torch.zeros(b, *self.shape, device=self.device)
+        return _Window(
+            x=[zeros.clone() for _ in range(size + 1)],
+            log_prob=[torch.zeros(b, device=self.device) for _ in range(size)],
+        )
+
+    def denoise(
+        self, x: Tensor, steps: range, window: _Window | None, between_steps: Callable[[], None]
+    ) -> Tensor:
+        """Denoising steps ``steps`` from x (the rows of the layout before ``steps.start``) -> the
+        rows after the last one; what falls in the window is recorded into ``window``."""
+        params, size = self.params, self.params.window_size
+        layout = self._layout(steps.start - 1)
+        contexts = _Contexts(self, {self._prompt_rows(self._layout(i)) for i in steps})
+        for i in steps:
+            between_steps()
+            layout, before = self._layout(i), layout
+            if layout != before:
+                x = self._branch(x, before, layout)
+            if window is not None:
+                for k, rows, samples in self._runs(layout, i, size + 1):
+                    window.x[k][samples] = x[rows]
+            n = x.shape[0]
+            sigma, sigma_next = self.schedule[i].expand(n), self.schedule[i + 1].expand(n)
+            context = contexts[self._prompt_rows(layout)]
+            v = guided_velocity(self.sampler.model, context, x, sigma, self.pos_ids, params=params,
+                                special=self.sampler.special)  # fmt: skip
+            stochastic = self._runs(layout, i, size)
+            if not stochastic:
+                x = ode_step(x, v, sigma, sigma_next)
+                continue
+            noise = torch.zeros(n, *self.shape)  # drawn for the window's rows only
+            for _, rows, samples in stochastic:
+                noise[rows] = batch_noise(self.shape, self.seed, self.step, self.keys[samples], f"sde/{i}")
+            first = float(self.host_schedule[1])
+            stoch = window_step(
+                params, x, v, sigma, sigma_next, sigma_after_first=first, noise=noise.to(self.device)
+            )
+            in_window = torch.zeros(n, dtype=torch.bool, device=self.device)
+            for k, rows, samples in stochastic:
+                in_window[rows] = True
+                if window is not None:
+                    window.log_prob[k][samples] = stoch.log_prob[rows]
+            x = torch.where(in_window.view(-1, 1, 1), stoch.x_next, ode_step(x, v, sigma, sigma_next))
+        if window is not None:
+            for k, rows, samples in self._runs(layout, steps.stop, size + 1):
+                window.x[k][samples] = x[rows]
+        return x
+
+    def trajectories(self, window: _Window, final: Tensor) -> Trajectories:
+        """The batch's trajectories, row i for request i, and the images when asked for."""
+        window_x, window_lp = window.x, window.log_prob
+        begins = torch.tensor(self.begins, device=self.device)
+        if self.order != sorted(self.order):  # back to the requests' order
+            back = torch.tensor(
+                sorted(range(len(self.order)), key=self.order.__getitem__), device=self.device
+            )
+            window_x, window_lp = [t[back] for t in window_x], [t[back] for t in window_lp]
+            begins, final = begins[back], final[back]
+        steps = begins[:, None] + torch.arange(self.params.window_size + 1, device=self.device)
         images = None
-        if params.decode_images and self.vae is not None:
-            latent = unpatchify(final, *grid, self.model.config.patch)
-            vae_dtype = next(self.vae.parameters()).dtype
-            images = images_to_uint8(self.vae.decode(latent.to(vae_dtype)))
+        vae, model = self.sampler.vae, self.sampler.model
+        if self.params.decode_images and vae is not None:
+            latent = unpatchify(final, *self.grid, model.config.patch)
+            images = images_to_uint8(vae.decode(latent.to(next(vae.parameters()).dtype)))
         return Trajectories(
             latents=torch.stack(window_x, dim=1),
             log_probs=torch.stack(window_lp, dim=1),
-            sigmas=schedule[steps],
+            sigmas=self.schedule[steps],
             timesteps=steps[:, :-1],
             window_begin=begins,
             final_latents=final,
             images=images,
         )
 
+    # --- the row layout -------------------------------------------------------------------------
 
-def _record(slots: list[Tensor], value: Tensor, offset: Tensor, host_offset: list[int], count: int) -> None:
-    """slots[k][b] = value[b] for each sample b whose offset[b] == k (0 <= k < count). ``host_offset``
-    is ``offset`` as a list: it says which slots change without a device sync."""
-    for k in range(count):
-        if k in host_offset:
-            shape = (-1,) + (1,) * (value.dim() - 1)
-            slots[k] = torch.where((offset == k).view(shape), value, slots[k])
+    def _layout(self, i: int) -> tuple[bool, ...]:
+        """Which units have their members' rows at step i (branched at or before it)."""
+        return tuple(u.branch <= i for u in self.units)
+
+    def _prompt_rows(self, layout: tuple[bool, ...]) -> tuple[int, ...]:
+        """The prompt-cache row of each row of ``layout``."""
+        return tuple(
+            u.prompt
+            for u, split in zip(self.units, layout, strict=True)
+            for _ in range(len(u.members) if split else 1)
+        )
+
+    def _branch(self, x: Tensor, before: tuple[bool, ...], after: tuple[bool, ...]) -> Tensor:
+        """The rows of ``after`` from those of ``before``: the one row of each unit that branches
+        now, repeated for its members; the other rows as they are."""
+        pieces: list[Tensor] = []
+        row = kept = 0  # rows [kept, row) are still to be copied as they are
+        for u, was, now in zip(self.units, before, after, strict=True):
+            if now and not was and len(u.members) > 1:
+                pieces += [x[kept:row], x[row : row + 1].expand(len(u.members), *x.shape[1:])]
+                kept = row + 1
+            row += len(u.members) if was else 1
+        return torch.cat([*pieces, x[kept:row]]) if pieces else x
+
+    def _runs(self, layout: tuple[bool, ...], time: int, count: int) -> list[tuple[int, slice, slice]]:
+        """(k, rows, samples) of the branched units whose window step ``time - begin`` = k is in
+        [0, count): their rows and their samples' positions, consecutive units of one k merged."""
+        out: list[tuple[int, slice, slice]] = []
+        row = 0
+        for u, split in zip(self.units, layout, strict=True):
+            rows = len(u.members) if split else 1
+            k = time - u.begin
+            if split and 0 <= k < count:
+                last = out[-1] if out else None
+                if (
+                    last is not None
+                    and last[0] == k
+                    and last[1].stop == row
+                    and last[2].stop == u.members.start
+                ):
+                    out[-1] = (k, slice(last[1].start, row + rows), slice(last[2].start, u.members.stop))
+                else:
+                    out.append((k, slice(row, row + rows), slice(u.members.start, u.members.stop)))
+            row += rows
+        return out
+
+
+class _Contexts:
+    """The CFG context rows of each row layout a loop meets: the prompt-cache rows of every row
+    and the empty text-unconditional ones, built on first use (each row layout's indices copied to
+    the device once, before the loop; the query runs from host lengths)."""
+
+    def __init__(self, batch: _Batch, layouts: set[tuple[int, ...]]) -> None:
+        self.batch = batch
+        ordered = sorted(layouts)
+        flat = torch.tensor([p for rows in ordered for p in rows], dtype=torch.long, device=batch.device)
+        self.index: dict[tuple[int, ...], Tensor] = {}
+        start = 0
+        for rows in ordered:
+            self.index[rows] = flat[start : start + len(rows)]
+            start += len(rows)
+        self.built: tuple[tuple[int, ...], KVCache] | None = None
+
+    def __getitem__(self, rows: tuple[int, ...]) -> KVCache:
+        if self.built is None or self.built[0] != rows:
+            batch = self.batch
+            cond = batch.cache.select(self.index[rows])
+            context = with_cfg_branches(batch.sampler.model, cond, batch.params)
+            lengths = [batch.prompt_lengths[p] for p in rows]
+            lengths += [0] * (context.key_mask.shape[0] - len(rows))  # the empty rows, if any
+            host_mask = torch.arange(context.key_mask.shape[1]) < torch.tensor(lengths)[:, None]
+            self.built = (rows, context.with_host_mask(host_mask))
+        return self.built[1]
 
 
 def concat_trajectories(parts: list[Trajectories]) -> Trajectories:
