@@ -85,7 +85,8 @@ def run_case(case: Case, args: argparse.Namespace, folder: Path) -> tuple[list[f
         env["ATEN_CPU_CAPABILITY"] = case.isa
     cmd = [*CLI, "train", args.recipe, f"run_dir={run_dir}", f"schedule.seed={case.seed}",
            "launch.launcher=inprocess", "schedule.save_every=0", "schedule.eval_every=0",
-           *(["trainer.optim.lr=0"] if case.control else []), *args.overrides]  # fmt: skip
+           *args.overrides, *(["trainer.optim.lr=0"] if case.control else [])]  # fmt: skip
+    # the control's lr = 0 comes last: an override of the lr applies to the trained run only
     start = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode:
