@@ -71,11 +71,15 @@ def test_sync_recompute_equals_behaviour_and_ratio_is_one(tiny: Path) -> None:
     assert metrics["actor/grad_norm"] > 0 and metrics["actor/skipped_steps"] == 0
 
 
-@pytest.mark.parametrize("policy", [LORA, PolicyConfig(kind="full")], ids=["lora", "full"])
-def test_advantage_sign_moves_the_log_prob(tiny: Path, policy: PolicyConfig) -> None:
+@pytest.mark.parametrize(
+    ("policy", "mode"),
+    [(LORA, "flow_grpo"), (PolicyConfig(kind="full"), "flow_grpo"), (LORA, "grpo_guard")],
+    ids=["lora", "full", "lora-grpo-guard"],
+)
+def test_advantage_sign_moves_the_log_prob(tiny: Path, policy: PolicyConfig, mode: str) -> None:
     sampler = sampler_for(tiny)
     for advantage in (1.0, -1.0):
-        step = trainer(tiny, policy, clip_eps=0.5)
+        step = trainer(tiny, policy, clip_eps=0.5, mode=mode)
         batch = rollout(sampler, [advantage, 0.0, 0.0, 0.0])[:1]
         before = batch[0].log_probs.sum()
         step.run(batch, PARAMS)

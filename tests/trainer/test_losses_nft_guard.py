@@ -1,5 +1,5 @@
-"""The DiffusionNFT loss against a scalar reimplementation of the paper's equations, its gradient
-against finite differences, and the properties the method rests on."""
+"""The DiffusionNFT and GRPO-Guard losses against reimplementations of their equations, the NFT
+gradient against finite differences, and the properties each method rests on."""
 
 from __future__ import annotations
 
@@ -142,3 +142,69 @@ def test_kl_term_adds_beta_times_the_velocity_distance() -> None:
     assert float(with_kl.loss_sum - plain.loss_sum) == pytest.approx(1e-2 * float(kl.sum()), rel=1e-9)
     assert float(with_kl.policy_loss_sum) == float(plain.policy_loss_sum)
     assert math.isfinite(float(plain.old_deviation_sum)) and float(plain.old_deviation_sum) > 0
+
+
+# --- GRPO-Guard ------------------------------------------------------------------------------------
+
+
+def guard_case(seed: int) -> dict[str, torch.Tensor]:
+    """One SDE window step per row, scored under a moved mean (the current policy) and the
+    proximal one: log-probs by the sampler's own function."""
+    from flowgrpo.sampler_math import gaussian_log_prob
+
+    g = torch.Generator().manual_seed(seed)
+    b, n, c = 3, 5, 2
+    mean_old = torch.randn(b, n, c, generator=g, dtype=torch.float64)
+    std, dt = (
+        torch.rand(b, generator=g, dtype=torch.float64) + 0.5,
+        torch.rand(b, generator=g, dtype=torch.float64) * 0.2 + 0.05,
+    )
+    var = std**2 * dt
+    x_next = mean_old + var.sqrt().view(-1, 1, 1) * torch.randn(b, n, c, generator=g, dtype=torch.float64)
+    mean = mean_old + 0.05 * torch.randn(b, n, c, generator=g, dtype=torch.float64)
+    return {
+        "mean": mean,
+        "mean_old": mean_old,
+        "std": std,
+        "dt": dt,
+        "var": var,
+        "x_next": x_next,
+        "logp": gaussian_log_prob(x_next, mean, var),
+        "logp_old": gaussian_log_prob(x_next, mean_old, var),
+        "a": torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64),
+    }
+
+
+def test_guard_ratio_is_the_mean_shift_free_normalised_ratio() -> None:
+    """Written out: log p - log p_old = [2 mean(z d) - mean(d^2)] / (2 var) with z = x' - mean_old,
+    d = mean - mean_old; adding b = mean(d^2) / (2 var) leaves mean(z d) / var, and the sqrt(var)
+    factor mean(z d) / sqrt(var). The loss per entry is the clipped surrogate of that ratio / dt."""
+    from flowgrpo.services.trainer.loss import GuardStep, grpo_guard_terms
+
+    case = guard_case(0)
+    drift = ((case["mean"] - case["mean_old"]) ** 2).flatten(1).mean(dim=1)
+    terms = grpo_guard_terms(
+        case["logp"],
+        case["logp_old"],
+        case["a"],
+        torch.ones(3),
+        step=GuardStep(drift, case["std"], case["dt"]),
+        clip_eps=0.2,
+    )
+    z, d = case["x_next"] - case["mean_old"], case["mean"] - case["mean_old"]
+    ratio = torch.exp((z * d).flatten(1).mean(dim=1) / case["var"].sqrt())
+    expected = torch.maximum(-case["a"] * ratio, -case["a"] * ratio.clamp(0.8, 1.2)) / case["dt"]
+    assert float(terms.loss_sum) == pytest.approx(float(expected.sum()), rel=1e-10)
+    assert float(terms.ratio_sum) == pytest.approx(float(ratio.sum()), rel=1e-10)
+    # at the proximal policy the ratio is exactly 1 (the plain ratio of one draw would be too, but
+    # a moved mean no longer biases it low: its log is now linear in d, mean 0 over the noise)
+    same = grpo_guard_terms(
+        case["logp_old"],
+        case["logp_old"],
+        case["a"],
+        torch.ones(3),
+        step=GuardStep(torch.zeros(3, dtype=torch.float64), case["std"], case["dt"]),
+        clip_eps=0.2,
+    )
+    assert float(same.ratio_sum) == 3.0
+    assert float(same.loss_sum) == pytest.approx(float((-case["a"] / case["dt"]).sum()), rel=1e-12)
