@@ -3,7 +3,8 @@ as a user runs them. The runs are shared between asserts to keep CI short:
 
 - ``reference``: the ``inprocess`` launcher (one process, no sockets), 4 steps;
 - ``two_rollouts``: the ``local`` launcher (every service its own process), 2 rollout replicas,
-  the same recipe: must equal the reference bitwise (deterministic mode);
+  the same recipe: must equal the reference bitwise (deterministic mode); with branched rollouts,
+  2 short in-process runs of 1 and 2 replicas, equal bitwise;
 - ``rollout_killed`` / ``reward_killed``: ``local``, 2 replicas of the role, one killed with
   SIGKILL after step 1;
 - ``resumed``: ``local``, the trainer killed with SIGKILL after step 3, then the same command
@@ -222,6 +223,21 @@ def test_local_processes_with_two_rollouts_equal_the_inprocess_run(
     assert "trainer.step" in shown and "rollout.generate" in shown
     report = status(tmp_path)  # `flowgrpo status`
     assert f"checkpointed at step {STEPS}" in report and f"last validation (step {STEPS})" in report
+
+
+def test_branched_rollouts_on_two_replicas_train_as_on_one(tiny: Path, tmp_path: Path) -> None:
+    """``sampling.branch=true`` with windows in [0, 4], so groups have ODE prefixes of 0-2 steps: 2
+    rollout replicas sampling in batches of 8 (each computing the prefix of its half of a group)
+    train exactly as 1 replica sampling whole groups. 2 steps in process (an update between them)."""
+    branched = ("launch.launcher=inprocess", "sampling.branch=true", "sampling.window_range=[0,4]",
+                "schedule.steps=2", "schedule.save_every=0", "schedule.eval_every=0")  # fmt: skip
+    train(tmp_path / "one", tiny, *branched)
+    train(tmp_path / "two", tiny, *branched, "launch.rollout_replicas=2", "rollout.max_batch_samples=8")
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert len(one) == len(two) == 2
+    for ours, theirs in zip(two, one, strict=True):
+        for key in EXACT:
+            assert ours[key] == theirs[key], (ours["step"], key)
 
 
 def test_a_killed_rollout_replica_loses_no_group_and_rejoins_with_the_current_weights(

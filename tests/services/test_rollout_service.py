@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -131,6 +131,17 @@ def test_generate_and_weights_match_the_engine_in_this_process(
     )
     assert expected.images is not None and torch.equal(remote["images"], expected.images)
     assert [s.window_begin for s in response.samples] == expected.window_begin.tolist()
+
+    # sampling.branch on the wire: the service's batches of 2 split p2's group, the engine's batches
+    # of 3 here do not; each batch computes the prefix of its part of a group: still bitwise
+    request = generate_request(refs, 4, "s4branch")
+    request.params.branch = True
+    branched = fetch_outputs(asyncio.run(call(rollout.address, "Generate", request)))
+    expected = local.generate(local_requests(), replace(PARAMS, branch=True), seed=7, step=4)
+    assert torch.equal(branched["latents"], expected.latents)
+    assert torch.equal(branched["log_probs"], expected.log_probs)
+    assert torch.equal(branched["latents"][3, 0], branched["latents"][4, 0])  # p2 shares x[begin]
+    assert not torch.equal(branched["latents"][:, 0], remote["latents"][:, 0])  # the group's noise
 
     # a LoRA update published on the bus changes the remote samples exactly as in-process
     tensors = lora_update(1)
