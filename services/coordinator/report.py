@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from flowgrpo.services.coordinator.outputs import read_metrics
 from flowgrpo.services.coordinator.trace import busy_per_step
 
@@ -156,16 +158,50 @@ def _plots(train: list[dict[str, Any]], val: list[dict[str, Any]], run_dir: Path
         plot("Policy lag of the trained samples (async: <= eta)", lag),
         plot("Time per step by phase (async phases overlap)", timing),
     ]
+    weights = _scorer_weights(run_dir)
+    if weights:
+        caption = (
+            "Reward-hacking monitor: each scorer's mean against step 1 (dashed: weight 0, not optimised)"
+        )
+        plots.append(plot(caption, _monitor(steps, series, weights)))
     busy = _busy_per_service(run_dir, steps)
     if busy:
-
-        def services(ax: Any) -> None:
-            for name, values in sorted(busy.items()):
-                ax.plot(steps, values, label=name)
-            ax.set_ylabel("busy seconds per step")
-
-        plots.append(plot("Each service's busy time per step (from the traces)", services))
+        plots.append(plot("Each service's busy time per step (from the traces)", _services(steps, busy)))
     return plots
+
+
+def _services(steps: list[int], busy: dict[str, list[float]]) -> Any:
+    def draw(ax: Any) -> None:
+        for name, values in sorted(busy.items()):
+            ax.plot(steps, values, label=name)
+        ax.set_ylabel("busy seconds per step")
+
+    return draw
+
+
+def _monitor(steps: list[int], series: Any, weights: dict[str, float]) -> Any:
+    """Draws each scorer's per-step mean minus its step-1 value: the optimised reward rising while
+    a held-out scorer or an image statistic drifts is what reward hacking looks like."""
+
+    def draw(ax: Any) -> None:
+        for name, weight in weights.items():
+            values = series(f"critic/score/{name}/mean")
+            first = next((v for v in values if not math.isnan(v)), math.nan)
+            label = f"{name} ({'optimised' if weight else 'held out'})"
+            ax.plot(steps, [v - first for v in values], "-" if weight else "--", label=label)
+        ax.axhline(0.0, color="grey", linewidth=0.8)
+        ax.set_ylabel("mean score - its step-1 value")
+
+    return draw
+
+
+def _scorer_weights(run_dir: Path) -> dict[str, float]:
+    """Each scorer of the run's reward and its weight, from the resolved config."""
+    config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    scorers = (config.get("reward") or {}).get("scorers") or []
+    return {
+        str(s["name"]): float(s.get("weight", 1.0)) for s in scorers if isinstance(s, dict) and "name" in s
+    }
 
 
 def _busy_per_service(run_dir: Path, steps: Sequence[int]) -> dict[str, list[float]]:

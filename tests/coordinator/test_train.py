@@ -154,11 +154,13 @@ def test_the_report_renders_every_part_from_a_real_run(reference_dir: Path) -> N
     assert done.returncode == 0, done.stderr
     page = (reference_dir / "report.html").read_text()
     sources = re.findall(r"src='([^']+)'", page)
-    assert len(sources) == 6 + 3  # six plots (the last: busy time per service, from the traces), 3 grids
+    # seven plots (the sixth: the reward-hacking monitor; the last: busy time per service, from the
+    # traces), 3 grids
+    assert len(sources) == 7 + 3
     for source in sources:  # every image is inside the page, and is a PNG
         assert source.startswith("data:image/png;base64,")
         assert Image.open(io.BytesIO(base64.b64decode(source.split(",", 1)[1]))).format == "PNG"
-    grid = Image.open(io.BytesIO(base64.b64decode(sources[6].split(",", 1)[1])))
+    grid = Image.open(io.BytesIO(base64.b64decode(sources[7].split(",", 1)[1])))
     assert grid.size == (4 * 256, 256)  # four 64 px images, each shown at 256 px
     # before and after side by side, then the one in between folded away
     before_h3, after_h3 = "<h3>Step 0 (before training)</h3>", "<h3>Step 4 (after step 4)</h3>"
@@ -170,6 +172,10 @@ def test_the_report_renders_every_part_from_a_real_run(reference_dir: Path) -> N
     change = (last - first) / abs(first) * 100
     assert f"<td>{first:+.6g}</td><td>{last:+.6g}</td><td>{change:+.1f}%</td>" in page
     assert "schedule:" in page and "Each service&#x27;s busy time per step" in page
+    assert "Reward-hacking monitor" in page  # the demo watches brightness and edge density at weight 0
+    record = read_metrics(reference_dir)[-1]
+    assert 0 < record["critic/score/image_brightness/mean"] < 1
+    assert 0 <= record["critic/score/image_edge_density/mean"] <= 1
 
 
 def test_compare_reports_identical_runs_and_finds_an_injected_difference(

@@ -21,7 +21,9 @@ from typing import Literal
 from flowgrpo.rewards.judge import JudgeConfig
 from flowgrpo.rewards.offline_ocr import OfflineOcrConfig
 
-BUILTIN_SCORERS = ("pickscore", "ocr", "jpeg_compressibility", "jpeg_incompressibility")
+# the image statistics (rewards/monitor.py) are meant with weight 0: curves to watch, not to optimise
+BUILTIN_SCORERS = ("pickscore", "ocr", "jpeg_compressibility", "jpeg_incompressibility", "image_brightness",
+                   "image_edge_density")  # fmt: skip
 
 
 @dataclass
