@@ -20,6 +20,14 @@ Also, in the same run: the same forward through the general (training) path, the
 eager, compiled and CUDA-graphed, and each one's relative velocity difference; SDPA backends on
 the query's attention shapes; bf16-vs-fp32 velocity drift on the tiny model and on the 7B.
 
+``--branch``: branched rollouts (``SamplerSettings.branch``) of one prompt group
+(``--branch-shape``, default 512 px x 16 samples) against unbranched ones, window size 2 placed
+at each step of ``--branch-begins`` (``window_strategy=progressive``, the step chosen so the
+window begins there; the recipe's random windows in [0, 7] begin at 0-5): images/s end to end,
+the loop and its MFU, and the FLOPs per image counted over the forwards that ran (SPEC section
+7 per row; a group's prefix steps run one row instead of G). The expected saving under the
+recipe's random windows follows from the counted per-step FLOPs.
+
 ``--model tiny --device cpu`` runs every code path on the tiny model in seconds (a smoke test;
 its figures mean nothing).
 """
@@ -27,20 +35,22 @@ its figures mean nothing).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from flowgrpo.models.bagel.config import bagel_7b, flux_vae, tiny, tiny_vae
-from flowgrpo.models.bagel.model import unpatchify
+from flowgrpo.models.bagel.model import BagelModel, unpatchify
 from flowgrpo.models.bagel.parallelize import compile_query_layers, uncompile_query_layers
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
 from flowgrpo.models.bagel.vae import images_to_uint8
+from flowgrpo.sampler_math import window_begin
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.bench.common import (
     DTYPES,
@@ -56,6 +66,7 @@ from flowgrpo.services.bench.common import (
     peak_memory,
     random_bagel,
     random_vae,
+    spec_step_flops,
 )
 from flowgrpo.services.bench.rollout_forward import (
     Setup,
@@ -68,6 +79,7 @@ from flowgrpo.services.bench.rollout_forward import (
 from flowgrpo.services.bench.stats import (
     MIN_REPEATS,
     Figure,
+    ratio,
     repeats_arg,
     run_timed,
     time_call,
@@ -92,6 +104,24 @@ class Row:
     peak_decode_gib: float = math.nan
     mfu_step: Figure | None = None  # set once the peak after the timed sections is known
     mfu_loop: Figure | None = None
+
+
+@dataclass
+class BranchRow:
+    """One group's rollouts, branched or not, with its window at ``begin``."""
+
+    resolution: int
+    group: int  # samples of the one prompt
+    branch: bool
+    begin: int  # the window's first step; a branched group's prefix is steps 0 .. begin - 1
+    forward_rows: list[int]  # rows of each forward of one rollout (CFG branches counted)
+    forward_tflop: list[float]  # SPEC-7 FLOPs of each of those forwards / 1e12
+    tflop_per_image: float  # counted: SPEC-7 FLOPs of every forward of one rollout / group / 1e12
+    images_per_s: Figure
+    end_to_end_s: Figure
+    loop_s: Figure
+    mfu_loop: Figure | None = None
+    flops_fraction: float = 1.0  # counted FLOPs over the unbranched row's
 
 
 @dataclass
@@ -136,24 +166,125 @@ def measure(setup: Setup, resolution: int, batch: int) -> Row:
     )
 
 
-def _rollout(setup: Setup, requests: list[SampleRequest], resolution: int) -> RolloutRun:
+def _rollout(
+    setup: Setup, requests: list[SampleRequest], resolution: int, params: SamplerParams | None = None,
+    step: int = 0,
+) -> RolloutRun:  # fmt: skip
     """One end-to-end rollout: the sampler (its loop marked from the first ``between_steps``
     call to its return), then the VAE decode of the final latents."""
     device, cfg = setup.device, setup.model.config
-    params = SamplerParams(
-        num_points=setup.num_points, height=resolution, width=resolution, decode_images=False
-    )
+    if params is None:
+        params = SamplerParams(
+            num_points=setup.num_points, height=resolution, width=resolution, decode_images=False
+        )
     sampler = BagelSampler(setup.model, setup.vae, setup.special)
     clock = Stopwatch(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    out = sampler.generate(requests, params, seed=0, step=0, between_steps=lambda: clock.mark("loop"))
+    out = sampler.generate(requests, params, seed=0, step=step, between_steps=lambda: clock.mark("loop"))
     clock.mark("sampled")
     peak = torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else math.nan
     side = resolution // 16
     latent = unpatchify(out.final_latents, side, side, cfg.patch).to(next(setup.vae.parameters()).dtype)
     images_to_uint8(setup.vae.decode(latent))
     return RolloutRun(clock.seconds("loop", "sampled"), peak, latent)
+
+
+# --- branched rollouts ----------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def measure_branching(
+    setup: Setup, resolution: int, group: int, begins: list[int], in_time: Callable[[str], bool] | None = None
+) -> list[BranchRow]:
+    """One group's rollouts unbranched (window at ``begins[0]``), then branched at each begin (those
+    that ``in_time`` still allows)."""
+    requests = make_requests(group, setup.prompt_len, setup.special, group=group)
+    base = SamplerParams(num_points=setup.num_points, height=resolution, width=resolution,
+                         decode_images=False, window_strategy="progressive")  # fmt: skip
+    rows: list[BranchRow] = []
+    for branch, begin in [(False, begins[0]), *((True, b) for b in begins)]:
+        if rows and in_time is not None and not in_time(f"the branched row at {begin}"):
+            break
+        params = replace(base, branch=branch)
+        row = _branch_row(setup, requests, params, begin)
+        if rows:
+            row.flops_fraction = row.tflop_per_image / rows[0].tflop_per_image
+        rows.append(row)
+        _print_branch_row(row)
+    return rows
+
+
+def _branch_row(setup: Setup, requests: list[SampleRequest], params: SamplerParams, begin: int) -> BranchRow:
+    step = begin - params.window_range[0]  # progressive windows: begin = lo + step % choices
+    if step < 0 or window_begin(params, 0, step, requests[0].prompt_uid) != begin:
+        raise ValueError(f"--branch-begins: {begin} is not a window start of window_range "
+                         f"{list(params.window_range)} and window_size {params.window_size}")  # fmt: skip
+    flops: list[float] = []
+    forward_rows: list[int] = []
+    calls: list[None] = []
+
+    def rollout() -> RolloutRun:  # the warm-up run counts (a device read per forward), timed ones not
+        calls.append(None)
+        counting = (
+            counted_forwards(setup.model, flops, forward_rows)
+            if len(calls) == 1
+            else contextlib.nullcontext()
+        )
+        with counting:
+            return _rollout(setup, requests, params.height, params, step)
+
+    runs = run_timed(rollout, device=setup.device, repeats=setup.repeats)
+    group = len(requests)
+    return BranchRow(
+        resolution=params.height,
+        group=group,
+        branch=params.branch,
+        begin=begin,
+        forward_rows=forward_rows,
+        forward_tflop=[f / 1e12 for f in flops],
+        tflop_per_image=sum(flops) / group / 1e12,
+        images_per_s=runs.seconds.per(group, "images/s"),
+        end_to_end_s=runs.seconds,
+        loop_s=Figure.of([r.loop_s for r in runs.outputs]),
+    )
+
+
+@contextlib.contextmanager
+def counted_forwards(model: BagelModel, flops: list[float], rows: list[int]) -> Iterator[None]:
+    """Every ``predict_velocity`` inside: its rows and its SPEC-7 FLOPs (each row's context length
+    read from the device, so only around untimed calls)."""
+    shadowed = model.__dict__.get("predict_velocity")
+    forward = model.predict_velocity
+
+    def counted(cache: Any, x_t: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        rows.append(x_t.shape[0])
+        flops.append(spec_step_flops(model.config, x_t.shape[1], cache.lengths.tolist()))
+        return forward(cache, x_t, *args, **kwargs)
+
+    model.predict_velocity = counted  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if shadowed is None:
+            del model.predict_velocity
+        else:
+            model.predict_velocity = shadowed  # type: ignore[method-assign]
+
+
+def expected_branch_fraction(rows: list[BranchRow], window: tuple[int, int], size: int) -> float:
+    """Counted FLOPs of branched rollouts over unbranched ones, averaged over the windows a recipe
+    draws (begins uniform in [lo, hi - size]): steps before the begin cost what a counted prefix
+    step cost, the others what the unbranched row's steps cost. NaN without a branched row whose
+    window begins after step 0 (no prefix step counted)."""
+    full = next(r for r in rows if not r.branch).forward_tflop
+    prefixed = [r for r in rows if r.branch and r.begin > 0]
+    if not prefixed:
+        return math.nan
+    prefix_step = prefixed[0].forward_tflop[0]
+    begins = range(window[0], window[1] - size + 1)
+    branched = [sum(prefix_step if i < b else f for i, f in enumerate(full)) for b in begins]
+    return sum(branched) / len(branched) / sum(full)
 
 
 def add_mfu(report: dict[str, Any], peak_tflops: float, num_points: int) -> None:
@@ -165,6 +296,8 @@ def add_mfu(report: dict[str, Any], peak_tflops: float, num_points: int) -> None
             row.mfu_loop = mfu((num_points - 1) * flops, row.loop_s, peak_tflops)
     for variant in report.get("variants", []):
         variant["mfu"] = mfu(variant["flops"], variant["step_s"], peak_tflops)
+    for row in report.get("branching", []):
+        row.mfu_loop = mfu(row.tflop_per_image * row.group * 1e12, row.loop_s, peak_tflops)
 
 
 # --- the run -----------------------------------------------------------------------------------------
@@ -192,6 +325,17 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     setup = _setup(args, device)
     _variants_and_compile(setup, args, report)
     report["rows"] = _rows(setup, args, report, started)
+    if args.branch and _in_time(args, started, "the branching rows"):
+        (resolution, group), begins = parse_shapes(args.branch_shape)[0], _ints(args.branch_begins)
+        branching = report["branching"] = measure_branching(
+            setup, resolution, group, begins, lambda what: _in_time(args, started, what)
+        )
+        report["branch_images_per_s_ratio"] = {  # branched over unbranched, per window begin
+            f"begin {r.begin}": ratio(r.images_per_s, branching[0].images_per_s) for r in branching[1:]
+        }
+        lo_hi, size = SamplerParams().window_range, SamplerParams().window_size
+        report["branch_expected_flops_fraction"] = expected_branch_fraction(report["branching"], lo_hi, size)
+        write_json(args.json, report)
     if device.type == "cuda" and args.attention and _in_time(args, started, "the attention table"):
         report["attention"] = attention_backends(
             setup, parse_shapes(args.variants) or parse_shapes(args.shapes)
@@ -219,9 +363,8 @@ def _variants_and_compile(setup: Setup, args: argparse.Namespace, report: dict[s
     compile_query_layers(setup.model, mode=args.compile_mode, dynamic=_DYNAMIC[args.dynamic],
                          backend=args.compile_backend)  # fmt: skip
     try:
-        report["once_s"]["first_compiled_forward"] = _first_compiled_forward(
-            setup, parse_shapes(args.shapes)[0]
-        )
+        first = (parse_shapes(args.shapes) or parse_shapes(args.branch_shape))[0]
+        report["once_s"]["first_compiled_forward"] = _first_compiled_forward(setup, first)
     except Exception as e:  # report it and measure the eager path rather than nothing
         report["compile_error"] = repr(e)[:2000]
         print(f"compile failed, measuring eager: {e!r}"[:2000], flush=True)
@@ -260,6 +403,10 @@ def _in_time(args: argparse.Namespace, started: float, what: str) -> bool:
         return True
     print(f"deadline: {what} not measured", flush=True)
     return False
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in filter(None, text.split(","))]
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -332,6 +479,9 @@ def _parser() -> argparse.ArgumentParser:
         "--no-attention", dest="attention", action="store_false", help="skip the SDPA backend table"
     )
     p.add_argument("--no-drift-7b", dest="drift_7b", action="store_false", help="skip the 7B fp32 reference")
+    p.add_argument("--branch", action="store_true", help="also measure branched rollouts of one group")
+    p.add_argument("--branch-shape", default="512x16", help="resolution x group size of --branch")
+    p.add_argument("--branch-begins", default="0,5", help="window begins of the branched rows")
     p.add_argument("--deadline-s", type=float, default=1e9, help="skip the rows that would start after this")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON (rewritten as rows come in)")
     return p
@@ -345,6 +495,15 @@ def _print_row(row: Row) -> None:
         f"{row.resolution}px b{row.batch}: {row.images_per_s:.2f}; step {row.step_s.scaled(1e3, 'ms'):.0f}, "
         f"loop {row.loop_s:.2f}, prefill {row.prefill_s.scaled(1e3, 'ms'):.1f}, "
         f"decode {row.decode_s.scaled(1e3, 'ms'):.0f}, peak {row.peak_rollout_gib:.1f} GiB",
+        flush=True,
+    )
+
+
+def _print_branch_row(row: BranchRow) -> None:
+    print(
+        f"{row.resolution}px G{row.group} {'branched' if row.branch else 'unbranched'} (window at "
+        f"{row.begin}): {row.images_per_s:.2f}; loop {row.loop_s:.2f}, {row.tflop_per_image:.2f} "
+        f"TFLOP/image ({row.flops_fraction:.3f} of unbranched; rows per step {row.forward_rows})",
         flush=True,
     )
 
@@ -379,6 +538,20 @@ def _print_table(report: dict[str, Any]) -> None:
             print(" | ".join(cell(r) for _, cell in TABLE))
         else:
             print(f"{r['resolution']} | {r['batch']} | {r['error']}")
+    if report.get("branching"):
+        speedup: dict[str, Figure] = report["branch_images_per_s_ratio"]
+        print("\nbranched rollouts of one group: res | G | branch | window begin | img/s | vs unbranched | "
+              "loop s | MFU loop | TFLOP/image | FLOPs vs unbranched")  # fmt: skip
+        for b in report["branching"]:
+            versus = speedup.get(f"begin {b.begin}") if b.branch else None
+            cells = [f"{b.resolution}", f"{b.group}", "yes" if b.branch else "no", f"{b.begin}",
+                     b.images_per_s.brief(".2f"), _cell(versus, ".3f"), b.loop_s.brief(".2f"),
+                     _cell(b.mfu_loop, ".1%"), f"{b.tflop_per_image:.2f}",
+                     f"{b.flops_fraction:.3f}"]  # fmt: skip
+            print(" | ".join(cells))
+        fraction = report["branch_expected_flops_fraction"]
+        print(f"expected FLOPs of branched / unbranched rollouts under random windows in "
+              f"{list(SamplerParams().window_range)}: {fraction:.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from flowgrpo.models.bagel.config import bagel_7b
+from flowgrpo.models.bagel.config import bagel_7b, tiny
 from flowgrpo.services.bench import rollout
 from flowgrpo.services.bench.common import SPECIAL_TINY, gen_matmul_params, make_requests, spec_step_flops
 from flowgrpo.services.bench.rollout_forward import context_lengths
@@ -42,7 +43,8 @@ def test_bench_requests_share_prompts_by_group() -> None:
 def test_the_rollout_benchmark_reports_consistent_figures(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     argv = ["--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--shapes", "32x2", "--variants", "32x2",
-            "--num-points", "8", "--compile-backend", "aot_eager", "--json", str(out)]  # fmt: skip
+            "--num-points", "8", "--compile-backend", "aot_eager", "--json", str(out),
+            "--branch", "--branch-shape", "32x4", "--branch-begins", "0,3"]  # fmt: skip
     assert rollout.main(argv) == 0
     report = json.loads(out.read_text())
     check_figures(report)
@@ -66,6 +68,34 @@ def test_the_rollout_benchmark_reports_consistent_figures(tmp_path: Path) -> Non
     )
     assert report["once_s"]["first_compiled_forward"] > 0
     assert 0 < report["drift_tiny"]["rel_err"] < 0.05
+    check_branching(report, used)
+
+
+def check_branching(report: dict[str, Any], peak: float) -> None:
+    """--branch: one group of 4 at 32 px (4 latent tokens), 7 steps, windows at 0 and 3: the rows
+    through the model and the counted FLOPs are exactly the prefix-once formula's."""
+    unbranched, at0, at3 = report["branching"]
+    assert [(r["branch"], r["begin"], r["group"]) for r in report["branching"]] == [
+        (False, 0, 4), (True, 0, 4), (True, 3, 4)]  # fmt: skip
+    assert unbranched["forward_rows"] == at0["forward_rows"] == [8] * 7  # 4 samples x 2 CFG rows
+    assert at3["forward_rows"] == [2] * 3 + [8] * 4  # the group's prefix: one sample's rows
+    prompt = make_requests(4, 48, SPECIAL_TINY, group=4)[0].prompt_ids.numel()
+    one, four = (spec_step_flops(tiny(), 4, [prompt] * n + [0] * n) for n in (1, 4))
+    assert unbranched["tflop_per_image"] * 1e12 == pytest.approx(7 * four / 4, rel=1e-12)
+    assert at3["tflop_per_image"] * 1e12 == pytest.approx((3 * one + 4 * four) / 4, rel=1e-12)
+    assert at0["flops_fraction"] == 1.0 and at3["flops_fraction"] == pytest.approx(
+        (3 * one + 4 * four) / (7 * four)
+    )
+    for row in report["branching"]:
+        assert median(row["images_per_s"]) * median(row["end_to_end_s"]) == pytest.approx(4)
+        assert median(row["mfu_loop"]) == pytest.approx(
+            row["tflop_per_image"] * 4e12 / median(row["loop_s"]) / peak
+        )
+    for row in (at0, at3):
+        ratio = median(report["branch_images_per_s_ratio"][f"begin {row['begin']}"])
+        assert ratio == pytest.approx(median(row["images_per_s"]) / median(unbranched["images_per_s"]))
+    expected = sum(b * one + (7 - b) * four for b in range(6)) / 6 / (7 * four)  # windows begin at 0-5
+    assert report["branch_expected_flops_fraction"] == pytest.approx(expected)
 
 
 def test_fewer_than_three_timed_runs_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
