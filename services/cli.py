@@ -36,6 +36,7 @@ examples:
   flowgrpo bench schedule         async vs sync images/s and their overlap (the CPU demo, or --recipe)
   flowgrpo bench paths            launchers, replica counts, schedules: do they train the same?
   flowgrpo bench learning --isa default avx2 --threads 1 2   the demo against its lr=0 control, per seed
+  flowgrpo bench algos --plot algos.png   FlowGRPO, branching, DiffusionNFT: learnt per image and per second
   flowgrpo columns                the column schema every service checks its data against
   flowgrpo make-tiny-bagel /tmp/tiny   a tiny random BAGEL checkpoint in the published layout
   flowgrpo data prepare ocr --model-path /tmp/tiny --input-dir examples/data/tiny_ocr --output-dir /tmp/ocr
@@ -591,12 +592,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "target",
-        choices=["bus", "learning", "paths", "reward", "rollout", "schedule", "trainer"],
+        choices=["algos", "bus", "learning", "paths", "reward", "rollout", "schedule", "trainer"],
         help="bus: the ZeroMQ data bus against memcpy; reward: images/s per scorer; rollout: BAGEL "
         "sampling images/s and MFU against the matmul peak (GPU); trainer: FlowGRPO training "
         "throughput and MFU (GPU); schedule: async vs sync images/s and their overlap (the CPU demo); "
         "paths: do the launchers, replica counts and schedules train the same (the CPU demo); "
-        "learning: the demo against its lr=0 control per seed, CPU capability and thread count",
+        "learning: the demo against its lr=0 control per seed, CPU capability and thread count; "
+        "algos: FlowGRPO, with branching, and DiffusionNFT on the demo: gain per image and per second",
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options of the benchmark (see --help)")
     return parser
