@@ -56,7 +56,12 @@ from flowgrpo.services.bench.common import (
 )
 from flowgrpo.services.bench.publication import measure_publication
 from flowgrpo.services.bench.stats import MIN_REPEATS, repeats_arg, write_json
-from flowgrpo.services.bench.trainer_flops import lora_parameters, pass_flops, spec_flops_per_sample
+from flowgrpo.services.bench.trainer_flops import (
+    lora_parameters,
+    nft_pass_flops,
+    pass_flops,
+    spec_flops_per_sample,
+)
 from flowgrpo.services.bench.trainer_step import (
     StepBench,
     add_mfu,
@@ -65,7 +70,7 @@ from flowgrpo.services.bench.trainer_step import (
     random_batch,
     sampled_batch,
 )
-from flowgrpo.services.trainer.config import DEFAULT_LORA_TARGETS, PolicyConfig
+from flowgrpo.services.trainer.config import DEFAULT_LORA_TARGETS, NftConfig, PolicyConfig
 from flowgrpo.services.trainer.distributed import Dist, close_distributed, init_distributed
 from flowgrpo.services.trainer.load import load_policy
 from flowgrpo.services.trainer.policy import TrainablePolicy
@@ -103,7 +108,7 @@ def run(args: argparse.Namespace, dist: Dist, device: torch.device, started: flo
     peak.measure_after(device)
     say(f"{peak.line()}; MFU against {peak.used:.4g} TFLOP/s (the larger)", flush=True)
     for row in report["rows"]:
-        add_mfu(row, flops, dist.world, peak.used)
+        add_mfu(row, report["flops_nft"] if row.get("nft") else flops, dist.world, peak.used)
     if not dist.enabled:
         uncheckpoint_query_layers(policy.model)
     if args.publish and time.perf_counter() - started < args.deadline_s:
@@ -189,12 +194,25 @@ def _step_bench(
     prompts = [t.prompt_ids.numel() for t in batch]
     report["flops"] = pass_flops(cfg, n_tokens, prompts, args.window, kind=args.policy, rank=args.lora_rank,
                                  targets=list(DEFAULT_LORA_TARGETS))  # fmt: skip
+    times = NftConfig(timestep_fraction=args.nft_fraction).trained_times(args.num_points - 1)
+    report["flops_nft"] = nft_pass_flops(cfg, n_tokens, prompts, times, kind=args.policy, rank=args.lora_rank,
+                                         targets=list(DEFAULT_LORA_TARGETS))  # fmt: skip
+    report["nft_times_per_sample"] = times
     report["spec_step_flops_per_sample"] = spec_flops_per_sample(cfg, n_tokens, args.prompt_len)
     initial = None
     if args.policy == "lora":
         initial = {n: t.detach().clone() for n, t in policy.published().items()}
     return StepBench(
-        policy, initial, batch, params, special, dist, args.reps, args.mini_batches, args.compile
+        policy,
+        initial,
+        batch,
+        params,
+        special,
+        dist,
+        args.reps,
+        args.mini_batches,
+        args.compile,
+        args.nft_fraction,
     )
 
 
@@ -277,7 +295,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--variants",
         default="none2,none2-compile,ac8-compile",
-        help="'ac<micro>' (activation checkpointing) or 'none<micro>', '-fp32': no autocast",
+        help="'ac<micro>' (activation checkpointing) or 'none<micro>', '-fp32': no autocast, "
+        "'-nft': a DiffusionNFT step (CFG-free, --nft-fraction of the schedule's times per trajectory)",
+    )
+    p.add_argument(
+        "--nft-fraction", type=float, default=0.99, help="DiffusionNFT rows: trainer.nft.timestep_fraction"
     )
     p.add_argument("--reps", type=repeats_arg, default=MIN_REPEATS,
                    help=f"timed steps per variant, after one warm-up (>= {MIN_REPEATS})")  # fmt: skip
@@ -345,7 +367,8 @@ def _print_table(report: dict[str, Any]) -> None:
         if "error" in r:
             print(f"{r['variant']} | {r['error'][:160]}")
         else:
-            print(" | ".join(_cell(r[key], spec) for _, key, spec in TABLE))
+            # a DiffusionNFT row has no log-prob pass ("-"): its old-policy forwards are in its update
+            print(" | ".join(_cell(r[key], spec) if key in r else "-" for _, key, spec in TABLE))
     if report.get("publication"):
         print("publication:", json.dumps(_publication_medians(report["publication"])))
 

@@ -96,6 +96,27 @@ def pass_flops(
     return {"old": old, "update": update, "recompute": recompute}
 
 
+def nft_pass_flops(
+    cfg: BagelConfig,
+    latent_tokens: int,
+    prompt_lengths: list[int],
+    times: int,
+    *,
+    kind: str,
+    rank: int,
+    targets: list[str],
+) -> dict[str, float]:
+    """FLOPs of one DiffusionNFT step (CFG-free: the conditional branch only): per trajectory and
+    trained time, one old-policy forward ("old") and one forward-backward ("update")."""
+    old = update = recompute = 0.0
+    for length in prompt_lengths:
+        f = row_flops(cfg, latent_tokens, length, kind=kind, rank=rank, targets=targets)
+        old += times * f.forward
+        update += times * (f.forward + f.act_grad + f.weight_grad)
+        recompute += times * f.recompute
+    return {"old": old, "update": update, "recompute": recompute}
+
+
 def spec_flops_per_sample(cfg: BagelConfig, latent_tokens: int, prompt_len: int) -> float:
     """SPEC section 7's forward count of one sample's CFG step (both branches, no LoRA)."""
     return sum(

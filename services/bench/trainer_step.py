@@ -25,8 +25,9 @@ from flowgrpo.sampler_math import shifted_schedule
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.bench.common import GiB, free, mfu
 from flowgrpo.services.bench.stats import Figure, Runs, run_timed
-from flowgrpo.services.trainer.config import LossConfig, OptimConfig
+from flowgrpo.services.trainer.config import LossConfig, NftConfig, OptimConfig
 from flowgrpo.services.trainer.distributed import Dist
+from flowgrpo.services.trainer.nft import DiffusionNFTStep
 from flowgrpo.services.trainer.policy import TrainablePolicy
 from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory, compute_autocast
 
@@ -52,6 +53,7 @@ def sampled_batch(
             out.latents[i].cpu(),
             out.log_probs[i].cpu(),
             out.sigmas[i].cpu(),
+            out.final_latents[i].cpu(),
         )
         for i, (r, a) in enumerate(zip(requests, advantages, strict=True))
     ]
@@ -69,7 +71,17 @@ def random_batch(cfg: BagelConfig, requests: list[SampleRequest], params: Sample
         a = float(torch.randn((), generator=g).clamp(-5, 5))
         sigmas = schedule[3 : 4 + w].clone()
         out.append(
-            Trajectory(r.prompt_uid, r.sample_index, 0, a, r.prompt_ids, latents, torch.zeros(w), sigmas)
+            Trajectory(
+                r.prompt_uid,
+                r.sample_index,
+                0,
+                a,
+                r.prompt_ids,
+                latents,
+                torch.zeros(w),
+                sigmas,
+                torch.randn(rows * cols, cfg.latent_token_dim, generator=g),
+            )
         )
     return out
 
@@ -85,19 +97,29 @@ class Variant:
     autocast: bool = True
     addmm: bool = False  # an experiment, not the trainer's path: see addmm_lora
     compile: bool = False  # the query path compiled (compile_query_layers), under autograd
+    nft: bool = False  # DiffusionNFT's step (CFG-free, its recipe's times per sample) instead of FlowGRPO's
 
 
 def parse_variants(text: str) -> list[Variant]:
     """'ac4,ac8,none2,ac4-fp32' -> variants: activation checkpointing ('ac') or not ('none'), the
     micro-batch size, '-fp32': LoRA matmuls in fp32 (no autocast: peft's own dtype handling),
-    '-addmm': the experiment of :func:`addmm_lora`, '-compile': the query path compiled."""
+    '-addmm': the experiment of :func:`addmm_lora`, '-compile': the query path compiled, '-nft':
+    a DiffusionNFT step instead of FlowGRPO's."""
     out = []
     for item in filter(None, text.split(",")):
         head, *flags = item.split("-")
         ac = head.startswith("ac")
         micro = int(head.removeprefix("ac").removeprefix("none"))
         out.append(
-            Variant(item, micro, ac, "fp32" not in flags, addmm="addmm" in flags, compile="compile" in flags)
+            Variant(
+                item,
+                micro,
+                ac,
+                "fp32" not in flags,
+                addmm="addmm" in flags,
+                compile="compile" in flags,
+                nft="nft" in flags,
+            )
         )
     return out
 
@@ -147,6 +169,7 @@ class StepBench:
     repeats: int
     mini_batches: int
     compiled_before_sharding: bool  # sharded runs: --compile
+    nft_fraction: float = 0.99  # DiffusionNFT rows: the share of the schedule's times trained per sample
 
     @property
     def device(self) -> torch.device:
@@ -155,7 +178,7 @@ class StepBench:
 
 def measure_variant(variant: Variant, bench: StepBench) -> dict[str, Any]:
     """One row: a warm-up step, ``bench.repeats`` timed steps, their figures (MFU: add_mfu)."""
-    row: dict[str, Any] = {"variant": variant.name, "micro_batch": variant.micro,
+    row: dict[str, Any] = {"variant": variant.name, "micro_batch": variant.micro, "nft": variant.nft,
                            "checkpointing": variant.checkpointing, "autocast": variant.autocast}  # fmt: skip
     skipped = _skip_reason(variant, bench)
     if skipped:
@@ -200,24 +223,41 @@ def _timed_steps(variant: Variant, bench: StepBench) -> Runs[dict[str, float]]:
     if bench.initial is not None:  # back to the sampled weights: the warm-up step is a sync step
         bench.policy.load_published(bench.initial)
     loss = LossConfig(mini_batches=bench.mini_batches, micro_batch_size=variant.micro)
-    trainer = FlowGRPOStep(bench.policy, bench.special, OptimConfig(), loss, bench.dist)
+    trainer = (
+        DiffusionNFTStep(
+            bench.policy,
+            bench.special,
+            OptimConfig(),
+            loss,
+            nft=NftConfig(timestep_fraction=bench.nft_fraction),
+            dist=bench.dist,
+        )
+        if variant.nft
+        else FlowGRPOStep(bench.policy, bench.special, OptimConfig(), loss, bench.dist)
+    )
     trainer.mixed_precision = variant.autocast
     patched = addmm_lora(bench.policy.model) if variant.addmm else []
+    params = nft_params(bench.params) if variant.nft else bench.params
     try:
-        return run_timed(lambda: _step(trainer, bench), repeats=bench.repeats, device=bench.device)
+        return run_timed(lambda: _step(trainer, bench, params), repeats=bench.repeats, device=bench.device)
     finally:
         for layer in patched:
             vars(layer).pop("forward", None)
         trainer.optimizer.zero_grad(set_to_none=True)
 
 
-def _step(trainer: FlowGRPOStep, bench: StepBench) -> dict[str, float]:
-    """One ``FlowGRPOStep.run`` on a sync batch (policy_version = the trainer's version): its
-    metrics and, on a GPU, its peak memory."""
+def nft_params(params: SamplerParams) -> SamplerParams:
+    """DiffusionNFT's recipe samples CFG-free with the ODE: its training forwards are one branch."""
+    return replace(params, cfg_text_scale=1.0, noise_level=0.0)
+
+
+def _step(trainer: FlowGRPOStep, bench: StepBench, params: SamplerParams) -> dict[str, float]:
+    """One ``run`` on a sync batch (policy_version = the trainer's version): its metrics and, on
+    a GPU, its peak memory."""
     device = bench.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    metrics = trainer.run([replace(t, policy_version=trainer.version) for t in bench.batch], bench.params)
+    metrics = trainer.run([replace(t, policy_version=trainer.version) for t in bench.batch], params, step=1)
     if device.type == "cuda":
         metrics["peak_gib"] = torch.cuda.max_memory_allocated(device) / GiB
     return metrics
@@ -228,7 +268,8 @@ def _figures(runs: Runs[dict[str, float]], bench: StepBench) -> dict[str, Any]:
     return {
         "trajectories": len(bench.batch),
         "step_s": runs.seconds,
-        "old_log_prob_s": Figure.of([m["timing_s/old_log_prob"] for m in steps]),
+        # DiffusionNFT has no log-prob pass: its old policy's forwards run inside the update
+        "old_log_prob_s": Figure.of([m.get("timing_s/old_log_prob", 0.0) for m in steps]),
         "update_s": Figure.of([m["timing_s/update_actor"] for m in steps]),
         "traj_per_s_per_gpu": runs.seconds.per(len(bench.batch) / bench.dist.world, "traj/s/GPU"),
         "peak_gib": max(m.get("peak_gib", math.nan) for m in steps),
@@ -247,7 +288,10 @@ def add_mfu(row: dict[str, Any], flops: dict[str, float], world: int, peak_tflop
         return
     old, update = flops["old"] / world, flops["update"] / world
     recompute = flops["recompute"] / world if row["checkpointing"] else 0.0
-    row["mfu_old_log_prob"] = mfu(old, row["old_log_prob_s"], peak_tflops)
+    if row.get("nft"):  # the old policy's forwards are part of the update pass
+        update, old = update + old, 0.0
+    else:
+        row["mfu_old_log_prob"] = mfu(old, row["old_log_prob_s"], peak_tflops)
     row["mfu_update"] = mfu(update, row["update_s"], peak_tflops)
     row["hfu_update"] = mfu(update + recompute, row["update_s"], peak_tflops)
     row["mfu_step"] = mfu(old + update, row["step_s"], peak_tflops)

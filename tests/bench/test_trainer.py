@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,15 +23,16 @@ def test_the_trainer_benchmark_reports_consistent_figures(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "trainer.json"
-    assert trainer.main([*TINY, "--variants", "none2,ac4", "--json", str(out)]) == 0
+    assert trainer.main([*TINY, "--variants", "none2,ac4,none2-nft", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     check_figures(report)
     peak = report["matmul_peak"]
     assert peak["used_tflops"] == max(median(peak["before"]), median(peak["after"]))
     assert peak["before"]["n"] == peak["after"]["n"] == 10
     flops, world, used = report["flops"], report["world"], peak["used_tflops"] * 1e12
-    assert [r["variant"] for r in report["rows"]] == ["none2", "ac4"]
-    for row in report["rows"]:
+    assert [r["variant"] for r in report["rows"]] == ["none2", "ac4", "none2-nft"]
+    _check_nft_row(report["rows"][2], report["flops_nft"], report["nft_times_per_sample"], world, used)
+    for row in report["rows"][:2]:
         assert "error" not in row, row
         step = row["step_s"]
         assert step["n"] == 3 and row["once_s"]["warmup_step"] > 0
@@ -55,6 +57,17 @@ def test_the_trainer_benchmark_reports_consistent_figures(
     )
     _check_publication(report["publication"])
     assert "median (min-max) of 3 steps after a warm-up" in capsys.readouterr().out
+
+
+def _check_nft_row(row: dict[str, Any], flops: dict[str, float], times: int, world: int, used: float) -> None:
+    """DiffusionNFT's step: its old-policy forwards are inside the update pass (no log-prob pass),
+    CFG-free: per trajectory and time, one forward of the old policy and one forward-backward."""
+    assert "error" not in row, row
+    assert times == int(7 * 0.99) == 6  # 8 schedule points: 7 times before t = 0, the reference's 0.99
+    assert "mfu_old_log_prob" not in row and median(row["old_log_prob_s"]) == 0.0
+    total = flops["old"] + flops["update"]
+    assert median(row["mfu_update"]) == pytest.approx(total / world / median(row["update_s"]) / used)
+    assert median(row["mfu_step"]) == pytest.approx(total / world / median(row["step_s"]) / used)
 
 
 def _check_publication(pub: dict[str, object]) -> None:

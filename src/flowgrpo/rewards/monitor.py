@@ -23,7 +23,9 @@ EDGE_THRESHOLD = 0.1  # luminance change per pixel (of 1.0): a visible edge, not
 
 def luminance(image: npt.NDArray[np.uint8]) -> npt.NDArray[np.float64]:
     """[H, W] in [0, 1] (ITU-R BT.601 weights) of a uint8 [H, W, 3] image."""
-    return np.asarray(image, dtype=np.float64) @ np.array([0.299, 0.587, 0.114]) / 255.0
+    weights = np.array([0.299, 0.587, 0.114]) / 255.0
+    out: npt.NDArray[np.float64] = np.asarray(image, dtype=np.float64) @ weights
+    return out
 
 
 def edge_density(image: npt.NDArray[np.uint8], threshold: float = EDGE_THRESHOLD) -> float:
