@@ -3,8 +3,8 @@
 Behaviour log-probs (rollout) and training log-probs (trainer) must be the same function, so the
 schedule, the CFG combination, the SDE step and its log-prob live here once.
 Everything is computed in fp32 whatever the model's dtype. Randomness is a pure function of its
-coordinates (run seed, step, prompt uid, sample index): results never depend on how many
-replicas there are or which one served a request.
+coordinates (run seed, step, prompt uid, sample index; a branched group's initial noise, of the
+first three): results never depend on how many replicas there are or which one served a request.
 
 Conventions (BAGEL's): x_t = (1 - t) x0 + t eps, the model predicts v = eps - x0, time runs
 from t = 1 (noise) to t = 0 (image), so dt = t_next - t < 0.

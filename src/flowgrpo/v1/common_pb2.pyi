@@ -188,7 +188,8 @@ Global___StageSpec: _TypeAlias = StageSpec  # noqa: Y015
 class SamplerParams(_message.Message):
     """Sampler settings, sent by the coordinator to rollouts (to sample) and the trainer (to
     recompute log-probs with exactly the same math). Every random draw is a pure function of
-    (seed, step, prompt_uid, sample_index), so replicas and batch splits never change results.
+    (seed, step, prompt_uid, sample_index) (a branched group's initial noise: of the first three),
+    so replicas and batch splits never change results.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

@@ -10,6 +10,12 @@ Randomness is a function of (seed, step, prompt uid, sample index) only, so a sa
 the same whatever batch it was in. In ``deterministic`` mode every sample also runs in a batch
 of its own (fixed shapes), which makes results bitwise independent of the batch composition on
 CPU; otherwise they agree within float rounding.
+
+Branched rollouts (``params.branch``): a group's samples start from one initial noise, so until
+their shared window they are one ODE trajectory. The loop runs it as ONE row per group (in the
+forward's batch beside the other groups' rows) and repeats it into the group's samples at the
+window's first step; x[begin] is that shared prefix end. In deterministic mode each prefix and
+then each sample runs alone, which is bitwise unbranched sampling from the group's noise.
 """
 
 from __future__ import annotations
