@@ -34,7 +34,14 @@ from flowgrpo.services.trainer.config import LossConfig, NftConfig, OptimConfig
 from flowgrpo.services.trainer.distributed import Dist
 from flowgrpo.services.trainer.loss import NftTargets, diffusion_nft_terms, velocity_kl
 from flowgrpo.services.trainer.policy import TrainablePolicy
-from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory, compute_autocast, deterministic_or_not
+from flowgrpo.services.trainer.step import (
+    FlowGRPOStep,
+    Trajectory,
+    batch_metrics,
+    compute_autocast,
+    deterministic_or_not,
+    stop_nothing,
+)
 
 METRICS = (
     "actor/pg_loss",
@@ -94,7 +101,7 @@ class DiffusionNFTStep(FlowGRPOStep):
         self.policy.refresh_old(decay)
         metrics["actor/nft/old_decay"] = decay
         lag = torch.tensor([self.version - 1 - t.policy_version for t in batch], dtype=torch.float32)
-        metrics.update(nft_batch_metrics(batch, lag))
+        metrics.update(batch_metrics(batch, lag, None))  # no importance weights
         return metrics
 
     def _draw(self, sample: Trajectory, params: SamplerParams, seed: int, step: int) -> tuple[Tensor, Tensor]:
@@ -139,7 +146,7 @@ class DiffusionNFTStep(FlowGRPOStep):
                 sums += self._nft_backward(batch, draws, part, k=k, params=params, total=total)
         sums = self.dist.sum(sums) / total
         self._may_stop()
-        self._may_stop = _nothing  # from the first update on, the step finishes
+        self._may_stop = stop_nothing  # from the first update on, the step finishes
         grad_norm, skipped = self._apply_gradients()
         loss, positive, negative, deviation, kl = sums.tolist()
         return {
@@ -221,19 +228,3 @@ class DiffusionNFTStep(FlowGRPOStep):
                     model, context, x_t.to(device), t.to(device), pos_ids, params=params, special=self.special
                 )
             return v
-
-
-def nft_batch_metrics(batch: Sequence[Trajectory], lag: Tensor) -> dict[str, float]:
-    optimality = torch.tensor([t.advantage for t in batch])
-    return {
-        "critic/advantages/mean": float(optimality.mean()),
-        "critic/advantages/max": float(optimality.max()),
-        "critic/advantages/min": float(optimality.min()),
-        "trainer/lag/mean": float(lag.mean()),
-        "trainer/lag/max": float(lag.max()),
-        "trainer/samples": float(len(batch)),
-    }
-
-
-def _nothing() -> None:
-    pass

@@ -45,8 +45,10 @@ from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.trainer.config import LossConfig, OptimConfig
 from flowgrpo.services.trainer.distributed import Dist, full_tensor
 from flowgrpo.services.trainer.loss import (
+    GuardStep,
     effective_sample_size,
     flow_grpo_terms,
+    grpo_guard_terms,
     importance_weights,
     kl_to_reference,
 )
@@ -95,7 +97,8 @@ class FlowGRPOStep:
         self.steps_done = 0
         self.mixed_precision = True  # bf16 autocast on a GPU with bf16 frozen weights (compute_autocast)
         self.last_gap = math.inf  # bypass: the rollout/trainer gap measured last time
-        self._may_stop: Callable[[], None] = _nothing  # the running step's stop check (see run)
+        self._may_stop: Callable[[], None] = stop_nothing  # the running step's stop check (see run)
+        self._mean_old: dict[int, Tensor] = {}  # grpo_guard: row -> the proximal policy's step means
 
     # --- the step -----------------------------------------------------------------------------
 
@@ -115,12 +118,12 @@ class FlowGRPOStep:
         coordinates of whatever a step draws at random (FlowGRPO draws nothing)."""
         if not batch:
             raise ValueError("a training step needs at least one trajectory")
-        self._may_stop = may_stop or _nothing
+        self._may_stop = may_stop or stop_nothing
         try:
             with self._lora_inputs_uncast():
                 return self._run(batch, params, seed, step)
         finally:
-            self._may_stop = _nothing
+            self._may_stop = stop_nothing
 
     def sampling_policy(self) -> contextlib.AbstractContextManager[None]:
         """Inside, the policy is the one rollouts sample with (what is published): FlowGRPO's is
@@ -142,7 +145,7 @@ class FlowGRPOStep:
         metrics["timing_s/update_actor"] = time.perf_counter() - started
         self.version += 1
         self.steps_done += 1
-        metrics.update(_batch_metrics(batch, lag, weights))
+        metrics.update(batch_metrics(batch, lag, weights))
         return metrics
 
     @contextlib.contextmanager
@@ -175,13 +178,16 @@ class FlowGRPOStep:
             metrics["actor/logp_old_bypassed"] = 1.0
             return behaviour
         recomputed = torch.zeros_like(behaviour)
+        self._mean_old = {}
         with torch.no_grad():
             for part in self._chunks(self.dist.share(list(range(len(batch))))):
                 self._may_stop()
-                logp = self._window_log_probs([batch[r] for r, _ in part], params).log_prob
-                for (row, valid), value in zip(part, logp, strict=True):
+                result = self._window_log_probs([batch[r] for r, _ in part], params)
+                for i, (row, valid) in enumerate(part):
                     if valid:
-                        recomputed[row] = value.to(recomputed.device)
+                        recomputed[row] = result.log_prob[i].to(recomputed.device)
+                        if self.loss.mode == "grpo_guard":  # this rank's rows are the ones it trains
+                            self._mean_old[row] = result.mean[i].cpu()
         recomputed = self.dist.sum(recomputed)  # every rank holds the whole batch's logp_old
         gap = (recomputed - behaviour).abs()
         self.last_gap = float(gap.max())
@@ -244,20 +250,24 @@ class FlowGRPOStep:
             kl = None
             if reference is not None:
                 kl = kl_to_reference(result.mean.flatten(0, 1), reference, result.std.flatten())
-            terms = flow_grpo_terms(
+            device = result.log_prob.device
+            entries = (
                 result.log_prob.flatten(),
-                logp_old[index].flatten().to(result.log_prob.device),
-                torch.tensor([batch[i].advantage for i in rows])
-                .repeat_interleave(window)
-                .to(result.log_prob.device),
-                torch.tensor([valid for _, valid in part])
-                .repeat_interleave(window)
-                .to(result.log_prob.device),
-                clip_eps=self.loss.clip_eps,
-                weights=weights[index].flatten().to(result.log_prob.device),
-                kl=kl,
-                kl_beta=self.loss.kl_beta,
+                logp_old[index].flatten().to(device),
+                torch.tensor([batch[i].advantage for i in rows]).repeat_interleave(window).to(device),
+                torch.tensor([valid for _, valid in part]).repeat_interleave(window).to(device),
             )
+            weighting = {
+                "clip_eps": self.loss.clip_eps,
+                "weights": weights[index].flatten().to(device),
+                "kl": kl,
+                "kl_beta": self.loss.kl_beta,
+            }
+            if self.loss.mode == "grpo_guard":
+                guard = self._guard_step([batch[i] for i in rows], rows, result)
+                terms = grpo_guard_terms(*entries, step=guard, **weighting)  # type: ignore[arg-type]
+            else:
+                terms = flow_grpo_terms(*entries, **weighting)  # type: ignore[arg-type]
             # FSDP averages gradients over ranks: scale by world to get the mini-batch mean
             torch.autograd.backward(terms.loss_sum * (self.dist.world / total))
             kl_sum = kl.detach().sum() if kl is not None else torch.zeros(())
@@ -265,7 +275,7 @@ class FlowGRPOStep:
             sums += torch.stack([p.double().cpu() for p in parts])
         sums = self.dist.sum(sums) / total
         self._may_stop()
-        self._may_stop = _nothing  # from the first update on, the step finishes
+        self._may_stop = stop_nothing  # from the first update on, the step finishes
         grad_norm, skipped = self._apply_gradients()
         loss, clipped, ratio, ppo_kl, kl_loss = sums.tolist()
         return {
@@ -277,6 +287,17 @@ class FlowGRPOStep:
             "actor/kl_loss": kl_loss,
             "actor/skipped_steps": float(skipped),
         }
+
+    def _guard_step(self, part: Sequence[Trajectory], rows: list[int], result: StepResult) -> GuardStep:
+        """GRPO-Guard's per-(sample, window step) drift of the mean from the proximal policy's,
+        the step's std and -dt, flattened like the log-probs."""
+        device = result.mean.device
+        mean_old = torch.stack([self._mean_old.get(r, torch.zeros_like(result.mean[0])) for r in rows]).to(
+            device
+        )
+        drift = ((result.mean - mean_old) ** 2).flatten(2).mean(dim=2)  # [B, W]
+        sigmas = torch.stack([t.sigmas for t in part]).to(device)  # [B, W + 1]
+        return GuardStep(drift.flatten(), result.std.flatten(), (sigmas[:, :-1] - sigmas[:, 1:]).flatten())
 
     def _apply_gradients(self) -> tuple[float, bool]:
         """Clip the gradient norm and step; a non-finite norm skips the update (and counts it)."""
@@ -333,8 +354,8 @@ class FlowGRPOStep:
         return [rows[i : i + size] for i in range(0, len(rows), size)]
 
 
-def _nothing() -> None:
-    pass
+def stop_nothing() -> None:
+    """The stop check outside a step, and once a step's first update is applied."""
 
 
 def deterministic_or_not(params: SamplerParams) -> contextlib.AbstractContextManager[None]:
@@ -351,7 +372,9 @@ def compute_autocast(model: BagelModel) -> contextlib.AbstractContextManager[obj
     return contextlib.nullcontext()
 
 
-def _batch_metrics(batch: Sequence[Trajectory], lag: Tensor, weights: Tensor) -> dict[str, float]:
+def batch_metrics(batch: Sequence[Trajectory], lag: Tensor, weights: Tensor | None) -> dict[str, float]:
+    """The batch's advantages (DiffusionNFT: optimalities), lag, size and, for off-policy rows
+    with importance weights, their effective sample size."""
     advantages = torch.tensor([t.advantage for t in batch])
     metrics = {
         "critic/advantages/mean": float(advantages.mean()),
@@ -362,6 +385,6 @@ def _batch_metrics(batch: Sequence[Trajectory], lag: Tensor, weights: Tensor) ->
         "trainer/samples": float(len(batch)),
     }
     off_policy = lag > 0
-    if bool(off_policy.any()):
+    if weights is not None and bool(off_policy.any()):
         metrics["actor/is_ess"] = float(effective_sample_size(weights[off_policy].flatten()))
     return metrics
