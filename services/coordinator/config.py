@@ -253,6 +253,20 @@ class RunConfig:
                 "schedule.mode=async needs trainer.loss.logp_old=recompute: the decoupled loss "
                 "clips around the recomputed proximal policy"
             )
+        self._validate_algorithm()
+
+    def _validate_algorithm(self) -> None:
+        loss = self.trainer.loss
+        if loss.mode == "grpo_guard" and self.sampling.sde_type != "sde":
+            raise ValueError(
+                f"trainer.loss.mode=grpo_guard re-normalises the ratio of a Gaussian step: it needs "
+                f"sampling.sde_type=sde, not {self.sampling.sde_type!r}"
+            )
+        if self.trainer.algorithm == "diffusion_nft" and loss.mode != "flow_grpo":
+            raise ValueError(
+                f"trainer.loss.mode={loss.mode} is a FlowGRPO loss; trainer.algorithm=diffusion_nft "
+                "has its own: leave trainer.loss.mode=flow_grpo"
+            )
 
 
 def _relative_to_recipe(cfg: RunConfig, folder: Path, overrides: Sequence[str]) -> RunConfig:

@@ -43,6 +43,9 @@ class OptimConfig:
 
 @dataclass
 class LossConfig:
+    # FlowGRPO's clipped ratio ("flow_grpo"), or GRPO-Guard's re-normalised one against
+    # over-optimisation ("grpo_guard": docs/algorithms.md; needs sde steps and logp_old=recompute)
+    mode: Literal["flow_grpo", "grpo_guard"] = "flow_grpo"
     clip_eps: float = 1e-5  # BAGEL recipes; 1e-4 in flow_grpo. Choose it per sde_type
     kl_beta: float = 0.0
     is_cap: float = 2.0  # truncation of the off-policy importance weight
@@ -56,6 +59,11 @@ class LossConfig:
             raise ValueError("trainer.loss.mini_batches and micro_batch_size must be >= 1")
         if not 0 < self.clip_eps < 1:
             raise ValueError(f"trainer.loss.clip_eps={self.clip_eps} must be in (0, 1)")
+        if self.mode == "grpo_guard" and self.logp_old == "bypass":
+            raise ValueError(
+                "trainer.loss.mode=grpo_guard compares the step means with the proximal policy's, "
+                "which the recompute computes: use trainer.loss.logp_old=recompute"
+            )
 
 
 @dataclass

@@ -86,6 +86,58 @@ def flow_grpo_terms(
     )
 
 
+@dataclass(frozen=True)
+class GuardStep:
+    """What GRPO-Guard needs of each (sample, window step) besides the log-probs; all [B]."""
+
+    drift: Tensor  # mean((mean_theta - mean_old)^2) over the latent: how far the step's mean moved
+    std: Tensor  # std_t of the SDE step
+    dt: Tensor  # sigma - sigma_next > 0 (the step's -dt)
+
+
+def grpo_guard_terms(
+    logp: Tensor,
+    logp_old: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    step: GuardStep,
+    clip_eps: float,
+    weights: Tensor | None = None,
+    kl: Tensor | None = None,
+    kl_beta: float = 0.0,
+) -> LossTerms:
+    """GRPO-Guard (Wang et al., 2025; verl-omni's ``grpo_guard`` loss mode): FlowGRPO with the
+    ratio re-normalised against over-optimisation. With the step's variance var = std^2 (-dt) and
+    b = drift / (2 var):
+
+        log ratio = (logp - logp_old + b) sqrt(var),    loss = max(-A ratio, -A clip(ratio)) / (-dt)
+
+    b cancels the always-negative mean shift that a moved mean gives the log-ratio of one noise
+    draw (so the ratio is no longer biased low), the sqrt(var) factor gives it the same spread at
+    every step, and 1 / (-dt) evens the steps' gradients. Needs ``sde_type="sde"`` (a Gaussian
+    step with this variance)."""
+    var = step.std.detach() ** 2 * step.dt
+    ratio = torch.exp((logp - logp_old.detach() + step.drift / (2.0 * var)) * torch.sqrt(var))
+    unclipped = -advantages * ratio
+    clipped_value = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    per_entry = torch.maximum(unclipped, clipped_value) / step.dt
+    if weights is not None:
+        per_entry = per_entry * weights.detach()
+    valid = mask.to(per_entry.dtype)
+    pg_loss_sum = (per_entry.detach() * valid).sum()
+    if kl is not None and kl_beta > 0:
+        per_entry = per_entry + kl_beta * kl
+    return LossTerms(
+        loss_sum=(per_entry * valid).sum(),
+        pg_loss_sum=pg_loss_sum,
+        count=valid.sum(),
+        clipped=((clipped_value > unclipped).to(valid.dtype) * valid).sum(),
+        ratio_sum=(ratio.detach() * valid).sum(),
+        approx_kl_sum=((logp_old.detach() - logp.detach()) * valid).sum(),
+    )
+
+
 # --- DiffusionNFT ---------------------------------------------------------------------------------
 #
 # Zheng et al., "DiffusionNFT: Online Diffusion Reinforcement with Forward Process" (2025); the

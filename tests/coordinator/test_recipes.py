@@ -348,6 +348,19 @@ BAD_OVERRIDES = {
         ["rollout.lora_mode=peft", "only the native engine", "rollout.lora_mode=merge"],
     ),
     "unknown engine": (["rollout.engine=vllm"], ["rollout.engine: 'vllm' is not one of", "'vllm_omni'"]),
+    "GRPO-Guard without the recompute": (
+        ["trainer.loss.mode=grpo_guard", "trainer.loss.logp_old=bypass"],
+        ["trainer.loss.mode=grpo_guard", "use trainer.loss.logp_old=recompute"],
+    ),
+    "GRPO-Guard with CPS steps": (
+        ["trainer.loss.mode=grpo_guard", "sampling.sde_type=cps", "sampling.noise_level=0.8"],
+        ["trainer.loss.mode=grpo_guard", "sampling.sde_type=sde, not 'cps'"],
+    ),
+    "GRPO-Guard for DiffusionNFT": (
+        ["trainer.algorithm=diffusion_nft", "trainer.loss.mode=grpo_guard"],
+        ["trainer.algorithm=diffusion_nft has its own", "trainer.loss.mode=flow_grpo"],
+    ),
+    "NFT beta": (["trainer.algorithm=diffusion_nft", "trainer.nft.beta=0"], ["trainer.nft.beta=0.0"]),
 }
 
 
