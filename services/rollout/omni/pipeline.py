@@ -6,7 +6,8 @@ What it changes, and nothing else (vLLM-Omni's model code, KV caches, CFG and VA
 - the scheduler hook: every denoising step is this project's ``ode_step``, and the steps of the
   group's window are ``window_step`` (SDE or CPS) with noise drawn from the sample's coordinates;
   each window step's log-prob is recorded (vLLM-Omni returns them with the trajectory);
-- the initial noise: ``sample_noise(..., "init")`` of the sample's coordinates, not torch's global RNG;
+- the initial noise: ``initial_noise`` of the sample's coordinates (the group's with
+  ``sampling.branch``), not torch's global RNG;
 - the prompt: the request's token ids, not a re-tokenisation of text (one tokenisation, at data
   preparation; vLLM-Omni 0.30 takes text prompts only, so ``Bagel.prepare_prompts`` is wrapped);
 - the autoencoder: built in the geometry of the checkpoint's ``ae.safetensors`` (vLLM-Omni
