@@ -40,7 +40,6 @@ from flowgrpo.services.trainer.step import (
     batch_metrics,
     compute_autocast,
     deterministic_or_not,
-    stop_nothing,
 )
 
 METRICS = (
@@ -144,11 +143,7 @@ class DiffusionNFTStep(FlowGRPOStep):
             self._may_stop()
             for k in range(times_per_sample):
                 sums += self._nft_backward(batch, draws, part, k=k, params=params, total=total)
-        sums = self.dist.sum(sums) / total
-        self._may_stop()
-        self._may_stop = stop_nothing  # from the first update on, the step finishes
-        grad_norm, skipped = self._apply_gradients()
-        loss, positive, negative, deviation, kl = sums.tolist()
+        (loss, positive, negative, deviation, kl), grad_norm, skipped = self._finish_update(sums, total)
         return {
             "actor/pg_loss": loss,
             "actor/grad_norm": grad_norm,

@@ -273,11 +273,7 @@ class FlowGRPOStep:
             kl_sum = kl.detach().sum() if kl is not None else torch.zeros(())
             parts = [terms.pg_loss_sum, terms.clipped, terms.ratio_sum, terms.approx_kl_sum, kl_sum]
             sums += torch.stack([p.double().cpu() for p in parts])
-        sums = self.dist.sum(sums) / total
-        self._may_stop()
-        self._may_stop = stop_nothing  # from the first update on, the step finishes
-        grad_norm, skipped = self._apply_gradients()
-        loss, clipped, ratio, ppo_kl, kl_loss = sums.tolist()
+        (loss, clipped, ratio, ppo_kl, kl_loss), grad_norm, skipped = self._finish_update(sums, total)
         return {
             "actor/pg_loss": loss,
             "actor/grad_norm": grad_norm,
@@ -298,6 +294,15 @@ class FlowGRPOStep:
         drift = ((result.mean - mean_old) ** 2).flatten(2).mean(dim=2)  # [B, W]
         sigmas = torch.stack([t.sigmas for t in part]).to(device)  # [B, W + 1]
         return GuardStep(drift.flatten(), result.std.flatten(), (sigmas[:, :-1] - sigmas[:, 1:]).flatten())
+
+    def _finish_update(self, sums: Tensor, total: float) -> tuple[list[float], float, bool]:
+        """The mini-batch's summed metrics as means over every rank's entries, then the update:
+        the last point where the step may still stop; from it on, the step finishes."""
+        means = (self.dist.sum(sums) / total).tolist()
+        self._may_stop()
+        self._may_stop = stop_nothing
+        grad_norm, skipped = self._apply_gradients()
+        return means, grad_norm, skipped
 
     def _apply_gradients(self) -> tuple[float, bool]:
         """Clip the gradient norm and step; a non-finite norm skips the update (and counts it)."""
