@@ -149,3 +149,37 @@ def test_bad_inputs_are_refused(sampler: BagelSampler) -> None:
     twisted = [SampleRequest("p0", 0, torch.tensor([1, 2])), SampleRequest("p0", 1, torch.tensor([1, 3]))]
     with pytest.raises(ValueError, match="two different token sequences"):
         sampler.generate(twisted, PARAMS, seed=0, step=0)
+
+
+def test_overlapping_deterministic_contexts_restore_the_settings() -> None:
+    """The in-process launcher's rollout and trainer threads enter and leave deterministic mode
+    interleaved (A in, B in, A out, B out): the settings stay on while either is inside and come
+    back to what they were when the last leaves."""
+    import threading
+
+    from flowgrpo.models.bagel.sampling import deterministic_kernels
+
+    before = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def first() -> None:
+        with deterministic_kernels():
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def second() -> None:
+        a_in.wait(10)
+        with deterministic_kernels():
+            b_in.set()
+            a_out.wait(10)
+            seen.append(torch.are_deterministic_algorithms_enabled())  # A has left, B is inside
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert seen == [True]
+    assert (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()) == before

@@ -21,6 +21,7 @@ then each sample runs alone, which is bitwise unbranched sampling from the group
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
@@ -497,18 +498,35 @@ def _nothing() -> None:
     pass
 
 
+_DETERMINISTIC_LOCK = threading.Lock()
+_deterministic_users = 0  # contexts open now, in any thread
+_deterministic_saved = (False, 1)  # the settings before the first of them
+
+
 @contextlib.contextmanager
 def deterministic_kernels() -> Iterator[None]:
     """Deterministic algorithms and ONE intra-op thread while inside; the caller's settings after.
 
     The thread count matters: CPU matmuls split their reductions by thread, so two processes
     with different thread counts (a rollout and a torchrun trainer, say) differ in the last bit.
-    The sampler and the trainer both run their deterministic-mode forwards inside this."""
-    previous = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
-    torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(1)
+    The sampler and the trainer both run their deterministic-mode forwards inside this.
+
+    Both settings are process-wide, and the in-process launcher runs a rollout and a trainer in
+    two threads: the contexts are counted, the first one in saves the settings and the last one
+    out restores them (a save/restore per context let overlapping contexts leave deterministic
+    algorithms on for the rest of the process)."""
+    global _deterministic_users, _deterministic_saved
+    with _DETERMINISTIC_LOCK:
+        if _deterministic_users == 0:
+            _deterministic_saved = (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads())
+            torch.use_deterministic_algorithms(True)
+            torch.set_num_threads(1)
+        _deterministic_users += 1
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(previous[0])
-        torch.set_num_threads(previous[1])
+        with _DETERMINISTIC_LOCK:
+            _deterministic_users -= 1
+            if _deterministic_users == 0:
+                torch.use_deterministic_algorithms(_deterministic_saved[0])
+                torch.set_num_threads(_deterministic_saved[1])
