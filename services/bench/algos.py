@@ -158,9 +158,8 @@ def plot(curves: list[Curve], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for color, algorithm in zip(
-        ("C0", "C1", "C2", "C3"), dict.fromkeys(c.algorithm for c in curves), strict=False
-    ):
+    for index, algorithm in enumerate(dict.fromkeys(c.algorithm for c in curves)):
+        color = f"C{index}"  # matplotlib's cycle: one colour per algorithm, however many
         for i, c in enumerate(x for x in curves if x.algorithm == algorithm):
             label = algorithm if i == 0 else None
             axes[0].plot(c.images, c.gain, color=color, alpha=0.8, label=label)

@@ -69,20 +69,36 @@ def flow_grpo_terms(
     """Sums over the valid entries of one micro-batch (all inputs [B]); divide by the mini-batch's
     total count to get the mean loss, so micro-batches of any size accumulate exactly."""
     per_entry, clipped = clipped_surrogate(logp, logp_old.detach(), advantages, clip_eps)
+    ratio = torch.exp(logp.detach() - logp_old.detach())
+    return _summed(per_entry, clipped, ratio, logp - logp_old, mask, weights=weights, kl=kl, kl_beta=kl_beta)
+
+
+def _summed(
+    per_entry: Tensor,
+    clipped: Tensor,
+    ratio: Tensor,
+    log_ratio: Tensor,
+    mask: Tensor,
+    *,
+    weights: Tensor | None,
+    kl: Tensor | None,
+    kl_beta: float,
+) -> LossTerms:
+    """The sums over valid entries both clipped objectives report: importance-weighted loss (+ KL),
+    clipped entries, ratio and verl's ppo_kl (-log_ratio)."""
     if weights is not None:
         per_entry = per_entry * weights.detach()
     valid = mask.to(per_entry.dtype)
     pg_loss_sum = (per_entry.detach() * valid).sum()
     if kl is not None and kl_beta > 0:
         per_entry = per_entry + kl_beta * kl
-    ratio = torch.exp(logp.detach() - logp_old.detach())
     return LossTerms(
         loss_sum=(per_entry * valid).sum(),
         pg_loss_sum=pg_loss_sum,
         count=valid.sum(),
         clipped=(clipped.to(valid.dtype) * valid).sum(),
-        ratio_sum=(ratio * valid).sum(),
-        approx_kl_sum=((logp_old.detach() - logp.detach()) * valid).sum(),
+        ratio_sum=(ratio.detach() * valid).sum(),
+        approx_kl_sum=(-log_ratio.detach() * valid).sum(),
     )
 
 
@@ -122,20 +138,8 @@ def grpo_guard_terms(
     unclipped = -advantages * ratio
     clipped_value = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
     per_entry = torch.maximum(unclipped, clipped_value) / step.dt
-    if weights is not None:
-        per_entry = per_entry * weights.detach()
-    valid = mask.to(per_entry.dtype)
-    pg_loss_sum = (per_entry.detach() * valid).sum()
-    if kl is not None and kl_beta > 0:
-        per_entry = per_entry + kl_beta * kl
-    return LossTerms(
-        loss_sum=(per_entry * valid).sum(),
-        pg_loss_sum=pg_loss_sum,
-        count=valid.sum(),
-        clipped=((clipped_value > unclipped).to(valid.dtype) * valid).sum(),
-        ratio_sum=(ratio.detach() * valid).sum(),
-        approx_kl_sum=((logp_old.detach() - logp.detach()) * valid).sum(),
-    )
+    return _summed(per_entry, clipped_value > unclipped, ratio, logp - logp_old, mask, weights=weights, kl=kl,
+                   kl_beta=kl_beta)  # fmt: skip
 
 
 # --- DiffusionNFT ---------------------------------------------------------------------------------
