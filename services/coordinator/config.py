@@ -254,6 +254,31 @@ class RunConfig:
                 "clips around the recomputed proximal policy"
             )
         self._validate_algorithm()
+        self._validate_shared_base()
+
+    def _validate_shared_base(self) -> None:
+        """rollout.base_weights=trainer: the trainer shares, on the same GPU, in the same dtype."""
+        if self.rollout.base_weights != "trainer":
+            return
+        trainer = self.trainer
+        if not trainer.share_base or self.launch.trainer_nproc > 1:
+            raise ValueError(
+                "rollout.base_weights=trainer maps the base the trainer shares: set trainer.share_base=true "
+                f"with one trainer process (launch.trainer_nproc={self.launch.trainer_nproc})"
+            )
+        if trainer.dtype != self.rollout.dtype:
+            raise ValueError(
+                f"rollout.base_weights=trainer maps the trainer's weights as they are: rollout.dtype="
+                f"{self.rollout.dtype} must equal trainer.dtype={trainer.dtype}"
+            )
+        devices = self.launch.rollout_devices or [self.rollout.device]
+        other = [d for d in devices if _gpu_index(d) != _gpu_index(trainer.device)]
+        if other:
+            raise ValueError(
+                f"rollout.base_weights=trainer maps memory of the trainer's GPU ({trainer.device}); rollout "
+                f"devices {other} are other GPUs: put them on the trainer's GPU or load the checkpoint "
+                "(rollout.base_weights=checkpoint)"
+            )
 
     def _validate_algorithm(self) -> None:
         loss = self.trainer.loss
@@ -279,6 +304,10 @@ def _relative_to_recipe(cfg: RunConfig, folder: Path, overrides: Sequence[str]) 
         if value and not Path(value).is_absolute():
             cfg = replace(cfg, **{section: replace(part, **{field_name: str(folder / value)})})
     return cfg
+
+
+def _gpu_index(device: str) -> int:
+    return int(device.partition(":")[2] or 0)
 
 
 def _names_a_gen_linear(target: str) -> bool:

@@ -232,7 +232,10 @@ class ReplicaPool:
         """Load the current weights into a rollout replica before it takes work."""
         async with self._weights:
             update = self.current_update
-            if update is not None and replica.policy_version != update.policy_version:
+            # a (re)started replica mapping the trainer's base needs it even at the same version
+            if update is not None and (
+                replica.policy_version != update.policy_version or update.HasField("base")
+            ):
                 await self._load_into(replica, update)
 
 

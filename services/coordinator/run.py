@@ -426,6 +426,8 @@ class Coordinator:
         state = self.outputs.load_state()
         trainer = await self.pool.trainer.unary("State", trainer_pb2.TrainerStateRequest(), 60.0)
         if state is None:
+            if trainer.current.HasField("base"):  # the rollouts map the trainer's base before sampling
+                await self.pool.load_weights(trainer.current)
             if trainer.step:
                 raise RunError(
                     f"the trainer resumed at step {trainer.step} but {self.outputs.dir} has no run state: "
@@ -440,7 +442,7 @@ class Coordinator:
             )
         self.state, self._saved_step = state, state.step
         self.outputs.rewind(state.step)  # the steps after the checkpoint are trained again: logged once
-        if trainer.current.policy_version:
+        if trainer.current.policy_version or trainer.current.HasField("base"):  # base: trainer.share_base
             await self.pool.load_weights(trainer.current)
         self.outputs.say(f"resumed at step {state.step} (policy version {state.policy_version})")
 

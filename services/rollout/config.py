@@ -7,6 +7,8 @@ from typing import Literal
 
 from flowgrpo.runtime.config import ServiceProcessConfig
 
+BaseWeights = Literal["checkpoint", "trainer"]
+
 
 @dataclass
 class VllmOmniConfig:
@@ -34,9 +36,25 @@ class EngineConfig:
     # the trainer's own computation (behaviour == recomputed log-probs bitwise on CPU; slower)
     lora_mode: Literal["merge", "peft"] = "merge"
     compile: bool = True  # CUDA only: torch.compile the query path's per-layer halves (~20 s once)
+    # "checkpoint": load the weights; "trainer": map the frozen base the trainer on this GPU
+    # shares (trainer.share_base): the base is in GPU memory once (docs/colocated.md)
+    base_weights: BaseWeights = "checkpoint"
+    # give cached activation memory back to the GPU after each Generate (torch.cuda.empty_cache),
+    # for the trainer sharing the GPU; allocated again by the next Generate
+    release_memory: bool = False
     vllm_omni: VllmOmniConfig = field(default_factory=VllmOmniConfig)
 
     def validate(self) -> None:
+        if (self.base_weights == "trainer" or self.release_memory) and not self.device.startswith("cuda"):
+            raise ValueError(
+                f"rollout.base_weights=trainer and rollout.release_memory are for a GPU rollout "
+                f"(rollout.device={self.device!r}): set rollout.device=cuda or turn them off"
+            )
+        if self.base_weights == "trainer" and self.engine != "native":
+            raise ValueError(
+                "rollout.base_weights=trainer maps weights into the native engine's model: "
+                f"use rollout.engine=native, not {self.engine}"
+            )
         if self.max_batch_samples < 1:
             raise ValueError(f"rollout.max_batch_samples={self.max_batch_samples} must be >= 1")
         if self.max_request_samples < 1:

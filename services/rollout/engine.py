@@ -16,7 +16,15 @@ from typing import Protocol
 
 import torch
 
-from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens, load_vae
+from flowgrpo.bus import cuda_ipc
+from flowgrpo.models.bagel.checkpoint import (
+    load_bagel_model,
+    load_special_tokens,
+    load_vae,
+    read_bagel_config,
+)
+from flowgrpo.models.bagel.config import is_gen_path
+from flowgrpo.models.bagel.model import BagelModel
 from flowgrpo.models.bagel.parallelize import parallelize_bagel
 from flowgrpo.models.bagel.policy import LoraMode, PolicyApplier, PolicyUpdate
 from flowgrpo.models.bagel.sampling import (
@@ -26,6 +34,9 @@ from flowgrpo.models.bagel.sampling import (
     concat_trajectories,
 )
 from flowgrpo.sampler_params import SamplerParams
+from flowgrpo.services.rollout.config import BaseWeights
+from flowgrpo.services.rollout.shared_base import attach_base
+from flowgrpo.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +70,20 @@ class RolloutEngine(Protocol):
 class NativeBagelEngine:
     """Our PyTorch BAGEL sampler; samples in batches of at most ``max_batch_samples``."""
 
-    def __init__(self, sampler: BagelSampler, max_batch_samples: int, lora_mode: LoraMode = "merge") -> None:
+    def __init__(
+        self,
+        sampler: BagelSampler,
+        max_batch_samples: int,
+        lora_mode: LoraMode = "merge",
+        base_from: str | Path | None = None,
+    ) -> None:
         self.sampler = sampler
         self.max_batch_samples = max_batch_samples
         self._policy = PolicyApplier(sampler.model, lora_mode=lora_mode)
+        # rollout.base_weights=trainer: the checkpoint for what the trainer does not share; the
+        # model stays on the meta device until attach_base maps the trainer's base
+        self.base_from = base_from
+        self.base: common_pb2.CudaIpcBucket | None = None  # the trainer allocation mapped now
 
     @classmethod
     def from_checkpoint(
@@ -74,13 +95,21 @@ class NativeBagelEngine:
         max_batch_samples: int,
         lora_mode: LoraMode = "merge",
         compile: bool = False,
+        base_weights: BaseWeights = "checkpoint",
     ) -> NativeBagelEngine:
-        model = load_bagel_model(folder, dtype=dtype, device=device).eval()
+        if base_weights == "trainer":  # the weights come with the first update (attach_base)
+            with torch.device("meta"):
+                model = BagelModel(read_bagel_config(folder)).to(dtype).eval().requires_grad_(False)
+        else:
+            model = load_bagel_model(folder, dtype=dtype, device=device).eval()
         on_gpu = str(device).startswith("cuda")
         parallelize_bagel(model, None, compile=compile and on_gpu, activation_checkpointing=False)
         vae = load_vae(folder, dtype=dtype, device=device).eval()
-        log.info("loaded BAGEL from %s on %s (%s)", folder, device, dtype)
-        return cls(BagelSampler(model, vae, load_special_tokens(folder)), max_batch_samples, lora_mode)
+        log.info("loaded BAGEL from %s on %s (%s; base weights: %s)", folder, device, dtype, base_weights)
+        sampler = BagelSampler(model, vae, load_special_tokens(folder))
+        return cls(
+            sampler, max_batch_samples, lora_mode, base_from=folder if base_weights == "trainer" else None
+        )
 
     @property
     def policy_version(self) -> int:
@@ -95,6 +124,7 @@ class NativeBagelEngine:
         step: int,
         between_steps: Callable[[], None] | None = None,
     ) -> Trajectories:
+        self._needs_weights()
         size = self.max_batch_samples
         parts = [
             self.sampler.generate(
@@ -105,7 +135,50 @@ class NativeBagelEngine:
         return parts[0] if len(parts) == 1 else concat_trajectories(parts)
 
     def apply_update(self, update: PolicyUpdate) -> None:
+        self._needs_weights()
         self._policy.apply(update)
 
+    @property
+    def waiting_for_base(self) -> bool:
+        return self.base_from is not None and self.base is None
+
+    def attach_base(self, bucket: common_pb2.CudaIpcBucket) -> bool:
+        """Map the trainer's base weights (``rollout.base_weights=trainer``); False when this
+        engine loads its own or already maps this very allocation."""
+        if self.base_from is None or (self.base is not None and _same_allocation(self.base, bucket)):
+            return False
+        views = cuda_ipc.open_bucket(bucket)
+        shared, merge_bases = attach_base(
+            self.sampler.model,
+            views,
+            owned=lambda key: self._policy.lora_mode == "merge" and is_gen_path(key),
+            checkpoint=self.base_from,
+        )
+        self._policy.shared_base, self._policy.read_only = merge_bases, shared
+        self.base = bucket
+        log.info("mapped %d of the trainer's base tensors (%d shared)", len(views), len(shared))
+        return True
+
     def close(self) -> None:
-        pass  # everything it holds is this process's memory
+        pass  # everything it holds is this process's memory (mapped memory is unmapped with it)
+
+    def _needs_weights(self) -> None:
+        if self.waiting_for_base:
+            raise BaseWeightsMissing(
+                "this rollout maps the trainer's base weights (rollout.base_weights=trainer) and has "
+                "not received them: the coordinator sends them with the first LoadWeights "
+                "(trainer.share_base=true, the trainer on this GPU)"
+            )
+
+
+class BaseWeightsMissing(RuntimeError):
+    """Work asked of a rollout that waits for the trainer's shared base."""
+
+
+def _same_allocation(a: common_pb2.CudaIpcBucket, b: common_pb2.CudaIpcBucket) -> bool:
+    return (a.host_id, a.device_uuid, a.handle, a.storage_offset) == (
+        b.host_id,
+        b.device_uuid,
+        b.handle,
+        b.storage_offset,
+    )

@@ -27,11 +27,13 @@ from flowgrpo.bus import (
     BusServer,
     TensorRef,
     TensorStore,
+    cuda_ipc,
     serve_store,
 )
 from flowgrpo.bus.dtypes import itemsize
 from flowgrpo.bus.torch_tensors import put_tensor, to_torch
 from flowgrpo.columns import TRAJECTORY_COLUMNS
+from flowgrpo.devices import release_cached_memory
 from flowgrpo.fields import FieldError, check_float, check_id, check_int
 from flowgrpo.models.bagel.checkpoint import read_bagel_config
 from flowgrpo.models.bagel.policy import PolicyUpdate, PolicyUpdateError
@@ -48,11 +50,12 @@ from flowgrpo.models.bagel.wire import (
     check_token_ids,
     sampler_params_from_proto,
 )
-from flowgrpo.runtime import Actor, InvalidArgument, message, raise_if_abandoned
+from flowgrpo.runtime import Actor, InvalidArgument, Unavailable, message, raise_if_abandoned
 from flowgrpo.runtime.data import fetch_inputs
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.rollout.config import RolloutServiceConfig
-from flowgrpo.services.rollout.engine import NativeBagelEngine, RolloutEngine
+from flowgrpo.services.rollout.engine import BaseWeightsMissing, NativeBagelEngine, RolloutEngine
+from flowgrpo.services.rollout.shared_base import SharedBaseError
 from flowgrpo.telemetry import links_from
 from flowgrpo.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
@@ -111,6 +114,7 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
             max_batch_samples=cfg.max_batch_samples,
             lora_mode=cfg.lora_mode,
             compile=cfg.compile,
+            base_weights=cfg.base_weights,
         )
 
     # --- RPCs ----------------------------------------------------------------------------------
@@ -120,19 +124,39 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
         self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.GenerateResponse:
         params, refs = self._check_generate(request)
-        return await self.compute(self._generate, request, params, refs)
+        engine = self._engine()
+        if isinstance(engine, NativeBagelEngine) and engine.waiting_for_base:
+            raise Unavailable(
+                "this rollout waits for the trainer's shared base weights (rollout.base_weights=trainer): "
+                "the coordinator sends them with the first LoadWeights; try again after it"
+            )
+        response = await self.compute(self._generate, request, params, refs)
+        if self.config.rollout.release_memory:  # the trainer on this GPU trains next
+            released = await self.compute(release_cached_memory, self.config.rollout.device)
+            response.metrics.values["timing_s/release_memory"] = released
+        return response
 
     @message
     async def LoadWeights(
         self, request: rollout_pb2.LoadWeightsRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.LoadWeightsResponse:
         started = time.perf_counter()
+        if request.update.HasField("base"):
+            with _invalid_argument():
+                _check_bucket("WeightUpdate.base", request.update.base)
+            await self.compute(self._attach_base, request.update.base)
+            if not _names_tensors(request.update) and request.update.policy_version <= self.policy_version:
+                return rollout_pb2.LoadWeightsResponse(  # the base alone (before any publication)
+                    policy_version=self.policy_version, load_s=time.perf_counter() - started
+                )
         self._check_update(request.update)
         update = await self.compute(self._fetch_update, request.update)
         try:
             await self.compute(self._engine().apply_update, update)
         except PolicyUpdateError as error:
             raise InvalidArgument(str(error)) from None
+        except BaseWeightsMissing as error:
+            raise Unavailable(str(error)) from None
         self.policy_version = self._engine().policy_version
         return rollout_pb2.LoadWeightsResponse(
             policy_version=self.policy_version, load_s=time.perf_counter() - started
@@ -298,6 +322,20 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
             window_begin=int(out.window_begin[row]),
         )
 
+    def _attach_base(self, bucket: common_pb2.CudaIpcBucket) -> None:
+        """Map the trainer's base when this replica takes its weights from it (else: ignored)."""
+        engine = self._engine()
+        if not isinstance(engine, NativeBagelEngine) or self.config.rollout.base_weights != "trainer":
+            return
+        try:
+            engine.attach_base(bucket)
+        except (
+            SharedBaseError,
+            cuda_ipc.CudaIpcError,
+            RuntimeError,
+        ) as error:  # CUDA: a handle it cannot open
+            raise InvalidArgument(f"WeightUpdate.base: {error}") from None
+
     def _fetch_update(self, update: common_pb2.WeightUpdate) -> PolicyUpdate:
         tensors = self._update_tensors(update)
         with _invalid_argument():
@@ -314,11 +352,9 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
     def _update_tensors(self, update: common_pb2.WeightUpdate) -> dict[str, torch.Tensor]:
         """From the trainer's GPU when this replica is a GPU on the same host (CUDA IPC views,
         copied by the apply), else over the bus."""
-        if update.cuda_ipc and self.config.rollout.device.startswith("cuda"):
-            from flowgrpo.bus import cuda_ipc
-
-            if all(cuda_ipc.can_open(b) for b in update.cuda_ipc):
-                return {n: t for b in update.cuda_ipc for n, t in cuda_ipc.open_bucket(b).items()}
+        on_gpu = self.config.rollout.device.startswith("cuda")
+        if update.cuda_ipc and on_gpu and all(cuda_ipc.can_open(b) for b in update.cuda_ipc):
+            return {n: t for b in update.cuda_ipc for n, t in cuda_ipc.open_bucket(b).items()}
         if not update.tensors:
             where = ", ".join(f"host {b.host_id} GPU {b.device_uuid}" for b in update.cuda_ipc)
             raise InvalidArgument(
@@ -341,6 +377,10 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
     def _limits(self) -> ModelLimits:
         assert self.limits is not None, "read in start(), before any message"
         return self.limits
+
+
+def _names_tensors(update: common_pb2.WeightUpdate) -> bool:
+    return bool(update.tensors) or any(b.tensors for b in update.cuda_ipc)
 
 
 def _check_bucket(field: str, bucket: common_pb2.CudaIpcBucket) -> None:

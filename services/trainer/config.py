@@ -130,8 +130,20 @@ class TrainerConfig:
     # also leave each version in one allocation on the trainer's GPU for rollouts on this host
     # (CUDA IPC, device-to-device); they take the bus when they cannot open it
     publish_cuda_ipc: bool = False
+    # one GPU for rollout and trainer (docs/colocated.md): keep the frozen base weights in one
+    # allocation exported by CUDA IPC, which rollouts with rollout.base_weights=trainer map as
+    # their own weights, so the base is in GPU memory once (one trainer process only)
+    share_base: bool = False
+    # return the step's cached activation memory to the GPU after each step (torch.cuda
+    # .empty_cache), for the rollout sharing the GPU; it is allocated again by the next step
+    release_memory: bool = False
 
     def validate(self) -> None:
+        if (self.share_base or self.release_memory) and not self.device.startswith("cuda"):
+            raise ValueError(
+                f"trainer.share_base and trainer.release_memory are for a GPU trainer "
+                f"(trainer.device={self.device!r}): set trainer.device=cuda or turn them off"
+            )
         if not (self.publish_bus or self.publish_cuda_ipc):
             raise ValueError(
                 "trainer.publish_bus and trainer.publish_cuda_ipc are both false: nothing publishes"

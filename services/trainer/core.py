@@ -61,7 +61,9 @@ class TrainerCore:
             keep_reference=cfg.loss.kl_beta > 0,
             activation_checkpointing=cfg.activation_checkpointing,
             compile=cfg.compile,
+            share_base=cfg.share_base,
         )
+        base = policy.base_bucket.finish() if policy.base_bucket is not None else None
         special = load_special_tokens(cfg.checkpoint)
         self.inputs = TRAIN_INPUT_COLUMNS[cfg.algorithm]  # what a sample must carry for this algorithm
         self.trainer = (
@@ -72,7 +74,9 @@ class TrainerCore:
         self.limits = ModelLimits.of(policy.model.config)  # what a request's images and prompts may be
         self.client = BusClient(config.bus)
         # the store is rank 0's bus server's, set by the service once it serves (None: a follower)
-        self.publisher = Publisher(policy, None, cfg.publish_dtype, cfg.publish_bus, cfg.publish_cuda_ipc)
+        self.publisher = Publisher(
+            policy, None, cfg.publish_dtype, cfg.publish_bus, cfg.publish_cuda_ipc, base=base
+        )
 
     def resume(self) -> int | None:
         cfg = self.config.trainer

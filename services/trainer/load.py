@@ -16,10 +16,12 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
+from flowgrpo.bus.cuda_ipc import BucketWriter, bucket_bytes
 from flowgrpo.models.bagel.checkpoint import (
     EMA_FILE,
     IGNORED_PREFIXES,
     check_keys,
+    checkpoint_key,
     read_bagel_config,
     tensor_shapes,
 )
@@ -28,8 +30,6 @@ from flowgrpo.models.bagel.parallelize import parallelize_bagel
 from flowgrpo.services.trainer.config import PolicyConfig
 from flowgrpo.services.trainer.distributed import Dist, local_tensor
 from flowgrpo.services.trainer.policy import TrainablePolicy
-
-BASE_LAYER = ".base_layer"  # peft keeps an adapted module's own weight under <module>.base_layer
 
 
 def load_policy(
@@ -43,11 +43,17 @@ def load_policy(
     keep_reference: bool = False,
     activation_checkpointing: bool = False,
     compile: bool = False,
+    share_base: bool = False,
 ) -> TrainablePolicy:
     """The trainable policy of ``folder``: frozen weights in ``dtype``, trainable ones fp32,
     FSDP2-sharded over ``dist`` when it has several ranks (``param_dtype``: the compute dtype of
     gathered parameters), the image-query path compiled and checkpointed when asked
-    (``parallelize_bagel``: compile, activation checkpointing, FSDP, on the meta-device model)."""
+    (``parallelize_bagel``: compile, activation checkpointing, FSDP, on the meta-device model).
+
+    ``share_base`` (one process): every frozen weight is a view into one allocation,
+    ``policy.base_bucket``, which a GPU trainer exports by CUDA IPC so that rollouts on its GPU
+    map the base instead of holding a copy (``TrainerCore``); the weights are placed there
+    before anything else is allocated, so the base never exists twice."""
     path = Path(folder) / EMA_FILE
     with torch.device("meta"):
         model = BagelModel(read_bagel_config(folder)).to(dtype)
@@ -60,7 +66,13 @@ def load_policy(
         activation_checkpointing=activation_checkpointing,
         param_dtype=param_dtype,
     )
-    policy.model.to_empty(device=torch.device(device))
+    if share_base:
+        if dist.enabled:
+            raise ValueError("trainer.share_base needs one trainer process (FSDP shards the base)")
+        policy.base_bucket = _frozen_into_bucket(policy.model, torch.device(device))
+        _materialise(policy.model, torch.device(device))
+    else:
+        policy.model.to_empty(device=torch.device(device))
     _stream_weights(policy.model, path)
     policy.init_adapters()
     if keep_reference:
@@ -68,11 +80,26 @@ def load_policy(
     return policy
 
 
-def checkpoint_key(param_name: str) -> str | None:
-    """The ``ema.safetensors`` key of a model parameter; None for a LoRA tensor (not in the file)."""
-    if ".lora_A." in param_name or ".lora_B." in param_name:
-        return None
-    return param_name.replace(BASE_LAYER, "")
+def _frozen_into_bucket(model: nn.Module, device: torch.device) -> BucketWriter:
+    """Re-home every frozen (meta) parameter as a view into one new allocation on ``device``,
+    named by its checkpoint key (the name a sampling model has for it)."""
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    writer = BucketWriter(bucket_bytes((checkpoint_key(n) or n, p.shape, p.dtype) for n, p in frozen), device)
+    state = {n: writer.reserve(checkpoint_key(n) or n, p.shape, p.dtype) for n, p in frozen}
+    model.load_state_dict(state, strict=False, assign=True)  # the views become the parameters
+    return writer
+
+
+def _materialise(model: nn.Module, device: torch.device) -> None:
+    """``to_empty`` for what is still on the meta device (what the shared base did not take)."""
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is not None and param.is_meta:
+                empty = torch.empty_like(param, device=device)
+                module._parameters[key] = nn.Parameter(empty, requires_grad=param.requires_grad)
+        for key, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                module._buffers[key] = torch.empty_like(buffer, device=device)
 
 
 def _checkpoint_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:

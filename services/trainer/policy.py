@@ -27,6 +27,7 @@ from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import Tensor, nn
 
+from flowgrpo.bus.cuda_ipc import BucketWriter
 from flowgrpo.models.bagel.config import is_gen_path
 from flowgrpo.models.bagel.model import BagelModel
 from flowgrpo.models.bagel.policy import LORA_A, LORA_B
@@ -48,6 +49,8 @@ class TrainablePolicy:
         self.model = _add_lora(model, config) if config.kind == "lora" else _unfreeze_gen_path(model)
         self._reference: dict[str, Tensor] | None = None
         self._old: dict[str, Tensor] | None = None  # DiffusionNFT's old policy (keep_old)
+        # trainer.share_base: the allocation every frozen weight is a view of (load.py)
+        self.base_bucket: BucketWriter | None = None
         if not model.vae2llm.weight.is_meta:
             self.init_adapters()
             if keep_reference:

@@ -42,8 +42,11 @@ class Publisher:
         dtype: str = "",
         bus: bool = True,
         cuda_ipc: bool = False,
+        *,
+        base: Bucket | None = None,
     ) -> None:
         self.policy = policy
+        self.base = base  # trainer.share_base: the frozen weights' bucket, named in every update
         self.store = store
         self.cast = getattr(torch, dtype) if dtype else None
         self.bus = bus
@@ -59,6 +62,8 @@ class Publisher:
         update = common_pb2.WeightUpdate(
             policy_version=version, kind="lora" if self.policy.kind == "lora" else "gen_path"
         )
+        if self.base is not None:
+            update.base.CopyFrom(self.base.proto)
         if self.policy.kind == "lora":
             update.lora.rank, update.lora.alpha = self.policy.config.lora_rank, self.policy.config.lora_alpha
         if self.store is not None and self.bus:
@@ -78,6 +83,13 @@ class Publisher:
             bucket = writer.finish()
             self.buckets[version] = bucket
             update.cuda_ipc.append(bucket.proto)
+        return update
+
+    def initial(self) -> common_pb2.WeightUpdate:
+        """What a rollout loads before the first publication: nothing, or the shared base."""
+        update = common_pb2.WeightUpdate()
+        if self.base is not None:
+            update.base.CopyFrom(self.base.proto)
         return update
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ import grpc.aio
 
 from flowgrpo.bus import BusServer, serve_store
 from flowgrpo.columns import TRAIN_INPUT_COLUMNS
+from flowgrpo.devices import release_cached_memory
 from flowgrpo.runtime import Actor, InvalidArgument, ServiceError, message, raise_if_abandoned
 from flowgrpo.services.trainer.checkpoint import confined_folder
 from flowgrpo.services.trainer.config import TrainerServiceConfig
@@ -54,6 +55,7 @@ class TrainerService(Actor, trainer_pb2_grpc.TrainerServicer):
         self.bus = serve_store(self.config.bus)
         self.bus_endpoint = self.bus.endpoint
         self.core.publisher.store = self.bus.store
+        self.current = self.core.publisher.initial()
         resumed = await self.compute(self.core.resume)  # every rank resumes on its own
         if resumed is not None:
             self.step = resumed
@@ -86,6 +88,10 @@ class TrainerService(Actor, trainer_pb2_grpc.TrainerServicer):
         started = time.perf_counter()
         self.current = await self.compute(self._publish)
         metrics["timing_s/update_weights"] = time.perf_counter() - started
+        if self.config.trainer.release_memory:  # the rollout on this GPU samples next
+            metrics["timing_s/release_memory"] = await self.compute(
+                release_cached_memory, self.config.trainer.device
+            )
         self.step, self.policy_version = request.step, core.trainer.version
         response = trainer_pb2.TrainStepResponse(step=request.step, update=self.current)
         response.metrics.values.update(metrics)

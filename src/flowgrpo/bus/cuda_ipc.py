@@ -64,16 +64,22 @@ class BucketWriter:
         self.offset = 0
 
     def add(self, name: str, tensor: Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
+        self.reserve(name, tensor.shape, tensor.dtype).copy_(tensor)
+
+    def reserve(self, name: str, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+        """The bucket's next tensor, uninitialised: a view the caller fills (or keeps using, as
+        the trainer keeps its shared base weights)."""
+        nbytes = shape.numel() * dtype.itemsize
         if self.offset + nbytes > self.buffer.numel():
             raise ValueError(f"a bucket of {self.buffer.numel()} bytes is too small for {name}")
-        view = self.buffer[self.offset : self.offset + nbytes].view(tensor.dtype).view(tensor.shape)
-        view.copy_(tensor)
-        dtype = str(tensor.dtype).removeprefix("torch.")
+        view = self.buffer[self.offset : self.offset + nbytes].view(dtype).view(shape)
         self.entries.append(
-            common_pb2.BucketTensor(name=name, dtype=dtype, shape=tensor.shape, offset=self.offset)
+            common_pb2.BucketTensor(
+                name=name, dtype=str(dtype).removeprefix("torch."), shape=shape, offset=self.offset
+            )
         )
         self.offset = _aligned(self.offset + nbytes)
+        return view
 
     def finish(self) -> Bucket:
         device = self.buffer.device

@@ -426,6 +426,7 @@ class WeightUpdate(_message.Message):
     TENSORS_FIELD_NUMBER: _builtins.int
     LORA_FIELD_NUMBER: _builtins.int
     CUDA_IPC_FIELD_NUMBER: _builtins.int
+    BASE_FIELD_NUMBER: _builtins.int
     policy_version: _builtins.int
     kind: _builtins.str
     """"lora" or "gen_path" """
@@ -441,6 +442,12 @@ class WeightUpdate(_message.Message):
     def cuda_ipc(self) -> _containers.RepeatedCompositeFieldContainer[Global___CudaIpcBucket]:
         """the same tensors on the producer's GPU (same host only)"""
 
+    @_builtins.property
+    def base(self) -> Global___CudaIpcBucket:
+        """trainer.share_base: the trainer's frozen base weights, one allocation on its GPU, that a
+        rollout on the same GPU maps as its own (rollout.base_weights=trainer) instead of a copy
+        """
+
     def __init__(
         self,
         *,
@@ -449,10 +456,11 @@ class WeightUpdate(_message.Message):
         tensors: _abc.Iterable[Global___NamedTensor] | None = ...,
         lora: Global___LoraSpec | None = ...,
         cuda_ipc: _abc.Iterable[Global___CudaIpcBucket] | None = ...,
+        base: Global___CudaIpcBucket | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["lora", b"lora"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["base", b"base", "lora", b"lora"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc", b"cuda_ipc", "kind", b"kind", "lora", b"lora", "policy_version", b"policy_version", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base", b"base", "cuda_ipc", b"cuda_ipc", "kind", b"kind", "lora", b"lora", "policy_version", b"policy_version", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -144,6 +144,14 @@ def _load_into(
     module.load_state_dict(state, strict=True, assign=True)
 
 
+def checkpoint_key(param_name: str) -> str | None:
+    """The ``ema.safetensors`` key of a model parameter; None for a LoRA tensor (not in the file).
+    peft keeps an adapted module's own weight under ``<module>.base_layer``."""
+    if ".lora_A." in param_name or ".lora_B." in param_name:
+        return None
+    return param_name.replace(".base_layer", "")
+
+
 def read_bagel_config(folder: str | Path) -> BagelConfig:
     """The decoder config from ``llm_config.json``; ``max_latent_size`` from the shape of
     ``latent_pos_embed.pos_embed`` in ``ema.safetensors`` (config.json may be stale)."""

@@ -57,21 +57,31 @@ class PolicyApplier:
     model: nn.Module
     version: int = 0
     lora_mode: LoraMode = "merge"
-    _base: dict[str, Tensor] = field(default_factory=dict)  # merge mode: adapted module -> base weight
+    # rollout.base_weights=trainer: module -> its base weight in the trainer's shared allocation
+    # (merge mode merges onto it instead of keeping a copy), and the parameters that ARE that
+    # allocation, which no update may write
+    shared_base: dict[str, Tensor] = field(default_factory=dict)
+    read_only: frozenset[str] = frozenset()
+    _base: dict[str, Tensor] = field(default_factory=dict)  # merge mode: module -> its own base copy
+    _adapted: set[str] = field(default_factory=set)  # merge mode: modules holding a merged LoRA
     _peft_modules: tuple[tuple[str, ...], int] | None = None  # peft mode: (modules, rank) injected
 
     def apply(self, update: PolicyUpdate) -> None:
         params = dict(self.model.named_parameters())
         pairs = check_update(update, params, self.version)
         if update.kind == "gen_path":
-            if self._base and any(n in update.tensors for n in self._base):
+            if any(n.removesuffix(".weight") in self._adapted for n in update.tensors):
                 raise PolicyUpdateError(
                     "a gen_path update touches LoRA-merged weights; use one update kind per run"
                 )
+            shared = sorted(n for n in update.tensors if n in self.read_only)
+            _fail_if(shared, "tensors this rollout maps from the trainer's shared base (read-only here)")
             self._apply_gen_path(update, params)
         elif self.lora_mode == "peft":
             self._apply_lora_peft(update, pairs)
         else:
+            shared = sorted(m for m in pairs if m + ".weight" in self.read_only)
+            _fail_if(shared, "modules whose weights are the trainer's shared base (merge needs its own)")
             self._apply_lora(update, pairs, params)
         self.version = update.version
 
@@ -87,12 +97,19 @@ class PolicyApplier:
         pairs: Mapping[str, tuple[Tensor, Tensor]],
         params: Mapping[str, nn.Parameter],
     ) -> None:
-        for module in sorted(set(self._base) - set(pairs)):  # adapted before, not any more
-            params[module + ".weight"].copy_(self._base[module])
+        for module in sorted(self._adapted - set(pairs)):  # adapted before, not any more
+            weight = params[module + ".weight"]
+            weight.copy_(self._base_of(module, weight))
         for module, (a, b) in pairs.items():
             weight = params[module + ".weight"]
-            base = self._base.setdefault(module, weight.detach().clone())
-            weight.copy_(merge_lora(base, a, b, update.lora_scale))
+            weight.copy_(merge_lora(self._base_of(module, weight), a, b, update.lora_scale))
+        self._adapted = set(pairs)
+
+    def _base_of(self, module: str, weight: Tensor) -> Tensor:
+        """The base weight a merge starts from: the shared one, or a copy kept at first merge."""
+        if module in self.shared_base:
+            return self.shared_base[module]
+        return self._base.setdefault(module, weight.detach().clone())
 
     @torch.no_grad()
     def _apply_lora_peft(self, update: PolicyUpdate, pairs: Mapping[str, tuple[Tensor, Tensor]]) -> None:

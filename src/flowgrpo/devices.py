@@ -1,0 +1,19 @@
+"""GPU memory shared by several processes (rollout and trainer on one GPU, docs/colocated.md)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def release_cached_memory(device: str) -> float:
+    """Give this process's cached, unused GPU memory back to the device, so another process on
+    the same GPU can allocate it; returns the seconds it took (0 on a CPU). The caching
+    allocator allocates again on the next call that needs it: that cost shows up there."""
+    if not device.startswith("cuda"):
+        return 0.0
+    started = time.perf_counter()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return time.perf_counter() - started
