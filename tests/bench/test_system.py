@@ -1,0 +1,112 @@
+"""``flowgrpo bench system`` on a shortened demo (4 steps, 4 samples, in one process), two variants
+in one call: every figure is over the 3 steps after the warm-up; the FLOPs per image equal the
+SPEC-7 formulas worked out here; the limit, achieved / limit and the MFUs recompute from the
+stored FLOPs, peak and per-step metrics; each step's parts plus idle are its wall time."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowgrpo.data import load_split
+from flowgrpo.models.bagel.checkpoint import make_tiny_bagel, read_bagel_config
+from flowgrpo.services.bench import system
+from flowgrpo.services.bench.common import spec_step_flops
+from flowgrpo.services.bench.trainer_flops import pass_flops
+
+from .demo import SHORT_DEMO
+from .figures import check_figures, median
+
+GROUP, POINTS, WINDOW, LATENT_TOKENS = 4, 4, 2, (64 // 16) ** 2  # SHORT_DEMO and the demo's 64 px
+
+
+def expected_step_flops(model: Path, length: int) -> dict[str, float]:
+    """One step of the shortened demo (one prompt of ``length`` tokens, G = 4, CFG on, full
+    gen-path training), from the formulas: (num_points - 1) denoising steps of G conditional and
+    G empty-context rows, and the training pass over the window."""
+    cfg = read_bagel_config(model)
+    rollout = (POINTS - 1) * spec_step_flops(cfg, LATENT_TOKENS, [length] * GROUP + [0] * GROUP)
+    train = pass_flops(cfg, LATENT_TOKENS, [length] * GROUP, WINDOW, kind="full", rank=0, targets=[])
+    return {"rollout": rollout, "logp_old": train["old"], "update": train["update"]}
+
+
+def check_variant(r: dict[str, Any], model: Path, prompt_lengths: set[int], peak_tflops: float) -> None:
+    steady = r["steps"][1:]
+    assert len(r["steps"]) == 4 and len(steady) == 3 == r["images_per_s"]["n"]
+    for step in r["flops_per_step"]:  # the real prompts, counted by the formulas
+        (length,) = step["prompt_lengths"]
+        assert length in prompt_lengths
+        expected = expected_step_flops(model, length)
+        assert {k: step[k] for k in expected} == pytest.approx(expected, rel=1e-12)
+        assert step["reference"] == 0.0 and step["logp_old_recomputed"]
+    flops = r["flops_per_step"][1:]
+    fpi = r["flops_per_image"]
+    for part in ("rollout", "logp_old", "update"):
+        assert fpi[part] == pytest.approx(sum(f[part] for f in flops) / (GROUP * 3), rel=1e-12)
+    assert fpi["total"] == pytest.approx(fpi["rollout"] + fpi["logp_old"] + fpi["update"], rel=1e-12)
+    limit = peak_tflops * 1e12 / fpi["total"]
+    assert median(r["limit_images_per_s"]) == pytest.approx(limit, rel=1e-12)
+    rates = [m["trainer/samples"] / m["timing_s/step"] for m in steady]
+    assert median(r["images_per_s"]) == pytest.approx(statistics.median(rates))
+    assert median(r["achieved_over_limit"]) == pytest.approx(statistics.median(rates) / limit)
+    assert r["mfu"]["end_to_end"] == r["achieved_over_limit"]
+    check_split(r, steady)
+    gen = [m["timing_s/gen"] for m in steady]
+    rollout_mfu = [f["rollout"] / s / (peak_tflops * 1e12) for f, s in zip(flops, gen, strict=True)]
+    assert median(r["mfu"]["rollout"]) == pytest.approx(statistics.median(rollout_mfu))
+    assert r["gpu_memory_gib"] == "no nvidia-smi: not measured"
+
+
+def check_split(r: dict[str, Any], steady: list[dict[str, float]]) -> None:
+    for split, m in zip(r["split_per_step"], steady, strict=True):
+        assert split["step"] == m["timing_s/step"]
+        parts = [split[p] for p in system.SPLIT]
+        assert sum(parts) + split["idle"] == pytest.approx(split["step"], rel=1e-12)
+        assert split["rollout"] == m["timing_s/gen"] and split["logp_old"] == m["timing_s/old_log_prob"]
+        assert split["publication"] == m["timing_s/update_weights"] + m["timing_s/load_weights"]
+        assert all(split[p] > 0 for p in system.SPLIT)
+    for part, figure in r["split_s"].items():
+        assert median(figure) == pytest.approx(statistics.median(s[part] for s in r["split_per_step"]))
+        if part != "step":
+            assert median(r["share_of_step"][part]) == pytest.approx(
+                median(figure) / median(r["split_s"]["step"])
+            )
+
+
+def test_the_system_benchmark_reports_consistent_figures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(system, "NVIDIA_SMI", "no-nvidia-smi-here")  # no GPU memory, even beside a GPU
+    model = make_tiny_bagel(tmp_path / "model", seed=0)
+    out = tmp_path / "system.json"
+    options = ["--steps", "4", "--launcher", "inprocess", "--device", "cpu", "--json", str(out)]
+    variants = ["--variant", "base", "--variant", "lr0:trainer.optim.lr=0"]
+    keep = ["--keep", str(tmp_path / "runs")]
+    assert system.main([*options, *variants, *keep, f"model.checkpoint={model}", *SHORT_DEMO]) == 0
+    printed = capsys.readouterr().out
+    assert "no nvidia-smi: not measured" in printed and "VAE decode" in printed
+    report = json.loads(out.read_text())
+    check_figures(report)
+    assert set(report["variants"]) == {"base", "lr0"}
+    assert report["variants"]["lr0"]["overrides"] == ["trainer.optim.lr=0"]
+    peak = report["peak"]["used_tflops"]
+    assert peak == max(median(report["peak"]["before"]), median(report["peak"]["after"]))
+    split = load_split(tmp_path / "runs" / "base" / "data", "train")
+    lengths = {int(row.prompt_ids.size) for row in split}
+    for r in report["variants"].values():
+        check_variant(r, model, lengths, peak)
+    base, lr0 = (report["variants"][v]["flops_per_step"] for v in ("base", "lr0"))
+    assert base == lr0  # the same prompts, the same work: only the learning rate differs
+
+
+def test_a_variant_keeps_the_commas_inside_a_value() -> None:
+    variant = system.variant_arg("narrow:sampling.window_range=[0,2],trainer.optim.lr=0")
+    assert variant == system.Variant("narrow", ("sampling.window_range=[0,2]", "trainer.optim.lr=0"))
+    assert system.variant_arg("plain") == system.Variant("plain", ())
+    with pytest.raises(argparse.ArgumentTypeError):
+        system.variant_arg("bad:no-equals-sign")
