@@ -26,7 +26,11 @@ if [[ $DEVICE == cuda* ]]; then
     CKPT=${CKPT:-$PWD/.ckpt/bagel-7b-random}
     RECIPE=${RECIPE:-examples/bagel_pickscore_lora_1gpu.yaml}
     MODEL=(--model 7b --device cuda --dtype bf16)
-    SMOKE=()
+    # PickScore's geometry (CLIP ViT-H/14) with random weights when no local PickScore is given,
+    # and the repository's prompts (the recipe names a prepared dataset)
+    CLIP=${CLIP:-$PWD/.ckpt/clip-vit-h-14-random}
+    [[ -f $CLIP/config.json ]] || $PY -c "import sys; from flowgrpo.rewards.tiny_clip import VIT_H_14, make_tiny_clip; make_tiny_clip(sys.argv[1], geometry=VIT_H_14)" "$CLIP"
+    SMOKE=(data.prompts="$PWD/examples/data/tiny" data.kind=pickscore reward.pickscore.model="$CLIP" reward.pickscore.processor="$CLIP" data.val_prompts=0)
 else
     CKPT=${CKPT:-$PWD/.ckpt/bagel-tiny-random}
     RECIPE=${RECIPE:-examples/tiny_demo.yaml}

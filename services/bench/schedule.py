@@ -96,7 +96,7 @@ def _print_mode(mode: str, r: dict[str, Any]) -> None:
     )
 
 
-def _steps_arg(text: str) -> int:
+def steps_arg(text: str) -> int:
     value = int(text)
     if value and value <= MIN_REPEATS:
         raise argparse.ArgumentTypeError(
@@ -110,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--recipe", default=str(Path(__file__).resolve().parents[2] / "examples" / "tiny_demo.yaml")
     )
-    parser.add_argument("--steps", type=_steps_arg, default=8, help="steps per schedule (0: the recipe's)")
+    parser.add_argument("--steps", type=steps_arg, default=8, help="steps per schedule (0: the recipe's)")
     parser.add_argument("--staleness", type=int, default=1, help="eta of the async run")
     parser.add_argument("--launcher", default="local", choices=["local", "inprocess"])
     parser.add_argument("--json", help="also write the figures (and every step's metrics) here")

@@ -57,11 +57,11 @@ import torch
 from flowgrpo.data import load_split
 from flowgrpo.models.bagel.checkpoint import read_bagel_config
 from flowgrpo.models.bagel.config import BagelConfig
-from flowgrpo.models.bagel.sampling import _needs_uncond, token_grid
+from flowgrpo.models.bagel.sampling import needs_uncond, token_grid
 from flowgrpo.sampler_math import window_begin
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.bench.common import GiB, MatmulPeak, spec_step_flops
-from flowgrpo.services.bench.schedule import _steps_arg, images_per_s
+from flowgrpo.services.bench.schedule import images_per_s, steps_arg
 from flowgrpo.services.bench.stats import MIN_REPEATS, Figure, ratio, write_json
 from flowgrpo.services.bench.trainer_flops import nft_pass_flops, pass_flops, row_flops
 from flowgrpo.services.coordinator.config import RunConfig, load_run_config
@@ -133,7 +133,7 @@ class Workload:
     def cfg_rows(self) -> int:
         """Rows per sample of one forward: 2 when the sampler (and the trainer) run the
         empty-context branch, else 1."""
-        return 2 if _needs_uncond(self.params) else 1
+        return 2 if needs_uncond(self.params) else 1
 
     def lora(self) -> Lora:
         policy = self.cfg.trainer.policy
@@ -250,6 +250,7 @@ class MemorySampler:
             yield
             return
         query = [smi, "--query-gpu=index,memory.used", "--format=csv,noheader,nounits", "-lms", "500"]
+        self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("w") as out:
             process = subprocess.Popen(query, stdout=out, stderr=subprocess.DEVNULL)
         try:
@@ -280,10 +281,9 @@ def run_variant(variant: Variant, args: argparse.Namespace, folder: Path) -> dic
     memory = MemorySampler(folder / f"{variant.name}-gpu-memory.csv")
     with memory.sampling():
         history = train(cfg, progress=args.progress)
-    if len(history) <= MIN_REPEATS:
-        raise SystemExit(
-            f"{len(history)} steps: the figures need >= {MIN_REPEATS + 1} (the first is a warm-up)"
-        )
+    needed = MIN_REPEATS + (2 if args.mode == "async" else 1)  # a warm-up first; async: a drain last
+    if len(history) < needed:
+        raise SystemExit(f"{len(history)} steps: the figures of --mode {args.mode} need >= {needed}")
     resolved = prepare_model(cfg)
     work = Workload(read_bagel_config(resolved.trainer.checkpoint), cfg.sampling.params(), resolved)
     prompts = step_prompts(cfg, len(history))
@@ -307,10 +307,12 @@ def used_peak(peak: MatmulPeak) -> Figure:
     return peak.after if peak.after is not None and peak.after.median > peak.before.median else peak.before
 
 
-def summarise(run: dict[str, Any], peak: Figure) -> dict[str, Any]:
-    """The figures of a run's steps after the warm-up against the peak (TFLOP/s); the limit's
+def summarise(run: dict[str, Any], peak: Figure, mode: str) -> dict[str, Any]:
+    """The figures of a run's steady steps against the peak (TFLOP/s): after the warm-up, and in
+    async before the last (which drains: no next rollout runs beside its training). The limit's
     range is what the peak's measured range allows."""
-    steady, flops, peak_flops = run["steps"][1:], run["flops_per_step"][1:], peak.median * 1e12
+    end = -1 if mode == "async" else None
+    steady, flops, peak_flops = run["steps"][1:end], run["flops_per_step"][1:end], peak.median * 1e12
     fpi = per_image(flops, sum(m["trainer/samples"] for m in steady))
     achieved = images_per_s(steady)
     limit = peak.scaled(1e12 / fpi["total"], "images/s")
@@ -352,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(args.keep) if args.keep else Path(tmp)
         runs = {v.name: run_variant(v, args, folder) for v in variants}
     peak.measure_after(device)
-    results = {name: summarise(run, used_peak(peak)) | run for name, run in runs.items()}
+    results = {name: summarise(run, used_peak(peak), args.mode) | run for name, run in runs.items()}
     report = {"recipe": args.recipe, "mode": args.mode, "device": str(device), "peak": peak,
               "variants": results}  # fmt: skip
     _print(report, peak)
@@ -387,7 +389,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--variant", action="append", type=variant_arg, metavar="NAME[:KEY=VALUE,...]",
                         help="a run with these overrides (repeatable; default: one, 'recipe')")  # fmt: skip
-    parser.add_argument("--steps", type=_steps_arg, default=5, help="steps per variant (0: the recipe's)")
+    parser.add_argument("--steps", type=steps_arg, default=5, help="steps per variant (0: the recipe's)")
     parser.add_argument(
         "--mode", default="sync", choices=["sync", "async"], help="async: the recipe's staleness"
     )

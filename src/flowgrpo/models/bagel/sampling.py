@@ -101,7 +101,7 @@ def prefill_prompts(model: BagelModel, prompts: Sequence[Tensor]) -> KVCache:
 def with_cfg_branches(model: BagelModel, cond: KVCache, params: SamplerSettings) -> KVCache:
     """The context rows of one CFG forward: the conditional rows, then (when CFG is not the
     identity) as many empty rows for the text-unconditional branch. Build it once per batch."""
-    if not _needs_uncond(params):
+    if not needs_uncond(params):
         return cond
     empty = KVCache.empty(model.config, cond.key_mask.shape[0], cond.keys[0].dtype, cond.key_mask.device)
     return KVCache.cat_rows([cond, empty])
@@ -124,14 +124,14 @@ def guided_velocity(
     on the frozen und path, so it is built once, without gradients, by both).
     """
     markers = {"soi_id": special.vision_start, "eoi_id": special.vision_end}
-    if not _needs_uncond(params):
+    if not needs_uncond(params):
         return model.predict_velocity(context, x, t, pos_ids, **markers)
     b = x.shape[0]
     v = model.predict_velocity(context, torch.cat([x, x]), torch.cat([t, t]), pos_ids, **markers)
     return combine_cfg(v[:b], v[b:], t, params)
 
 
-def _needs_uncond(params: SamplerSettings) -> bool:
+def needs_uncond(params: SamplerSettings) -> bool:
     return not (params.cfg_text_scale == 1.0 and params.cfg_img_scale <= 1.0)  # else CFG is the identity
 
 
