@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -51,6 +52,12 @@ class LossConfig:
     is_cap: float = 2.0  # truncation of the off-policy importance weight
     logp_old: Literal["recompute", "bypass"] = "recompute"
     bypass_check_every: int = 10  # bypass: recompute (and measure the gap) every this many steps
+    # the alarm for a broken weight sync: the largest |trainer - rollout| log-prob allowed on samples
+    # of the trainer's current version, measured free on the update's first forward (before any
+    # update: a larger gap stops the step with nothing changed). 0 for exact numerics (rollout and
+    # trainer computing the same function: deterministic CPU, peft LoRA); .inf: off. Needed by
+    # logp_old=bypass, whose ratios are only right when the rollout's log-probs are the trainer's
+    max_logp_gap: float = math.inf
     mini_batches: int = 2  # optimizer steps per training step
     micro_batch_size: int = 4  # samples per forward; 1 in deterministic mode
 
@@ -59,6 +66,14 @@ class LossConfig:
             raise ValueError("trainer.loss.mini_batches and micro_batch_size must be >= 1")
         if not 0 < self.clip_eps < 1:
             raise ValueError(f"trainer.loss.clip_eps={self.clip_eps} must be in (0, 1)")
+        if not self.max_logp_gap >= 0:
+            raise ValueError(f"trainer.loss.max_logp_gap={self.max_logp_gap} must be >= 0 (.inf: no alarm)")
+        if self.logp_old == "bypass" and math.isinf(self.max_logp_gap):
+            raise ValueError(
+                "trainer.loss.logp_old=bypass takes the rollout's log-probs as the old policy's: set "
+                "trainer.loss.max_logp_gap (0 where rollout and trainer compute the same function) so "
+                "that a rollout not sampling the trainer's weights stops the run instead of training on"
+            )
         if self.mode == "grpo_guard" and self.logp_old == "bypass":
             raise ValueError(
                 "trainer.loss.mode=grpo_guard compares the step means with the proximal policy's, "

@@ -27,6 +27,7 @@ from flowgrpo.services.trainer.config import TrainerServiceConfig
 from flowgrpo.services.trainer.core import TrainerCore
 from flowgrpo.services.trainer.distributed import Dist
 from flowgrpo.services.trainer.follow import SAVE, STOP, TRAIN, CommandChannel
+from flowgrpo.services.trainer.step import LogProbGapError
 from flowgrpo.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
 
@@ -160,6 +161,8 @@ def follow(config: TrainerServiceConfig, dist: Dist) -> None:
                 try:
                     core.train(trainer_pb2.TrainStepRequest.FromString(payload))
                 except InvalidArgument:  # rank 0 refused the same fetched batch, before any collective
+                    continue
+                except LogProbGapError:  # every rank saw the same reduced gap: all stopped, none updated
                     continue
                 core.publish()
             elif op == SAVE:

@@ -40,6 +40,7 @@ from flowgrpo.models.bagel.sampling import (
     window_step,
     with_cfg_branches,
 )
+from flowgrpo.runtime.errors import ServiceError
 from flowgrpo.sampler_math import StepResult, shifted_schedule
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.trainer.config import LossConfig, OptimConfig
@@ -68,6 +69,13 @@ class Trajectory:
     log_probs: Tensor  # [W] fp32: behaviour log-probs
     sigmas: Tensor  # [W + 1] fp32
     final_latents: Tensor | None = None  # [N, 64] fp32: the clean latent (DiffusionNFT's input)
+
+
+ON_POLICY_GAP = "actor/on_policy_logp_gap/max"
+
+
+class LogProbGapError(ServiceError):
+    """The rollout's log-probs are not the trainer's for the same weights (the weight-sync alarm)."""
 
 
 class FlowGRPOStep:
@@ -141,7 +149,7 @@ class FlowGRPOStep:
         lag = torch.tensor([self.version - t.policy_version for t in batch], dtype=torch.float32)
         weights = importance_weights(logp_old, behaviour, lag[:, None].expand_as(behaviour), self.loss.is_cap)
         started = time.perf_counter()
-        self._update(batch, params, logp_old, weights, metrics)
+        self._update(batch, params, logp_old, weights, metrics, behaviour=behaviour)
         metrics["timing_s/update_actor"] = time.perf_counter() - started
         self.version += 1
         self.steps_done += 1
@@ -203,14 +211,21 @@ class FlowGRPOStep:
         logp_old: Tensor,
         weights: Tensor,
         metrics: dict[str, float],
+        *,
+        behaviour: Tensor,
     ) -> None:
         rows = list(range(len(batch)))
         size = math.ceil(len(rows) / self.loss.mini_batches)
         totals: dict[str, float] = {}
         for start in range(0, len(rows), size):
             mini = rows[start : start + size]
-            for key, value in self._optimizer_step(batch, mini, params, logp_old, weights).items():
+            first = behaviour if start == 0 else None  # before any update: the policy that sampled
+            for key, value in self._optimizer_step(
+                batch, mini, params, logp_old, weights, behaviour=first
+            ).items():
                 totals[key] = totals.get(key, 0.0) + value
+        if ON_POLICY_GAP in totals:
+            metrics[ON_POLICY_GAP] = totals[ON_POLICY_GAP]
         n = math.ceil(len(rows) / size)
         for key in (
             "actor/pg_loss",
@@ -232,8 +247,14 @@ class FlowGRPOStep:
         params: SamplerParams,
         logp_old: Tensor,
         weights: Tensor,
+        *,
+        behaviour: Tensor | None = None,
     ) -> dict[str, float]:
+        """One optimizer step on the mini-batch ``mini``. ``behaviour`` (the first mini-batch):
+        also measure the on-policy gap on its forward, and stop before the update when it is
+        above ``loss.max_logp_gap`` (:meth:`_check_on_policy_gap`)."""
         self.optimizer.zero_grad(set_to_none=True)
+        gap = -1.0  # none of this rank's rows is on-policy
         window = logp_old.shape[1]
         total = float(len(mini) * window)  # every (sample, window step) of the mini-batch counts once
         sums = torch.zeros(5, dtype=torch.float64)  # loss, clipped, ratio, ppo_kl, kl: summed over entries
@@ -246,6 +267,8 @@ class FlowGRPOStep:
                 self._reference_means([batch[i] for i in rows], params) if self.loss.kl_beta > 0 else None
             )
             result = self._window_log_probs([batch[i] for i in rows], params)
+            if behaviour is not None:
+                gap = max(gap, self._on_policy_gap(batch, part, result.log_prob, behaviour))
             index = torch.tensor(rows)
             kl = None
             if reference is not None:
@@ -273,8 +296,9 @@ class FlowGRPOStep:
             kl_sum = kl.detach().sum() if kl is not None else torch.zeros(())
             parts = [terms.pg_loss_sum, terms.clipped, terms.ratio_sum, terms.approx_kl_sum, kl_sum]
             sums += torch.stack([p.double().cpu() for p in parts])
+        checked = self._check_on_policy_gap(gap) if behaviour is not None else {}
         (loss, clipped, ratio, ppo_kl, kl_loss), grad_norm, skipped = self._finish_update(sums, total)
-        return {
+        return checked | {
             "actor/pg_loss": loss,
             "actor/grad_norm": grad_norm,
             "actor/pg_clipfrac": clipped,
@@ -283,6 +307,35 @@ class FlowGRPOStep:
             "actor/kl_loss": kl_loss,
             "actor/skipped_steps": float(skipped),
         }
+
+    def _on_policy_gap(
+        self, batch: Sequence[Trajectory], part: list[tuple[int, bool]], log_prob: Tensor, behaviour: Tensor
+    ) -> float:
+        """max |trainer log-prob - behaviour log-prob| over the part's rows the trainer's current
+        version sampled (lag 0: the same weights on both sides); -1 when there are none."""
+        keep = [
+            k for k, (row, valid) in enumerate(part) if valid and batch[row].policy_version == self.version
+        ]
+        if not keep:
+            return -1.0
+        rows = [part[k][0] for k in keep]
+        return float((log_prob.detach()[keep].to("cpu", torch.float32) - behaviour[rows]).abs().max())
+
+    def _check_on_policy_gap(self, gap: float) -> dict[str, float]:
+        """The first mini-batch's on-policy gap over every rank (absent when no sample is on
+        policy: async); above ``loss.max_logp_gap`` the step stops here, before any update."""
+        gap = float(self.dist.max(torch.tensor([gap], dtype=torch.float64)))
+        if gap < 0:
+            return {}
+        if gap > self.loss.max_logp_gap:
+            raise LogProbGapError(
+                f"the rollout's log-probs differ from the trainer's by up to {gap:.3g} on samples of the "
+                f"trainer's own version {self.version} (trainer.loss.max_logp_gap="
+                f"{self.loss.max_logp_gap:g}): the rollout is not sampling the published weights (a "
+                "broken weight sync) or computes another function; nothing was updated. Check the "
+                "rollouts' LoadWeights, or use trainer.loss.logp_old=recompute with a larger threshold"
+            )
+        return {ON_POLICY_GAP: gap}
 
     def _guard_step(self, part: Sequence[Trajectory], rows: list[int], result: StepResult) -> GuardStep:
         """GRPO-Guard's per-(sample, window step) drift of the mean from the proximal policy's,

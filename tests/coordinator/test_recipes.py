@@ -310,8 +310,12 @@ BAD_OVERRIDES = {
         ["trainer.policy.lora_targets=[self_attn.q_proj]"],
         ["trainer.policy.lora_targets ['self_attn.q_proj']", "outside the gen path", "moe_gen"],
     ),
+    "bypass without the weight-sync alarm": (
+        ["trainer.loss.logp_old=bypass"],
+        ["trainer.loss.logp_old=bypass", "set trainer.loss.max_logp_gap"],
+    ),
     "async with bypass": (
-        ["schedule.mode=async", "trainer.loss.logp_old=bypass"],
+        ["schedule.mode=async", "trainer.loss.logp_old=bypass", "trainer.loss.max_logp_gap=0"],
         ["schedule.mode=async", "needs trainer.loss.logp_old=recompute"],
     ),
     "remote with some addresses": (
@@ -349,7 +353,7 @@ BAD_OVERRIDES = {
     ),
     "unknown engine": (["rollout.engine=vllm"], ["rollout.engine: 'vllm' is not one of", "'vllm_omni'"]),
     "GRPO-Guard without the recompute": (
-        ["trainer.loss.mode=grpo_guard", "trainer.loss.logp_old=bypass"],
+        ["trainer.loss.mode=grpo_guard", "trainer.loss.logp_old=bypass", "trainer.loss.max_logp_gap=0"],
         ["trainer.loss.mode=grpo_guard", "use trainer.loss.logp_old=recompute"],
     ),
     "GRPO-Guard with CPS steps": (

@@ -15,7 +15,7 @@ from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig
 from flowgrpo.services.trainer.policy import TrainablePolicy
-from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory
+from flowgrpo.services.trainer.step import FlowGRPOStep, LogProbGapError, Trajectory
 
 PARAMS = SamplerParams(num_points=6, height=32, width=32, window_size=2, window_range=(0, 4),
                        deterministic=True, decode_images=False, cfg_text_scale=2.0)  # fmt: skip
@@ -186,3 +186,39 @@ def test_a_step_abandoned_before_its_first_update_leaves_the_trainer_as_it_was(t
 
     step.run(batch, PARAMS, may_stop=count)
     assert seen == 4 + 2 + 1  # 4 logp_old parts, 2 micro-batches, before the update; then never
+
+
+def test_the_on_policy_gap_is_measured_free_and_is_zero_for_exact_numerics(tiny: Path) -> None:
+    """The update's first forward runs the weights that sampled (lag 0): its gap to the behaviour
+    log-probs is measured without a recompute, exactly 0 on deterministic CPU, so logp_old=bypass
+    with the strictest alarm (0) trains like recompute."""
+    batch = rollout(sampler_for(tiny), [1.5, -0.5, 0.25, 2.0])
+    bypass = trainer(tiny, logp_old="bypass", max_logp_gap=0.0, mini_batches=2, bypass_check_every=10**6)
+    bypass.last_gap, bypass.steps_done = 0.0, 1  # a gap measured before, not a check step: bypass now
+    recompute = trainer(tiny, mini_batches=2)
+    ours, theirs = bypass.run(batch, PARAMS), recompute.run(batch, PARAMS)
+    assert ours["actor/logp_old_bypassed"] == 1.0 and theirs["actor/logp_old_bypassed"] == 0.0
+    assert ours["actor/on_policy_logp_gap/max"] == theirs["actor/on_policy_logp_gap/max"] == 0.0
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/ratio_mean"):
+        assert ours[key] == theirs[key], key
+
+
+@pytest.mark.parametrize("logp_old", ["bypass", "recompute"])
+def test_a_rollout_not_sampling_the_trainers_weights_stops_the_step_before_any_update(
+    tiny: Path, logp_old: str
+) -> None:
+    """The weight-sync alarm: behaviour log-probs of another policy (here: the base, while the
+    trainer already trained one step) on samples that claim the trainer's version."""
+    step = trainer(tiny, logp_old=logp_old, max_logp_gap=1e-6, bypass_check_every=10**6)
+    step.last_gap = 0.0
+    step.run(rollout(sampler_for(tiny), [1.0, -1.0, 0.5, -0.5]), PARAMS)  # version 1 now
+    stale = rollout(sampler_for(tiny), [1.0, -1.0, 0.5, -0.5], version=1)  # sampled by the base
+    before = {k: v.detach().clone() for k, v in step.policy.trainable().items()}
+    with pytest.raises(LogProbGapError, match="broken weight sync"):
+        step.run(stale, PARAMS)
+    assert step.version == 1 and all(torch.equal(v, before[k]) for k, v in step.policy.trainable().items())
+
+
+def test_bypass_without_an_alarm_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_logp_gap"):
+        LossConfig(logp_old="bypass").validate()
