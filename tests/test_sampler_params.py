@@ -20,7 +20,8 @@ CHANGED = {
     "num_points": 9, "timestep_shift": 2.5, "cfg_text_scale": 3.5, "cfg_img_scale": 1.25,
     "cfg_interval": (0.125, 0.875), "cfg_renorm_type": "channel", "cfg_renorm_min": 0.5,
     "sde_type": "cps", "noise_level": 0.75, "window_size": 3, "window_range": (1, 6),
-    "window_strategy": "progressive", "deterministic": True, "branch": True, "height": 48, "width": 80,
+    "window_strategy": "progressive", "deterministic": True, "branch": True, "batch_invariant": True,
+    "height": 48, "width": 80,
     "decode_images": False,
 }  # fmt: skip
 

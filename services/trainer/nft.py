@@ -213,7 +213,9 @@ class DiffusionNFTStep(FlowGRPOStep):
             autocast = compute_autocast(model) if self.mixed_precision else contextlib.nullcontext()
             with torch.no_grad(), autocast:
                 context = with_cfg_branches(
-                    model, prefill_prompts(model, [s.prompt_ids for s in part]), params
+                    model,
+                    prefill_prompts(model, [s.prompt_ids for s in part], invariant=params.batch_invariant),
+                    params,
                 )
             device = context.key_mask.device
             rows, cols = token_grid(params)

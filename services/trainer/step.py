@@ -380,7 +380,11 @@ class FlowGRPOStep:
         model = self.policy.model
         autocast = compute_autocast(model) if self.mixed_precision else contextlib.nullcontext()
         with torch.no_grad(), autocast:
-            context = with_cfg_branches(model, prefill_prompts(model, [t.prompt_ids for t in part]), params)
+            context = with_cfg_branches(
+                model,
+                prefill_prompts(model, [t.prompt_ids for t in part], invariant=params.batch_invariant),
+                params,
+            )
         device = context.key_mask.device
         rows, cols = token_grid(params)
         pos_ids = latent_position_ids(rows, cols, model.config.max_latent_size, device)

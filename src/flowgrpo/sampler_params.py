@@ -67,6 +67,11 @@ class SamplerSettings:
     window_strategy: WindowStrategy = "random"
     deterministic: bool = False  # deterministic kernels, one sample per forward (bitwise on CPU)
     branch: bool = False  # a group's samples share their initial noise and the ODE steps before the window
+    # every sample's forward in a batch of its own shape: its prompt prefilled alone, its (cond,
+    # uncond) pair over its own cache length, so a sample's velocity, and its log-probs, do not
+    # depend on what else shares the batch: a rollout's batch of 8 and a trainer's micro-batch of
+    # 2 compute the same numbers (docs/algorithms.md, "exact log-prob ratios")
+    batch_invariant: bool = False
 
     @property
     def num_steps(self) -> int:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66lowgrpo/v1/common.proto\x12\x0b\x66lowgrpo.v1\"\x92\x01\n\tTensorRef\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0e\n\x06\x63olumn\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\x0e\n\x06nbytes\x18\x06 \x01(\x03\x12\x10\n\x08store_id\x18\x07 \x01(\t\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\"E\n\nColumnSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\t\x12\x0b\n\x03\x64oc\x18\x04 \x01(\t\">\n\tStageSpec\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x10\n\x08\x63onsumes\x18\x02 \x03(\t\x12\x10\n\x08produces\x18\x03 \x03(\t\"\xb1\x03\n\rSamplerParams\x12\x12\n\nnum_points\x18\x01 \x01(\x05\x12\x16\n\x0etimestep_shift\x18\x02 \x01(\x01\x12\x16\n\x0e\x63\x66g_text_scale\x18\x03 \x01(\x01\x12\x15\n\rcfg_img_scale\x18\x04 \x01(\x01\x12\x17\n\x0f\x63\x66g_interval_lo\x18\x05 \x01(\x01\x12\x17\n\x0f\x63\x66g_interval_hi\x18\x06 \x01(\x01\x12\x17\n\x0f\x63\x66g_renorm_type\x18\x07 \x01(\t\x12\x16\n\x0e\x63\x66g_renorm_min\x18\x08 \x01(\x01\x12\x10\n\x08sde_type\x18\t \x01(\t\x12\x13\n\x0bnoise_level\x18\n \x01(\x01\x12\x13\n\x0bwindow_size\x18\x0b \x01(\x05\x12\x17\n\x0fwindow_range_lo\x18\x0c \x01(\x05\x12\x17\n\x0fwindow_range_hi\x18\r \x01(\x05\x12\x17\n\x0fwindow_strategy\x18\x0e \x01(\t\x12\x0e\n\x06height\x18\x0f \x01(\x05\x12\r\n\x05width\x18\x10 \x01(\x05\x12\x15\n\rdeterministic\x18\x11 \x01(\x08\x12\x15\n\rdecode_images\x18\x12 \x01(\x08\x12\x0e\n\x06\x62ranch\x18\x13 \x01(\x08\"@\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x03ref\x18\x02 \x01(\x0b\x32\x16.flowgrpo.v1.TensorRef\"\'\n\x08LoraSpec\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05\x61lpha\x18\x02 \x01(\x01\"J\n\x0c\x42ucketTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\"\x8b\x02\n\rCudaIpcBucket\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\x12\x0e\n\x06handle\x18\x03 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x04 \x01(\x03\x12\x16\n\x0estorage_offset\x18\x05 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x06 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x07 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x08 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\t \x01(\x08\x12*\n\x07tensors\x18\n \x03(\x0b\x32\x19.flowgrpo.v1.BucketTensor\"\xdc\x01\n\x0cWeightUpdate\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12)\n\x07tensors\x18\x03 \x03(\x0b\x32\x18.flowgrpo.v1.NamedTensor\x12#\n\x04lora\x18\x04 \x01(\x0b\x32\x15.flowgrpo.v1.LoraSpec\x12,\n\x08\x63uda_ipc\x18\x05 \x03(\x0b\x32\x1a.flowgrpo.v1.CudaIpcBucket\x12(\n\x04\x62\x61se\x18\x06 \x01(\x0b\x32\x1a.flowgrpo.v1.CudaIpcBucket\"j\n\x07Metrics\x12\x30\n\x06values\x18\x01 \x03(\x0b\x32 .flowgrpo.v1.Metrics.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"M\n\x05\x45rror\x12$\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x16.flowgrpo.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05where\x18\x03 \x01(\t\"\xd3\x02\n\x0bServiceInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x18\n\x10software_version\x18\x03 \x01(\t\x12\x18\n\x10protocol_version\x18\x04 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x05 \x01(\t\x12\x14\n\x0c\x62us_endpoint\x18\x06 \x01(\t\x12&\n\x06stages\x18\x07 \x03(\x0b\x32\x16.flowgrpo.v1.StageSpec\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\x12\x0b\n\x03pid\x18\t \x01(\x05\x12\x10\n\x08hostname\x18\n \x01(\t\x12\x34\n\x06labels\x18\x0b \x03(\x0b\x32$.flowgrpo.v1.ServiceInfo.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"A\n\x10HandshakeRequest\x12\x13\n\x0b\x63lient_role\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\t\";\n\x11HandshakeResponse\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.flowgrpo.v1.ServiceInfo\"\x1f\n\x0c\x44rainRequest\x12\x0f\n\x07grace_s\x18\x01 \x01(\x01\"\"\n\rDrainResponse\x12\x11\n\tin_flight\x18\x01 \x01(\x05*\xc5\x02\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x01\x12\x1f\n\x1b\x45RROR_CODE_SCHEMA_VIOLATION\x10\x02\x12\x18\n\x14\x45RROR_CODE_NOT_FOUND\x10\x03\x12\x17\n\x13\x45RROR_CODE_RELEASED\x10\x04\x12\x16\n\x12\x45RROR_CODE_EVICTED\x10\x05\x12\x18\n\x14\x45RROR_CODE_DATA_LOST\x10\x06\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x07\x12 \n\x1c\x45RROR_CODE_DEADLINE_EXCEEDED\x10\x08\x12\x1e\n\x1a\x45RROR_CODE_UNAUTHENTICATED\x10\t\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\n2\x97\x01\n\tLifecycle\x12J\n\tHandshake\x12\x1d.flowgrpo.v1.HandshakeRequest\x1a\x1e.flowgrpo.v1.HandshakeResponse\x12>\n\x05\x44rain\x12\x19.flowgrpo.v1.DrainRequest\x1a\x1a.flowgrpo.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66lowgrpo/v1/common.proto\x12\x0b\x66lowgrpo.v1\"\x92\x01\n\tTensorRef\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0e\n\x06\x63olumn\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\x0e\n\x06nbytes\x18\x06 \x01(\x03\x12\x10\n\x08store_id\x18\x07 \x01(\t\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\"E\n\nColumnSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\t\x12\x0b\n\x03\x64oc\x18\x04 \x01(\t\">\n\tStageSpec\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x10\n\x08\x63onsumes\x18\x02 \x03(\t\x12\x10\n\x08produces\x18\x03 \x03(\t\"\xca\x03\n\rSamplerParams\x12\x12\n\nnum_points\x18\x01 \x01(\x05\x12\x16\n\x0etimestep_shift\x18\x02 \x01(\x01\x12\x16\n\x0e\x63\x66g_text_scale\x18\x03 \x01(\x01\x12\x15\n\rcfg_img_scale\x18\x04 \x01(\x01\x12\x17\n\x0f\x63\x66g_interval_lo\x18\x05 \x01(\x01\x12\x17\n\x0f\x63\x66g_interval_hi\x18\x06 \x01(\x01\x12\x17\n\x0f\x63\x66g_renorm_type\x18\x07 \x01(\t\x12\x16\n\x0e\x63\x66g_renorm_min\x18\x08 \x01(\x01\x12\x10\n\x08sde_type\x18\t \x01(\t\x12\x13\n\x0bnoise_level\x18\n \x01(\x01\x12\x13\n\x0bwindow_size\x18\x0b \x01(\x05\x12\x17\n\x0fwindow_range_lo\x18\x0c \x01(\x05\x12\x17\n\x0fwindow_range_hi\x18\r \x01(\x05\x12\x17\n\x0fwindow_strategy\x18\x0e \x01(\t\x12\x0e\n\x06height\x18\x0f \x01(\x05\x12\r\n\x05width\x18\x10 \x01(\x05\x12\x15\n\rdeterministic\x18\x11 \x01(\x08\x12\x15\n\rdecode_images\x18\x12 \x01(\x08\x12\x0e\n\x06\x62ranch\x18\x13 \x01(\x08\x12\x17\n\x0f\x62\x61tch_invariant\x18\x14 \x01(\x08\"@\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x03ref\x18\x02 \x01(\x0b\x32\x16.flowgrpo.v1.TensorRef\"\'\n\x08LoraSpec\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05\x61lpha\x18\x02 \x01(\x01\"J\n\x0c\x42ucketTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\"\x8b\x02\n\rCudaIpcBucket\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\x12\x0e\n\x06handle\x18\x03 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x04 \x01(\x03\x12\x16\n\x0estorage_offset\x18\x05 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x06 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x07 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x08 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\t \x01(\x08\x12*\n\x07tensors\x18\n \x03(\x0b\x32\x19.flowgrpo.v1.BucketTensor\"\xdc\x01\n\x0cWeightUpdate\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12)\n\x07tensors\x18\x03 \x03(\x0b\x32\x18.flowgrpo.v1.NamedTensor\x12#\n\x04lora\x18\x04 \x01(\x0b\x32\x15.flowgrpo.v1.LoraSpec\x12,\n\x08\x63uda_ipc\x18\x05 \x03(\x0b\x32\x1a.flowgrpo.v1.CudaIpcBucket\x12(\n\x04\x62\x61se\x18\x06 \x01(\x0b\x32\x1a.flowgrpo.v1.CudaIpcBucket\"j\n\x07Metrics\x12\x30\n\x06values\x18\x01 \x03(\x0b\x32 .flowgrpo.v1.Metrics.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"M\n\x05\x45rror\x12$\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x16.flowgrpo.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05where\x18\x03 \x01(\t\"\xd3\x02\n\x0bServiceInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x18\n\x10software_version\x18\x03 \x01(\t\x12\x18\n\x10protocol_version\x18\x04 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x05 \x01(\t\x12\x14\n\x0c\x62us_endpoint\x18\x06 \x01(\t\x12&\n\x06stages\x18\x07 \x03(\x0b\x32\x16.flowgrpo.v1.StageSpec\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\x12\x0b\n\x03pid\x18\t \x01(\x05\x12\x10\n\x08hostname\x18\n \x01(\t\x12\x34\n\x06labels\x18\x0b \x03(\x0b\x32$.flowgrpo.v1.ServiceInfo.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"A\n\x10HandshakeRequest\x12\x13\n\x0b\x63lient_role\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\t\";\n\x11HandshakeResponse\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.flowgrpo.v1.ServiceInfo\"\x1f\n\x0c\x44rainRequest\x12\x0f\n\x07grace_s\x18\x01 \x01(\x01\"\"\n\rDrainResponse\x12\x11\n\tin_flight\x18\x01 \x01(\x05*\xc5\x02\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x01\x12\x1f\n\x1b\x45RROR_CODE_SCHEMA_VIOLATION\x10\x02\x12\x18\n\x14\x45RROR_CODE_NOT_FOUND\x10\x03\x12\x17\n\x13\x45RROR_CODE_RELEASED\x10\x04\x12\x16\n\x12\x45RROR_CODE_EVICTED\x10\x05\x12\x18\n\x14\x45RROR_CODE_DATA_LOST\x10\x06\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x07\x12 \n\x1c\x45RROR_CODE_DEADLINE_EXCEEDED\x10\x08\x12\x1e\n\x1a\x45RROR_CODE_UNAUTHENTICATED\x10\t\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\n2\x97\x01\n\tLifecycle\x12J\n\tHandshake\x12\x1d.flowgrpo.v1.HandshakeRequest\x1a\x1e.flowgrpo.v1.HandshakeResponse\x12>\n\x05\x44rain\x12\x19.flowgrpo.v1.DrainRequest\x1a\x1a.flowgrpo.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_METRICS_VALUESENTRY']._serialized_options = b'8\001'
   _globals['_SERVICEINFO_LABELSENTRY']._loaded_options = None
   _globals['_SERVICEINFO_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_ERRORCODE']._serialized_start=2164
-  _globals['_ERRORCODE']._serialized_end=2489
+  _globals['_ERRORCODE']._serialized_start=2189
+  _globals['_ERRORCODE']._serialized_end=2514
   _globals['_TENSORREF']._serialized_start=42
   _globals['_TENSORREF']._serialized_end=188
   _globals['_COLUMNSPEC']._serialized_start=190
@@ -44,35 +44,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STAGESPEC']._serialized_start=261
   _globals['_STAGESPEC']._serialized_end=323
   _globals['_SAMPLERPARAMS']._serialized_start=326
-  _globals['_SAMPLERPARAMS']._serialized_end=759
-  _globals['_NAMEDTENSOR']._serialized_start=761
-  _globals['_NAMEDTENSOR']._serialized_end=825
-  _globals['_LORASPEC']._serialized_start=827
-  _globals['_LORASPEC']._serialized_end=866
-  _globals['_BUCKETTENSOR']._serialized_start=868
-  _globals['_BUCKETTENSOR']._serialized_end=942
-  _globals['_CUDAIPCBUCKET']._serialized_start=945
-  _globals['_CUDAIPCBUCKET']._serialized_end=1212
-  _globals['_WEIGHTUPDATE']._serialized_start=1215
-  _globals['_WEIGHTUPDATE']._serialized_end=1435
-  _globals['_METRICS']._serialized_start=1437
-  _globals['_METRICS']._serialized_end=1543
-  _globals['_METRICS_VALUESENTRY']._serialized_start=1498
-  _globals['_METRICS_VALUESENTRY']._serialized_end=1543
-  _globals['_ERROR']._serialized_start=1545
-  _globals['_ERROR']._serialized_end=1622
-  _globals['_SERVICEINFO']._serialized_start=1625
-  _globals['_SERVICEINFO']._serialized_end=1964
-  _globals['_SERVICEINFO_LABELSENTRY']._serialized_start=1919
-  _globals['_SERVICEINFO_LABELSENTRY']._serialized_end=1964
-  _globals['_HANDSHAKEREQUEST']._serialized_start=1966
-  _globals['_HANDSHAKEREQUEST']._serialized_end=2031
-  _globals['_HANDSHAKERESPONSE']._serialized_start=2033
-  _globals['_HANDSHAKERESPONSE']._serialized_end=2092
-  _globals['_DRAINREQUEST']._serialized_start=2094
-  _globals['_DRAINREQUEST']._serialized_end=2125
-  _globals['_DRAINRESPONSE']._serialized_start=2127
-  _globals['_DRAINRESPONSE']._serialized_end=2161
-  _globals['_LIFECYCLE']._serialized_start=2492
-  _globals['_LIFECYCLE']._serialized_end=2643
+  _globals['_SAMPLERPARAMS']._serialized_end=784
+  _globals['_NAMEDTENSOR']._serialized_start=786
+  _globals['_NAMEDTENSOR']._serialized_end=850
+  _globals['_LORASPEC']._serialized_start=852
+  _globals['_LORASPEC']._serialized_end=891
+  _globals['_BUCKETTENSOR']._serialized_start=893
+  _globals['_BUCKETTENSOR']._serialized_end=967
+  _globals['_CUDAIPCBUCKET']._serialized_start=970
+  _globals['_CUDAIPCBUCKET']._serialized_end=1237
+  _globals['_WEIGHTUPDATE']._serialized_start=1240
+  _globals['_WEIGHTUPDATE']._serialized_end=1460
+  _globals['_METRICS']._serialized_start=1462
+  _globals['_METRICS']._serialized_end=1568
+  _globals['_METRICS_VALUESENTRY']._serialized_start=1523
+  _globals['_METRICS_VALUESENTRY']._serialized_end=1568
+  _globals['_ERROR']._serialized_start=1570
+  _globals['_ERROR']._serialized_end=1647
+  _globals['_SERVICEINFO']._serialized_start=1650
+  _globals['_SERVICEINFO']._serialized_end=1989
+  _globals['_SERVICEINFO_LABELSENTRY']._serialized_start=1944
+  _globals['_SERVICEINFO_LABELSENTRY']._serialized_end=1989
+  _globals['_HANDSHAKEREQUEST']._serialized_start=1991
+  _globals['_HANDSHAKEREQUEST']._serialized_end=2056
+  _globals['_HANDSHAKERESPONSE']._serialized_start=2058
+  _globals['_HANDSHAKERESPONSE']._serialized_end=2117
+  _globals['_DRAINREQUEST']._serialized_start=2119
+  _globals['_DRAINREQUEST']._serialized_end=2150
+  _globals['_DRAINRESPONSE']._serialized_start=2152
+  _globals['_DRAINRESPONSE']._serialized_end=2186
+  _globals['_LIFECYCLE']._serialized_start=2517
+  _globals['_LIFECYCLE']._serialized_end=2668
 # @@protoc_insertion_point(module_scope)

@@ -213,6 +213,7 @@ class SamplerParams(_message.Message):
     DETERMINISTIC_FIELD_NUMBER: _builtins.int
     DECODE_IMAGES_FIELD_NUMBER: _builtins.int
     BRANCH_FIELD_NUMBER: _builtins.int
+    BATCH_INVARIANT_FIELD_NUMBER: _builtins.int
     num_points: _builtins.int
     """flowgrpo.sampler_params.SamplerParams, field for field (a pair x is x_lo, x_hi)
     schedule points; num_points - 1 denoising steps
@@ -241,6 +242,8 @@ class SamplerParams(_message.Message):
     decode_images: _builtins.bool
     branch: _builtins.bool
     """a group's samples share the initial noise and the steps before the window"""
+    batch_invariant: _builtins.bool
+    """every sample's forward in a batch of its own shape (exact ratios)"""
     def __init__(
         self,
         *,
@@ -263,10 +266,11 @@ class SamplerParams(_message.Message):
         deterministic: _builtins.bool = ...,
         decode_images: _builtins.bool = ...,
         branch: _builtins.bool = ...,
+        batch_invariant: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["branch", b"branch", "cfg_img_scale", b"cfg_img_scale", "cfg_interval_hi", b"cfg_interval_hi", "cfg_interval_lo", b"cfg_interval_lo", "cfg_renorm_min", b"cfg_renorm_min", "cfg_renorm_type", b"cfg_renorm_type", "cfg_text_scale", b"cfg_text_scale", "decode_images", b"decode_images", "deterministic", b"deterministic", "height", b"height", "noise_level", b"noise_level", "num_points", b"num_points", "sde_type", b"sde_type", "timestep_shift", b"timestep_shift", "width", b"width", "window_range_hi", b"window_range_hi", "window_range_lo", b"window_range_lo", "window_size", b"window_size", "window_strategy", b"window_strategy"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_invariant", b"batch_invariant", "branch", b"branch", "cfg_img_scale", b"cfg_img_scale", "cfg_interval_hi", b"cfg_interval_hi", "cfg_interval_lo", b"cfg_interval_lo", "cfg_renorm_min", b"cfg_renorm_min", "cfg_renorm_type", b"cfg_renorm_type", "cfg_text_scale", b"cfg_text_scale", "decode_images", b"decode_images", "deterministic", b"deterministic", "height", b"height", "noise_level", b"noise_level", "num_points", b"num_points", "sde_type", b"sde_type", "timestep_shift", b"timestep_shift", "width", b"width", "window_range_hi", b"window_range_hi", "window_range_lo", b"window_range_lo", "window_size", b"window_size", "window_strategy", b"window_strategy"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

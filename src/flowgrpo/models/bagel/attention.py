@@ -103,6 +103,16 @@ class KVCache:
             key_mask=self.key_mask.index_select(0, rows),
         )
 
+    def trimmed(self) -> KVCache:
+        """This cache cut to its longest row's real entries (rows are right-padded): the padding
+        another batch's longer prompt added is gone, so the row's attention is its own."""
+        length = int(self.lengths.max()) if self.key_mask.shape[0] else 0
+        return KVCache(
+            keys=[k[:, :, :length] for k in self.keys],
+            values=[v[:, :, :length] for v in self.values],
+            key_mask=self.key_mask[:, :length],
+        )
+
     @classmethod
     def cat_rows(cls, caches: Sequence[KVCache]) -> KVCache:
         """Stack caches along the batch, padding every one to the longest with masked entries

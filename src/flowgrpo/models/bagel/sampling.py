@@ -86,8 +86,11 @@ class Trajectories:
 # --- the velocity, shared with the trainer --------------------------------------------------
 
 
-def prefill_prompts(model: BagelModel, prompts: Sequence[Tensor]) -> KVCache:
-    """One cache row per prompt; prompts of different lengths are right-padded and masked."""
+def prefill_prompts(model: BagelModel, prompts: Sequence[Tensor], *, invariant: bool = False) -> KVCache:
+    """One cache row per prompt; prompts of different lengths are right-padded and masked.
+    ``invariant``: each prompt prefilled alone (its K/V independent of the others'), then padded."""
+    if invariant and len(prompts) > 1:
+        return KVCache.cat_rows([prefill_prompts(model, [p]) for p in prompts])
     device = model.vae2llm.weight.device
     longest = max(int(p.numel()) for p in prompts)
     ids = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
@@ -123,12 +126,27 @@ def guided_velocity(
     The rollout calls it without gradients, the trainer with them (the prompt cache depends only
     on the frozen und path, so it is built once, without gradients, by both).
     """
+    if params.batch_invariant and x.shape[0] > 1:  # each sample as in a batch of one
+        rows = range(x.shape[0])
+        own = [pos_ids[i : i + 1] if pos_ids.dim() == 2 else pos_ids for i in rows]
+        return torch.cat([
+            guided_velocity(model, _own_context(context, i, len(rows), params), x[i : i + 1], t[i : i + 1],
+                            own[i], params=params, special=special)
+            for i in rows
+        ])  # fmt: skip
     markers = {"soi_id": special.vision_start, "eoi_id": special.vision_end}
     if not needs_uncond(params):
         return model.predict_velocity(context, x, t, pos_ids, **markers)
     b = x.shape[0]
     v = model.predict_velocity(context, torch.cat([x, x]), torch.cat([t, t]), pos_ids, **markers)
     return combine_cfg(v[:b], v[b:], t, params)
+
+
+def _own_context(context: KVCache, row: int, batch: int, params: SamplerSettings) -> KVCache:
+    """Sample ``row``'s context rows of a :func:`with_cfg_branches` cache (its conditional row,
+    and its empty row with CFG) cut to its own length: what it would be in a batch of one."""
+    rows = [row, batch + row] if needs_uncond(params) else [row]
+    return context.select(torch.tensor(rows, device=context.key_mask.device)).trimmed()
 
 
 def needs_uncond(params: SamplerSettings) -> bool:
@@ -310,7 +328,9 @@ class _Batch:
         self.prompt_lengths = [int(first[uid].prompt_ids.numel()) for uid in uids]
         # each distinct prompt prefilled once; its rows share the cache row
         self.cache = (
-            cache if cache is not None else prefill_prompts(model, [first[u].prompt_ids for u in uids])
+            cache
+            if cache is not None
+            else prefill_prompts(model, [first[u].prompt_ids for u in uids], invariant=params.batch_invariant)
         )
         self.host_schedule = shifted_schedule(params.num_points, params.timestep_shift)
         self.schedule = self.host_schedule.to(self.device)
