@@ -35,6 +35,7 @@ examples:
   flowgrpo bench rollout          BAGEL-7B sampling images/s and MFU on a GPU (bench/rollout_gpu.sh)
   flowgrpo bench schedule         async vs sync images/s and their overlap (the CPU demo, or --recipe)
   flowgrpo bench system           images/s vs the FLOP limit, time split, MFU per --variant (system_gpu.sh)
+  flowgrpo bench consistency      do rollout and trainer compute the same log-probs? (consistency_gpu.sh)
   flowgrpo bench paths            launchers, replica counts, schedules: do they train the same?
   flowgrpo bench learning --isa default avx2 --threads 1 2   the demo against its lr=0 control, per seed
   flowgrpo bench algos --plot algos.png   FlowGRPO, branching, DiffusionNFT: learnt per image and per second
@@ -45,6 +46,20 @@ examples:
   flowgrpo serve rollout rollout.checkpoint=/tmp/tiny server.port=50051
   flowgrpo generate --checkpoint /ckpt/BAGEL-7B-MoT --prompt "a red fox" --out images/
 """
+
+
+BENCHMARKS = [
+    "algos",
+    "bus",
+    "consistency",
+    "learning",
+    "paths",
+    "reward",
+    "rollout",
+    "schedule",
+    "system",
+    "trainer",
+]
 
 
 def _cmd_version(_: argparse.Namespace) -> int:
@@ -593,14 +608,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "target",
-        choices=["algos", "bus", "learning", "paths", "reward", "rollout", "schedule", "system", "trainer"],
+        choices=BENCHMARKS,
         help="bus: the ZeroMQ data bus against memcpy; reward: images/s per scorer; rollout: BAGEL "
         "sampling images/s and MFU against the matmul peak (GPU); trainer: FlowGRPO training "
         "throughput and MFU (GPU); schedule: async vs sync images/s and their overlap (the CPU demo); "
         "paths: do the launchers, replica counts and schedules train the same (the CPU demo); "
         "learning: the demo against its lr=0 control per seed, CPU capability and thread count; "
         "algos: FlowGRPO, with branching, and DiffusionNFT on the demo: gain per image and per second; "
-        "system: a recipe's images/s against its FLOP limit, each step's time split and MFU, per variant",
+        "system: a recipe's images/s against its FLOP limit, each step's time split and MFU, per variant; "
+        "consistency: the rollout/trainer log-prob gap per window step, batched vs batch-invariant",
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options of the benchmark (see --help)")
     return parser

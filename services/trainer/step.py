@@ -174,6 +174,26 @@ class FlowGRPOStep:
             for layer in layers:
                 layer.cast_input_dtype_enabled = True
 
+    def recompute(self, batch: Sequence[Trajectory], params: SamplerParams) -> Tensor:
+        """The window log-probs [B, W] of ``batch`` under the current weights, as the step's
+        logp_old recompute computes them (micro-batches, no gradients; every rank gets all)."""
+        with self._lora_inputs_uncast():
+            return self._recompute(batch, params)
+
+    def _recompute(self, batch: Sequence[Trajectory], params: SamplerParams) -> Tensor:
+        recomputed = torch.zeros(len(batch), batch[0].log_probs.shape[0])
+        self._mean_old = {}
+        with torch.no_grad():
+            for part in self._chunks(self.dist.share(list(range(len(batch))))):
+                self._may_stop()
+                result = self._window_log_probs([batch[r] for r, _ in part], params)
+                for i, (row, valid) in enumerate(part):
+                    if valid:
+                        recomputed[row] = result.log_prob[i].to(recomputed.device)
+                        if self.loss.mode == "grpo_guard":  # this rank's rows are the ones it trains
+                            self._mean_old[row] = result.mean[i].cpu()
+        return self.dist.sum(recomputed)  # every rank holds the whole batch's logp_old
+
     def _logp_old(
         self, batch: Sequence[Trajectory], params: SamplerParams, behaviour: Tensor, metrics: dict[str, float]
     ) -> Tensor:
@@ -185,18 +205,7 @@ class FlowGRPOStep:
         if bypass:
             metrics["actor/logp_old_bypassed"] = 1.0
             return behaviour
-        recomputed = torch.zeros_like(behaviour)
-        self._mean_old = {}
-        with torch.no_grad():
-            for part in self._chunks(self.dist.share(list(range(len(batch))))):
-                self._may_stop()
-                result = self._window_log_probs([batch[r] for r, _ in part], params)
-                for i, (row, valid) in enumerate(part):
-                    if valid:
-                        recomputed[row] = result.log_prob[i].to(recomputed.device)
-                        if self.loss.mode == "grpo_guard":  # this rank's rows are the ones it trains
-                            self._mean_old[row] = result.mean[i].cpu()
-        recomputed = self.dist.sum(recomputed)  # every rank holds the whole batch's logp_old
+        recomputed = self._recompute(batch, params)
         gap = (recomputed - behaviour).abs()
         self.last_gap = float(gap.max())
         metrics["actor/rollout_logp_gap/mean"] = float(gap.mean())
