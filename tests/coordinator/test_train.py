@@ -491,3 +491,30 @@ def test_diffusion_nft_trains_async_at_lag_1_on_optimalities(tiny: Path, tmp_pat
         assert r["actor/nft/old_decay"] == min(0.25 * r["step"], 0.5)
         assert r["actor/grad_norm"] > 0 and "actor/pg_clipfrac" not in r and "actor/ratio_mean" not in r
     assert metrics[-1]["actor/nft/old_deviation"] > 0  # the trained policy has left the sampling one
+
+
+def test_batch_invariant_runs_train_bitwise_alike_without_recomputing_logp_old(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """Batched sampling (every thread, not the deterministic mode's batch of one) with
+    ``sampling.batch_invariant``: a run that takes the rollout's log-probs as logp_old under the
+    strictest weight-sync alarm (gap 0) trains bitwise like the run that recomputes them."""
+    invariant = ("launch.launcher=inprocess", "sampling.deterministic=false",
+                 "sampling.batch_invariant=true", "trainer.loss.micro_batch_size=2",
+                 "schedule.save_every=0", "schedule.eval_every=0")  # fmt: skip
+    train(tmp_path / "recompute", tiny, *invariant)
+    train(
+        tmp_path / "bypass", tiny, *invariant, "trainer.loss.logp_old=bypass", "trainer.loss.max_logp_gap=0"
+    )
+    recomputed, bypassed = read_metrics(tmp_path / "recompute"), read_metrics(tmp_path / "bypass")
+    for ours, theirs in zip(bypassed, recomputed, strict=True):
+        for key in EXACT:
+            assert ours[key] == theirs[key], (ours["step"], key)
+        assert ours["actor/on_policy_logp_gap/max"] == 0.0
+    assert recomputed[0]["actor/rollout_logp_gap/max"] == 0.0
+    assert [m["actor/logp_old_bypassed"] for m in bypassed] == [
+        0.0,
+        1.0,
+        1.0,
+        1.0,
+    ]  # measured once, then trusted
