@@ -1,9 +1,10 @@
 """Do the rollout and the trainer compute the same function? (``flowgrpo bench consistency``)
 
-Two models with the same random weights in one process, each built as its service builds it:
-the rollout's ``NativeBagelEngine`` (compiled on a GPU when ``--compile``, LoRA applied by its
-``lora_mode``) and the trainer's ``FlowGRPOStep`` on a LoRA ``TrainablePolicy`` (autocast over
-bf16 frozen weights on a GPU, compiled likewise). Per mode (``plain``: the batched forward;
+Two models with the same random weights in one process: the rollout's ``NativeBagelEngine``
+(LoRA applied by its ``lora_mode``) and the trainer's ``FlowGRPOStep`` on a LoRA
+``TrainablePolicy`` (autocast over bf16 frozen weights on a GPU), each with its query path
+compiled when ``--compile`` (as both services do on a GPU; the trainer's activation
+checkpointing, which recomputes only in the backward, is left out). Per mode (``plain``: the batched forward;
 ``invariant``: ``sampling.batch_invariant``):
 
 1. the rollout samples ``--batch`` trajectories in one batch; the trainer recomputes their window

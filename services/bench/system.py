@@ -257,7 +257,11 @@ class MemorySampler:
             yield
         finally:
             process.terminate()
-            process.wait(timeout=10)
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
             self.peak_gib = peaks(self.log.read_text())
 
 

@@ -9,6 +9,7 @@ config is written to ``<run_dir>/config.yaml``. Torch-free: the coordinator impo
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -255,6 +256,14 @@ class RunConfig:
             )
         self._validate_algorithm()
         self._validate_shared_base()
+        self._validate_engine()
+
+    def _validate_engine(self) -> None:
+        if self.sampling.batch_invariant and self.rollout.engine != "native":
+            raise ValueError(
+                "sampling.batch_invariant runs each sample's forward on its own in the native engine's "
+                f"sampler; rollout.engine={self.rollout.engine} samples its own way: use the native engine"
+            )
 
     def _validate_shared_base(self) -> None:
         """rollout.base_weights=trainer: the trainer shares, on the same GPU, in the same dtype."""
@@ -271,6 +280,12 @@ class RunConfig:
                 f"rollout.base_weights=trainer maps the trainer's weights as they are: rollout.dtype="
                 f"{self.rollout.dtype} must equal trainer.dtype={trainer.dtype}"
             )
+        if self.rollout.checkpoint and trainer.checkpoint and self.rollout.checkpoint != trainer.checkpoint:
+            raise ValueError(
+                f"rollout.base_weights=trainer maps the trainer's weights of {trainer.checkpoint}, but "
+                f"rollout.checkpoint={self.rollout.checkpoint}: give both the same checkpoint (or leave "
+                "them empty: they follow model.checkpoint)"
+            )
         devices = self.launch.rollout_devices or [self.rollout.device]
         other = [d for d in devices if _gpu_index(d) != _gpu_index(trainer.device)]
         if other:
@@ -286,6 +301,11 @@ class RunConfig:
             raise ValueError(
                 f"trainer.loss.mode=grpo_guard re-normalises the ratio of a Gaussian step: it needs "
                 f"sampling.sde_type=sde, not {self.sampling.sde_type!r}"
+            )
+        if self.trainer.algorithm == "diffusion_nft" and not math.isinf(loss.max_logp_gap):
+            raise ValueError(
+                "trainer.loss.max_logp_gap compares FlowGRPO's window log-probs; trainer.algorithm="
+                "diffusion_nft computes none: leave it at .inf"
             )
         if self.trainer.algorithm == "diffusion_nft" and loss.mode != "flow_grpo":
             raise ValueError(
@@ -307,7 +327,9 @@ def _relative_to_recipe(cfg: RunConfig, folder: Path, overrides: Sequence[str]) 
 
 
 def _gpu_index(device: str) -> int:
-    return int(device.partition(":")[2] or 0)
+    """The CUDA index of a device name; -1 for a CPU (never the trainer's GPU)."""
+    kind, _, index = device.partition(":")
+    return int(index or 0) if kind == "cuda" else -1
 
 
 def _names_a_gen_linear(target: str) -> bool:

@@ -66,6 +66,7 @@ STAGE = common_pb2.StageSpec(stage="rollout", consumes=["prompt_ids"], produces=
 MAX_RELEASE_TAGS = 4096  # tags of one Release
 MAX_LORA_RANK = 4096
 MAX_LORA_ALPHA = 1e6
+MAX_DEVICE_ID_CHARS = 128  # a boot id, a GPU UUID
 
 
 class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
@@ -130,26 +131,36 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
                 "this rollout waits for the trainer's shared base weights (rollout.base_weights=trainer): "
                 "the coordinator sends them with the first LoadWeights; try again after it"
             )
-        response = await self.compute(self._generate, request, params, refs)
-        if self.config.rollout.release_memory:  # the trainer on this GPU trains next
-            released = await self.compute(release_cached_memory, self.config.rollout.device)
+        try:
+            response = await self.compute(self._generate, request, params, refs)
+        finally:  # after a failed or abandoned call too: the trainer on this GPU trains next
+            released = await self._release_memory()
+        if released is not None:
             response.metrics.values["timing_s/release_memory"] = released
         return response
+
+    async def _release_memory(self) -> float | None:
+        if not self.config.rollout.release_memory:
+            return None
+        return await self.compute(release_cached_memory, self.config.rollout.device)
 
     @message
     async def LoadWeights(
         self, request: rollout_pb2.LoadWeightsRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.LoadWeightsResponse:
         started = time.perf_counter()
-        if request.update.HasField("base"):
+        base = request.update.base if request.update.HasField("base") else None
+        if base is not None:
             with _invalid_argument():
-                _check_bucket("WeightUpdate.base", request.update.base)
-            await self.compute(self._attach_base, request.update.base)
-            if not _names_tensors(request.update) and request.update.policy_version <= self.policy_version:
-                return rollout_pb2.LoadWeightsResponse(  # the base alone (before any publication)
+                _check_bucket("WeightUpdate.base", base)
+            if request.update.policy_version == self.policy_version:  # the version held: the base only
+                await self.compute(self._attach_base, base)  # (a start, or a replica that rejoins)
+                return rollout_pb2.LoadWeightsResponse(
                     policy_version=self.policy_version, load_s=time.perf_counter() - started
                 )
-        self._check_update(request.update)
+        self._check_update(request.update)  # the whole update, before anything changes
+        if base is not None:
+            await self.compute(self._attach_base, base)
         update = await self.compute(self._fetch_update, request.update)
         try:
             await self.compute(self._engine().apply_update, update)
@@ -332,8 +343,7 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
         except (
             SharedBaseError,
             cuda_ipc.CudaIpcError,
-            RuntimeError,
-        ) as error:  # CUDA: a handle it cannot open
+        ) as error:
             raise InvalidArgument(f"WeightUpdate.base: {error}") from None
 
     def _fetch_update(self, update: common_pb2.WeightUpdate) -> PolicyUpdate:
@@ -379,15 +389,28 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
         return self.limits
 
 
-def _names_tensors(update: common_pb2.WeightUpdate) -> bool:
-    return bool(update.tensors) or any(b.tensors for b in update.cuda_ipc)
-
-
 def _check_bucket(field: str, bucket: common_pb2.CudaIpcBucket) -> None:
-    """The sizes and offsets of a CUDA IPC bucket: every tensor inside the shared bytes."""
+    """What torch's IPC opener trusts, checked: the handles' sizes, the reference counter's file
+    name and slot (torch decrements that slot when the mapping is released), the sizes and
+    offsets (every tensor inside the shared bytes), names once each. What no check can see (that
+    ``storage_bytes`` is the real allocation's size) is why CUDA IPC is same-host, same-user only."""
+    check_id(f"{field}.host_id", bucket.host_id, MAX_DEVICE_ID_CHARS)
+    check_id(f"{field}.device_uuid", bucket.device_uuid, MAX_DEVICE_ID_CHARS)
+    if len(bucket.handle) != cuda_ipc.HANDLE_BYTES:
+        raise FieldError(
+            f"{field}.handle: {len(bucket.handle)} bytes; a CUDA IPC handle has {cuda_ipc.HANDLE_BYTES}"
+        )
+    if len(bucket.event_handle) not in (0, cuda_ipc.HANDLE_BYTES):
+        raise FieldError(
+            f"{field}.event_handle: {len(bucket.event_handle)} bytes; need 0 or {cuda_ipc.HANDLE_BYTES}"
+        )
+    if not cuda_ipc.REF_COUNTER_FILE.fullmatch(bucket.ref_counter_handle.decode("ascii", "replace")):
+        raise FieldError(f"{field}.ref_counter_handle: not a torch reference-counter file name")
+    check_int(f"{field}.ref_counter_offset", bucket.ref_counter_offset, 0, cuda_ipc.REF_COUNTER_SLOTS - 1)
     check_int(f"{field}.storage_bytes", bucket.storage_bytes, 1, 2**62)
     check_int(f"{field}.storage_offset", bucket.storage_offset, 0, 2**62)
-    check_int(f"{field}.ref_counter_offset", bucket.ref_counter_offset, 0, 2**62)
+    if len({t.name for t in bucket.tensors}) != len(bucket.tensors):
+        raise FieldError(f"{field}.tensors: a tensor name appears twice")
     for i, entry in enumerate(bucket.tensors):
         where = f"{field}.tensors[{i}]"
         check_id(f"{where}.name", entry.name)

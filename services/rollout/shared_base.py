@@ -46,15 +46,16 @@ def attach_base(
     the copy). Parameters the views lack and that are still on the meta device are read from
     ``checkpoint``. Returns the names of the parameters that alias the trainer's memory and, by
     module, the trainer's base weight of every owned ``<module>.weight`` (the merge base)."""
-    params = {checkpoint_key(n): (n, p) for n, p in model.named_parameters()}
-    params.pop(None, None)  # LoRA tensors: never in a base
-    _check_views(views, {k: p for k, (_, p) in params.items() if k is not None})
+    if not views:
+        raise SharedBaseError("the trainer's shared base is empty: it shares no weight")
+    keyed = ((checkpoint_key(n), n, p) for n, p in model.named_parameters())
+    params = {key: (n, p) for key, n, p in keyed if key is not None}  # LoRA tensors: never in a base
+    _check_views(views, {k: p for k, (_, p) in params.items()})
     state: dict[str, Tensor] = {}
     shared: set[str] = set()
     merge_bases: dict[str, Tensor] = {}
     missing: list[tuple[str, str, torch.dtype]] = []
     for key, (name, param) in params.items():
-        assert key is not None
         if key not in views:
             if param.is_meta:
                 missing.append((key, name, param.dtype))
@@ -66,8 +67,6 @@ def attach_base(
         else:
             state[name] = views[key]
             shared.add(name)
-    if not views:
-        raise SharedBaseError("the trainer's shared base is empty: it shares no weight")
     state |= _read_missing(checkpoint, missing, next(iter(views.values())).device)
     model.load_state_dict(state, strict=False, assign=True)
     return frozenset(shared), merge_bases

@@ -92,14 +92,9 @@ def _frozen_into_bucket(model: nn.Module, device: torch.device) -> BucketWriter:
 
 def _materialise(model: nn.Module, device: torch.device) -> None:
     """``to_empty`` for what is still on the meta device (what the shared base did not take)."""
-    for module in model.modules():
-        for key, param in module._parameters.items():
-            if param is not None and param.is_meta:
-                empty = torch.empty_like(param, device=device)
-                module._parameters[key] = nn.Parameter(empty, requires_grad=param.requires_grad)
-        for key, buffer in module._buffers.items():
-            if buffer is not None and buffer.is_meta:
-                module._buffers[key] = torch.empty_like(buffer, device=device)
+    meta = {n: t for n, t in model.state_dict(keep_vars=True).items() if t.is_meta}
+    state = {n: torch.empty_like(t, device=device) for n, t in meta.items()}
+    model.load_state_dict(state, strict=False, assign=True)  # keeps each parameter's requires_grad
 
 
 def _checkpoint_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:

@@ -85,14 +85,15 @@ class TrainerService(Actor, trainer_pb2_grpc.TrainerServicer):
             )
         core.check(request)  # refuse a bad request here, before the other ranks join in
         self._announce(TRAIN, request.SerializeToString())
-        metrics = await self.compute(core.train, request, raise_if_abandoned)  # a caller gone: stop early
-        started = time.perf_counter()
-        self.current = await self.compute(self._publish)
-        metrics["timing_s/update_weights"] = time.perf_counter() - started
-        if self.config.trainer.release_memory:  # the rollout on this GPU samples next
-            metrics["timing_s/release_memory"] = await self.compute(
-                release_cached_memory, self.config.trainer.device
-            )
+        try:
+            metrics = await self.compute(core.train, request, raise_if_abandoned)  # a caller gone: stop early
+            started = time.perf_counter()
+            self.current = await self.compute(self._publish)
+            metrics["timing_s/update_weights"] = time.perf_counter() - started
+        finally:  # after a failed or abandoned step too: the rollout on this GPU samples next
+            released = await self._release_memory()
+        if released is not None:
+            metrics["timing_s/release_memory"] = released
         self.step, self.policy_version = request.step, core.trainer.version
         response = trainer_pb2.TrainStepResponse(step=request.step, update=self.current)
         response.metrics.values.update(metrics)
@@ -129,6 +130,11 @@ class TrainerService(Actor, trainer_pb2_grpc.TrainerServicer):
         )
 
     # --- helpers -------------------------------------------------------------------------------
+
+    async def _release_memory(self) -> float | None:
+        if not self.config.trainer.release_memory:
+            return None
+        return await self.compute(release_cached_memory, self.config.trainer.device)
 
     def _publish(self) -> common_pb2.WeightUpdate:
         return self._core().publish()

@@ -337,6 +337,7 @@ class FlowGRPOStep:
         if gap < 0:
             return {}
         if gap > self.loss.max_logp_gap:
+            self.optimizer.zero_grad(set_to_none=True)  # the step is dropped: its gradients too
             raise LogProbGapError(
                 f"the rollout's log-probs differ from the trainer's by up to {gap:.3g} on samples of the "
                 f"trainer's own version {self.version} (trainer.loss.max_logp_gap="

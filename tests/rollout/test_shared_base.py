@@ -183,6 +183,8 @@ def test_a_base_of_another_dtype_or_model_is_refused_with_the_fix(tiny: Path) ->
         (["trainer.dtype=float32"], r"must equal trainer\.dtype"),
         (["launch.rollout_devices=[cuda:1]"], "other GPUs"),
         (["launch.trainer_nproc=2", "trainer.device=cuda"], "one trainer process"),
+        (["launch.rollout_devices=[cpu]"], "other GPUs"),
+        (["rollout.checkpoint=/other", "trainer.checkpoint=/ckpt"], "give both the same checkpoint"),
     ],
 )
 def test_a_colocated_recipe_that_cannot_share_is_refused(overrides: list[str], message: str) -> None:
@@ -197,3 +199,18 @@ def test_sharing_and_releasing_are_refused_off_the_gpu() -> None:
     for config in (EngineConfig(base_weights="trainer"), EngineConfig(release_memory=True)):
         with pytest.raises(ValueError, match="GPU rollout"):
             config.validate()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["sampling.batch_invariant=true", "rollout.engine=vllm_omni", "rollout.dtype=bfloat16",
+          "rollout.lora_mode=merge"],
+         "use the native engine"),
+        (["trainer.algorithm=diffusion_nft", "trainer.loss.max_logp_gap=0"], "computes none"),
+    ],
+)  # fmt: skip
+def test_settings_another_part_would_ignore_are_refused(overrides: list[str], message: str) -> None:
+    demo = Path(__file__).resolve().parents[2] / "examples" / "tiny_demo.yaml"
+    with pytest.raises(ValueError, match=message):
+        load_run_config(demo, overrides)

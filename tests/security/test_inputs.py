@@ -327,11 +327,19 @@ def on_update(change: Callable[[common_pb2.WeightUpdate, Services], object]) -> 
     return mutate
 
 
-def bucket(storage_bytes: int, offset: int, dtype: str = "float32") -> common_pb2.CudaIpcBucket:
+def bucket(
+    storage_bytes: int, offset: int, dtype: str = "float32", **fields: object
+) -> common_pb2.CudaIpcBucket:
+    """A bucket well formed but for what the case changes (it points at no real GPU memory)."""
     entry = common_pb2.BucketTensor(name=Q + ".lora_A.weight", dtype=dtype, shape=[4, 64], offset=offset)
-    return common_pb2.CudaIpcBucket(
-        host_id="h", device_uuid="GPU-x", storage_bytes=storage_bytes, tensors=[entry]
-    )
+    well_formed = {"host_id": "h", "device_uuid": "GPU-x", "handle": b"\x01" * 64,
+                   "ref_counter_handle": b"/torch_1_2_3", "storage_bytes": storage_bytes}  # fmt: skip
+    return common_pb2.CudaIpcBucket(**(well_formed | fields), tensors=[entry])  # type: ignore[arg-type]
+
+
+def twice(b: common_pb2.CudaIpcBucket) -> common_pb2.CudaIpcBucket:
+    b.tensors.append(b.tensors[0])
+    return b
 
 
 LOAD_CASES = [
@@ -361,6 +369,23 @@ LOAD_CASES = [
     ("bucket offset", lambda u, s: u.cuda_ipc.append(bucket(1024, -1)), "cuda_ipc[0].tensors[0].offset"),
     ("bucket overrun", lambda u, s: u.cuda_ipc.append(bucket(1000, 0)), "cuda_ipc[0].tensors[0].offset"),
     ("bucket dtype", lambda u, s: u.cuda_ipc.append(bucket(4096, 0, "int8")), "cuda_ipc[0].tensors[0].dtype"),
+    ("bucket short handle", lambda u, s: u.cuda_ipc.append(bucket(4096, 0, handle=b"x")),
+     "cuda_ipc[0].handle"),
+    ("bucket event handle", lambda u, s: u.cuda_ipc.append(bucket(4096, 0, event_handle=b"e" * 5)),
+     "cuda_ipc[0].event_handle"),
+    ("bucket counter file",
+     lambda u, s: u.cuda_ipc.append(bucket(4096, 0, ref_counter_handle=b"/../../etc/x")),
+     "cuda_ipc[0].ref_counter_handle"),
+    ("bucket counter slot", lambda u, s: u.cuda_ipc.append(bucket(4096, 0, ref_counter_offset=10000)),
+     "cuda_ipc[0].ref_counter_offset"),
+    ("bucket host id", lambda u, s: u.cuda_ipc.append(bucket(4096, 0, host_id="h" * 1000)),
+     "cuda_ipc[0].host_id"),
+    ("bucket twice a name", lambda u, s: u.cuda_ipc.append(twice(bucket(4096, 0))),
+     "cuda_ipc[0].tensors: a tensor"),
+    ("base size", lambda u, s: u.base.CopyFrom(bucket(0, 0)), "WeightUpdate.base.storage_bytes"),
+    ("base counter slot", lambda u, s: u.base.CopyFrom(bucket(4096, 0, ref_counter_offset=-1)),
+     "WeightUpdate.base.ref_counter_offset"),
+    ("base overrun", lambda u, s: u.base.CopyFrom(bucket(1000, 0)), "WeightUpdate.base.tensors[0].offset"),
     ("NaN weights", lambda u, s: u.CopyFrom(lora_update(s, 50, math.nan)), "NaN or infinite"),
     ("inf weights", lambda u, s: u.CopyFrom(lora_update(s, 50, math.inf)), "NaN or infinite"),
 ]  # fmt: skip
@@ -633,3 +658,31 @@ def test_score_gives_each_bad_request_a_typed_error_and_the_stream_goes_on(servi
     assert_serving(services)
     [again] = services.reward.Score(iter([score_request(services, "again")]), timeout=60)
     assert again.reward == good.reward
+
+
+def test_a_base_at_the_held_version_is_the_base_alone_and_a_bad_update_with_a_base_changes_nothing(
+    services: Services,
+) -> None:
+    """A replica that rejoins gets the current update again, base included: at the version it
+    holds that is the base alone (ignored by a rollout that loads its own weights), not a refused
+    "not newer" update. A malformed update that carries a base is refused whole, base included."""
+    held = 2**40  # newer than any other test's version: this one runs last in the module
+    assert (
+        services.rollout.LoadWeights(
+            rollout_pb2.LoadWeightsRequest(update=lora_update(services, held)), timeout=60
+        ).policy_version
+        == held
+    )
+    again = lora_update(services, held)
+    again.base.CopyFrom(bucket(4096, 0))
+    assert (
+        services.rollout.LoadWeights(rollout_pb2.LoadWeightsRequest(update=again), timeout=60).policy_version
+        == held
+    )
+    bad = lora_update(services, held + 1)
+    bad.base.CopyFrom(bucket(4096, 0))
+    bad.lora.rank = 0
+    refused(
+        services.rollout.LoadWeights, rollout_pb2.LoadWeightsRequest(update=bad), "WeightUpdate.lora.rank=0"
+    )
+    assert_serving(services)

@@ -5,8 +5,10 @@ device — no host copy, no socket. The bucket travels as ``flowgrpo.v1.CudaIpcB
 
 Rules of use: the producer keeps its ``Bucket`` alive while consumers may open it (the trainer
 keeps the same two versions the bus keeps); a consumer copies what it needs and drops the views
-(``open_bucket``'s tensors alias the producer's memory). ``host_id`` and the GPU's UUID decide
-whether a consumer can use a bucket at all; when it cannot, it takes the bus path.
+(``open_bucket``'s tensors alias the producer's memory). The one exception is the trainer's
+shared base (``trainer.share_base``): a rollout on its GPU keeps those views as its weights.
+``host_id`` and the GPU's UUID decide whether a consumer can use a bucket at all; when it
+cannot, it takes the bus path.
 
 Built on torch's own IPC primitives (``UntypedStorage._share_cuda_`` / ``_new_shared_cuda``,
 what ``torch.multiprocessing`` uses under its pickling), which keep the allocation mapped with a
@@ -16,6 +18,7 @@ IPC event.
 
 from __future__ import annotations
 
+import re
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -28,6 +31,9 @@ from torch import Tensor
 from flowgrpo.v1 import common_pb2
 
 ALIGN = 256  # bytes: every tensor starts aligned for vectorised copies
+HANDLE_BYTES = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t (CUDA_IPC_HANDLE_SIZE)
+REF_COUNTER_SLOTS = 10000  # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE: slots of one counter file
+REF_COUNTER_FILE = re.compile(r"/[A-Za-z0-9_.-]{1,63}")  # a shared-memory name (torch: /torch_<pid>_...)
 
 
 @cache
@@ -125,16 +131,19 @@ def open_bucket(bucket: common_pb2.CudaIpcBucket) -> dict[str, Tensor]:
             f"GPU {bucket.device_uuid} holds the bucket but is not visible to this process "
             "(CUDA_VISIBLE_DEVICES): make it visible or use the bus"
         )
-    storage = torch.UntypedStorage._new_shared_cuda(
-        index,
-        bucket.handle,
-        bucket.storage_bytes,
-        bucket.storage_offset,
-        bucket.ref_counter_handle,
-        bucket.ref_counter_offset,
-        bucket.event_handle or None,
-        bucket.event_sync_required,
-    )
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(
+            index,
+            bucket.handle,
+            bucket.storage_bytes,
+            bucket.storage_offset,
+            bucket.ref_counter_handle,
+            bucket.ref_counter_offset,
+            bucket.event_handle or None,
+            bucket.event_sync_required,
+        )
+    except RuntimeError as error:  # a handle CUDA or torch could not open (stale, forged)
+        raise CudaIpcError(f"cannot open the bucket of GPU {bucket.device_uuid}: {error}") from error
     flat = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index)).set_(storage)
     out = {}
     for entry in bucket.tensors:

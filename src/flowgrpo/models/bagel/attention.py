@@ -66,6 +66,7 @@ class KVCache:
     # host copy of its mask is then made once, not once per step.
     _runs: list[QueryRun] | None = field(default=None, init=False, repr=False, compare=False)
     _runs_known: bool = field(default=False, init=False, repr=False, compare=False)
+    _own: dict[tuple[int, ...], KVCache] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def lengths(self) -> Tensor:
@@ -102,6 +103,15 @@ class KVCache:
             values=[v.index_select(0, rows) for v in self.values],
             key_mask=self.key_mask.index_select(0, rows),
         )
+
+    def own_rows(self, rows: tuple[int, ...]) -> KVCache:
+        """The rows ``rows`` cut to their own length (:meth:`trimmed`), memoised like
+        :meth:`query_runs`: a batch-invariant forward takes each sample's rows at every step,
+        and reads the lengths from the device once per sample, not once per step."""
+        if rows not in self._own:
+            index = torch.tensor(rows, device=self.key_mask.device)
+            self._own[rows] = self.select(index).trimmed()
+        return self._own[rows]
 
     def trimmed(self) -> KVCache:
         """This cache cut to its longest row's real entries (rows are right-padded): the padding

@@ -145,8 +145,7 @@ def guided_velocity(
 def _own_context(context: KVCache, row: int, batch: int, params: SamplerSettings) -> KVCache:
     """Sample ``row``'s context rows of a :func:`with_cfg_branches` cache (its conditional row,
     and its empty row with CFG) cut to its own length: what it would be in a batch of one."""
-    rows = [row, batch + row] if needs_uncond(params) else [row]
-    return context.select(torch.tensor(rows, device=context.key_mask.device)).trimmed()
+    return context.own_rows((row, batch + row) if needs_uncond(params) else (row,))
 
 
 def needs_uncond(params: SamplerSettings) -> bool:
