@@ -83,6 +83,10 @@ async def train_async(cfg: RunConfig, progress: Any = sys.stderr) -> list[dict[s
     try:
         if note:
             log.warning("%s: %s", cfg.run_dir, note)
+        if cfg.rollout.engine == "synthetic":
+            log.warning(
+                "rollout.engine=synthetic: a LOAD TEST; the rollouts compute no model, nothing learns"
+            )
         stopped = stop_leftovers(Path(cfg.run_dir) / "services")
         if stopped:
             log.warning("stopped %s, left running by an earlier run of %s", ", ".join(stopped), cfg.run_dir)

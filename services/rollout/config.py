@@ -21,10 +21,22 @@ class VllmOmniConfig:
 
 
 @dataclass
+class SyntheticConfig:
+    """``rollout.engine=synthetic`` only: the load-test engine (services/rollout/synthetic.py)."""
+
+    step_delay_s: float = 0.0  # simulated compute per denoising step of each batch
+
+    def validate(self) -> None:
+        if not 0 <= self.step_delay_s <= 60:
+            raise ValueError(f"rollout.synthetic.step_delay_s={self.step_delay_s} must be in [0, 60]")
+
+
+@dataclass
 class EngineConfig:
     # "native": this project's PyTorch BAGEL sampler; "vllm_omni": vLLM-Omni's BAGEL pipeline with
     # this project's sampler math (needs vllm-omni installed; bfloat16, LoRA merged)
-    engine: Literal["native", "vllm_omni"] = "native"
+    # "synthetic": a LOAD-TEST engine that computes nothing (flowgrpo bench scale); never trains
+    engine: Literal["native", "vllm_omni", "synthetic"] = "native"
     checkpoint: str = ""  # BAGEL folder in the published layout (ema.safetensors, ae.safetensors, ...)
     device: str = "cpu"  # "cuda", "cuda:1", "cpu"
     dtype: Literal["bfloat16", "float32"] = "float32"  # weights; sampler math always runs in fp32
@@ -43,6 +55,7 @@ class EngineConfig:
     # for the trainer sharing the GPU; allocated again by the next Generate
     release_memory: bool = False
     vllm_omni: VllmOmniConfig = field(default_factory=VllmOmniConfig)
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
     def validate(self) -> None:
         if (self.base_weights == "trainer" or self.release_memory) and not self.device.startswith("cuda"):

@@ -13,6 +13,7 @@ request points at is checked once fetched: prompt ids inside the vocabulary, fin
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -56,9 +57,11 @@ from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.rollout.config import RolloutServiceConfig
 from flowgrpo.services.rollout.engine import BaseWeightsMissing, NativeBagelEngine, RolloutEngine
 from flowgrpo.services.rollout.shared_base import SharedBaseError
+from flowgrpo.services.rollout.synthetic import SyntheticEngine
 from flowgrpo.telemetry import links_from
 from flowgrpo.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
+log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
 OUTPUT_COLUMNS = (*TRAJECTORY_COLUMNS, "timesteps", "images")
@@ -98,6 +101,15 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
 
     def _load_engine(self) -> RolloutEngine:
         cfg = self.config.rollout
+        if cfg.engine == "synthetic":
+            log.warning(
+                "rollout.engine=synthetic: a load-test engine; its images and log-probs are not a model's"
+            )
+            return SyntheticEngine.from_checkpoint(
+                cfg.checkpoint,
+                step_delay_s=cfg.synthetic.step_delay_s,
+                max_batch_samples=cfg.max_batch_samples,
+            )
         if cfg.engine == "vllm_omni":
             from flowgrpo.services.rollout.omni.engine import VllmOmniBagelEngine  # needs vllm-omni
 
