@@ -5,8 +5,10 @@ points, and weight updates checked whole like the real engine's."""
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -14,6 +16,9 @@ import yaml
 from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens, load_vae, make_tiny_bagel
 from flowgrpo.models.bagel.policy import PolicyUpdate, PolicyUpdateError
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
+from flowgrpo.rewards.base import Sample
+from flowgrpo.rewards.build import build_reward
+from flowgrpo.rewards.config import RewardConfig, ScorerSpec
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.coordinator.config import load_run_config
 from flowgrpo.services.coordinator.train import train
@@ -90,12 +95,13 @@ def test_updates_are_checked_whole_and_only_move_the_version(tiny: Path) -> None
 
 
 def test_a_whole_run_goes_through_the_real_services_with_it(tiny: Path, tmp_path: Path) -> None:
-    """The demo recipe with the load-test engine: the coordinator, bus, reward and trainer all
-    real; steps complete, every sample is scored and trained, versions move."""
+    """The demo recipe with the load-test engine and scorer: the coordinator, the bus, the reward
+    service and the trainer all real; steps complete, every sample is scored and trained."""
     demo = Path(__file__).resolve().parents[2] / "examples" / "tiny_demo.yaml"
     overrides = [f"run_dir={tmp_path}", f"model.checkpoint={tiny}", "rollout.engine=synthetic",
                  "launch.launcher=inprocess", "schedule.steps=2", "schedule.eval_every=0",
-                 "schedule.save_every=0", "data.val_prompts=0"]  # fmt: skip
+                 "schedule.save_every=0", "data.val_prompts=0",
+                 "reward.scorers=[{name: synthetic, weight: 1.0}]"]  # fmt: skip
     history = train(load_run_config(demo, overrides), progress=None)
     cfg = load_run_config(demo, overrides)
     assert [int(m["training/global_step"]) for m in history] == [1, 2]
@@ -108,3 +114,12 @@ def test_no_recipe_uses_the_load_test_engine() -> None:
     for recipe in sorted(examples.glob("*.yaml")):
         section = yaml.safe_load(recipe.read_text()).get("rollout") or {}
         assert section.get("engine", "native") != "synthetic", recipe.name
+
+
+def test_the_load_test_scorer_takes_its_delay_per_image_and_scores_the_image() -> None:
+    reward = build_reward(RewardConfig(scorers=[ScorerSpec("synthetic")], synthetic_delay_s=0.01))
+    images = [np.full((8, 8, 3), value, dtype=np.uint8) for value in (0, 255, 255)]
+    started = time.perf_counter()
+    batch = reward.score([Sample(image, prompt="a prompt") for image in images])
+    assert time.perf_counter() - started >= 0.03
+    assert [r.reward for r in batch.results] == pytest.approx([0.0, 1.0, 1.0])

@@ -7,7 +7,7 @@ from flowgrpo.rewards.base import Scorer
 from flowgrpo.rewards.combine import RewardModel, Weighted
 from flowgrpo.rewards.config import OcrConfig, PickScoreConfig, RewardConfig, ScorerSpec
 from flowgrpo.rewards.jpeg import JpegScorer
-from flowgrpo.rewards.monitor import MONITORS, ImageStatScorer
+from flowgrpo.rewards.monitor import MONITORS, ImageStatScorer, SyntheticScorer
 from flowgrpo.rewards.ocr import OcrScorer, Transcriber
 from flowgrpo.rewards.plugins import PluginScorer
 
@@ -34,6 +34,8 @@ def build_scorer(spec: ScorerSpec, config: RewardConfig) -> Scorer:
         )
     if spec.name in MONITORS:
         return ImageStatScorer(spec.name)
+    if spec.name == "synthetic":
+        return SyntheticScorer(config.synthetic_delay_s)
     if spec.name == "ocr":
         return OcrScorer(build_transcriber(config.ocr), name=spec.name)
     if spec.name == "pickscore":

@@ -22,8 +22,9 @@ from flowgrpo.rewards.judge import JudgeConfig
 from flowgrpo.rewards.offline_ocr import OfflineOcrConfig
 
 # the image statistics (rewards/monitor.py) are meant with weight 0: curves to watch, not to optimise
+# "synthetic": the LOAD-TEST scorer (flowgrpo bench scale): a set delay per image, a cheap score
 BUILTIN_SCORERS = ("pickscore", "ocr", "jpeg_compressibility", "jpeg_incompressibility", "image_brightness",
-                   "image_edge_density")  # fmt: skip
+                   "image_edge_density", "synthetic")  # fmt: skip
 
 
 @dataclass
@@ -73,9 +74,12 @@ class RewardConfig:
     pickscore: PickScoreConfig = field(default_factory=PickScoreConfig)
     ocr: OcrConfig = field(default_factory=OcrConfig)
     jpeg_quality: int = 95
+    synthetic_delay_s: float = 0.0  # scorer "synthetic": simulated seconds of work per image
 
     def validate(self) -> None:
         names = [s.name for s in self.scorers]
+        if not 0 <= self.synthetic_delay_s <= 60:
+            raise ValueError(f"reward.synthetic_delay_s={self.synthetic_delay_s} must be in [0, 60]")
         if not names:
             raise ValueError("reward.scorers is empty: name at least one scorer")
         if len(set(names)) != len(names):

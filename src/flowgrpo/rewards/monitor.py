@@ -10,6 +10,7 @@ Numpy only, no weights.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -37,6 +38,20 @@ def edge_density(image: npt.NDArray[np.uint8], threshold: float = EDGE_THRESHOLD
     gx = (y[:-2, 2:] + 2 * y[1:-1, 2:] + y[2:, 2:] - y[:-2, :-2] - 2 * y[1:-1, :-2] - y[2:, :-2]) / 8.0
     gy = (y[2:, :-2] + 2 * y[2:, 1:-1] + y[2:, 2:] - y[:-2, :-2] - 2 * y[:-2, 1:-1] - y[:-2, 2:]) / 8.0
     return float((np.hypot(gx, gy) > threshold).mean())
+
+
+class SyntheticScorer(Scorer):
+    """The LOAD-TEST scorer (``name: synthetic``, flowgrpo bench scale): ``delay_s`` of simulated
+    work per image, then the image's mean luminance as its score (a function of the image, so a
+    retried sample scores the same)."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.name, self.delay_s = "synthetic", delay_s
+
+    def score(self, samples: Sequence[Sample]) -> list[Outcome]:
+        if self.delay_s:
+            time.sleep(self.delay_s * len(samples))
+        return [SampleScore(float(luminance(s.image).mean())) for s in samples]
 
 
 class ImageStatScorer(Scorer):
