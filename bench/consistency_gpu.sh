@@ -8,6 +8,7 @@
 # step time and the recompute's time (medians of 3 after a warm-up, with ranges).
 #   run(command="bash bench/consistency_gpu.sh", carry=[".whl"], kind="nvidia-h200", timeout_s=600)
 #   run(command="bash bench/consistency_gpu.sh --lora-mode merge", ...)   # the rollout's default
+#   run(command="COMPILE=0 bash bench/consistency_gpu.sh", ...)            # both sides eager
 # (.whl: bench/fetch_gpu_wheels.sh.) A CPU smoke test (tiny model, fp32): DEVICE=cpu bash bench/consistency_gpu.sh
 # Writes $OUT/consistency.json and $OUT/consistency.log.
 set -uo pipefail
@@ -18,8 +19,9 @@ DEVICE=${DEVICE:-cuda}
 source bench/gpu_env.sh
 if [[ $DEVICE == cuda* ]]; then
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
-    SIZE=(--model 7b --dtype bf16 --device cuda --compile --resolution 512 --num-points 15 --prompt-len 24
+    SIZE=(--model 7b --dtype bf16 --device cuda --resolution 512 --num-points 15 --prompt-len 24
           --lora-rank 64 --lr 1e-4)
+    [[ ${COMPILE:-1} == 1 ]] && SIZE+=(--compile)  # COMPILE=0: both sides eager
 else
     SIZE=(--model tiny --dtype fp32 --device cpu)
 fi

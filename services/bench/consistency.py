@@ -16,8 +16,10 @@ checkpointing, which recomputes only in the backward, is left out). Per mode (``
    a warm-up; median and range), and how long the recompute the gap makes redundant takes.
 
 On a CPU with the tiny model (the smoke test), ``invariant`` with ``--lora-mode peft`` gives a gap
-of exactly 0 and ``plain`` does not; on a GPU the question is what bf16, compile and autocast
-leave (issue #23's benchmark: ``bench/consistency_gpu.sh``).
+of exactly 0 and ``plain`` does not. On an H200 (7B, bf16, compiled; ``bench/consistency_gpu.sh``)
+``invariant`` + ``peft`` gives 0 after a published update, and docs/algorithms.md has the table.
+The training forward's gap (``training_forward_gap``: the update's first forward, with gradients,
+against the rollout) is printed too: it is what ``trainer.loss.max_logp_gap`` watches.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 from torch import Tensor
 
 from flowgrpo.models.bagel.config import bagel_7b, tiny
-from flowgrpo.models.bagel.parallelize import compile_query_layers
+from flowgrpo.models.bagel.parallelize import parallelize_bagel
 from flowgrpo.models.bagel.policy import PolicyUpdate
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
 from flowgrpo.sampler_params import SamplerParams
@@ -47,7 +49,7 @@ from flowgrpo.services.bench.stats import Figure, repeats_arg, timed, write_json
 from flowgrpo.services.rollout.engine import NativeBagelEngine
 from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig
 from flowgrpo.services.trainer.policy import TrainablePolicy
-from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory
+from flowgrpo.services.trainer.step import ON_POLICY_GAP, FlowGRPOStep, Trajectory
 
 MODES = {"plain": False, "invariant": True}
 
@@ -67,15 +69,16 @@ def build(args: argparse.Namespace, device: torch.device) -> Sides:
     dtype, compiled = DTYPES[args.dtype], args.compile and device.type == "cuda"
     rollout_model = random_bagel(cfg, dtype, device)
     trainer_model = random_bagel(cfg, dtype, device)  # the same seed: the same weights
-    for model in (rollout_model, trainer_model):
-        if compiled:
-            compile_query_layers(model)
+    # as the services build them: the rollout compiles; the trainer compiles and checkpoints
+    parallelize_bagel(rollout_model, None, compile=compiled, activation_checkpointing=False)
     engine = NativeBagelEngine(
         BagelSampler(rollout_model, None, special), args.batch, lora_mode=args.lora_mode
     )
     lora = PolicyConfig(kind="lora", lora_rank=args.lora_rank, lora_alpha=2.0 * args.lora_rank)
+    policy = TrainablePolicy(trainer_model, lora)
+    parallelize_bagel(policy.model, None, compile=compiled, activation_checkpointing=compiled)
     loss = LossConfig(micro_batch_size=args.micro_batch, mini_batches=1)
-    step = FlowGRPOStep(TrainablePolicy(trainer_model, lora), special, OptimConfig(lr=args.lr), loss)
+    step = FlowGRPOStep(policy, special, OptimConfig(lr=args.lr), loss)
     requests = make_requests(args.batch, args.prompt_len, special, group=args.group)
     return Sides(engine, step, requests, lora)
 
@@ -112,7 +115,7 @@ def measure_mode(
     version = sides.step.version
     batch = sample(sides, params, version)
     before = gap_per_window_step(sides, batch, params)
-    sides.step.run(batch, params)
+    trained = sides.step.run(batch, params)
     publish(sides)
     after_batch = sample(sides, params, sides.step.version)
     after = gap_per_window_step(sides, after_batch, params)
@@ -126,6 +129,9 @@ def measure_mode(
     return {
         "gap_per_window_step": before,
         "gap_per_window_step_after_update": after,
+        # the update's first forward (with gradients) against the rollout's log-probs: 0 means the
+        # ratio is exactly 1 on-policy, not only the no-gradient recompute
+        "training_forward_gap": trained[ON_POLICY_GAP],
         "rollout_images_per_s": rollout_s.per(len(sides.requests), "images/s"),
         "recompute_s": recompute_s,
         "trainer_step_s": step_s,
@@ -161,7 +167,8 @@ def _print(report: dict[str, Any]) -> None:
     for mode, r in report["modes"].items():
         gaps = " ".join(f"{g:.3g}" for g in r["gap_per_window_step"])
         after = " ".join(f"{g:.3g}" for g in r["gap_per_window_step_after_update"])
-        print(f"{mode:<10} gap per window step {gaps}  after an update {after}")
+        print(f"{mode:<10} gap per window step {gaps}  after an update {after}  "
+              f"training forward {r['training_forward_gap']:.3g}")  # fmt: skip
         figures: dict[str, Figure] = {
             k: r[k] for k in ("rollout_images_per_s", "recompute_s", "trainer_step_s")
         }

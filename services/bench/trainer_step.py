@@ -20,7 +20,7 @@ from flowgrpo.models.bagel.parallelize import (
     uncheckpoint_query_layers,
     uncompile_query_layers,
 )
-from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, token_grid
+from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, compute_autocast, token_grid
 from flowgrpo.sampler_math import shifted_schedule
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.bench.common import GiB, free, mfu
@@ -29,7 +29,7 @@ from flowgrpo.services.trainer.config import LossConfig, NftConfig, OptimConfig
 from flowgrpo.services.trainer.distributed import Dist
 from flowgrpo.services.trainer.nft import DiffusionNFTStep
 from flowgrpo.services.trainer.policy import TrainablePolicy
-from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory, compute_autocast
+from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory
 
 # --- batch --------------------------------------------------------------------------------------
 

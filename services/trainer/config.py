@@ -55,7 +55,8 @@ class LossConfig:
     # the alarm for a broken weight sync: the largest |trainer - rollout| log-prob allowed on samples
     # of the trainer's current version, measured free on the update's first forward (before any
     # update: a larger gap stops the step with nothing changed). 0 for exact numerics (rollout and
-    # trainer computing the same function: deterministic CPU, peft LoRA); .inf: off. Needed by
+    # trainer computing the same function: deterministic CPU, peft LoRA); on a GPU the training
+    # forward parts from the rollout by up to 3e-4 (docs/algorithms.md): 1e-3; .inf: off. Needed by
     # logp_old=bypass, whose ratios are only right when the rollout's log-probs are the trainer's
     max_logp_gap: float = math.inf
     mini_batches: int = 2  # optimizer steps per training step

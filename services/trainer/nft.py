@@ -27,7 +27,13 @@ from torch import Tensor
 
 from flowgrpo.models.bagel.config import SpecialTokens
 from flowgrpo.models.bagel.model import latent_position_ids
-from flowgrpo.models.bagel.sampling import guided_velocity, prefill_prompts, token_grid, with_cfg_branches
+from flowgrpo.models.bagel.sampling import (
+    compute_autocast,
+    guided_velocity,
+    prefill_prompts,
+    token_grid,
+    with_cfg_branches,
+)
 from flowgrpo.sampler_math import coordinate_seed, sample_noise, shifted_schedule
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.trainer.config import LossConfig, NftConfig, OptimConfig
@@ -38,7 +44,6 @@ from flowgrpo.services.trainer.step import (
     FlowGRPOStep,
     Trajectory,
     batch_metrics,
-    compute_autocast,
     deterministic_or_not,
 )
 

@@ -11,7 +11,8 @@
 
 The prompt cache depends only on the frozen und path: it is prefilled without gradients.
 
-On a GPU with bf16 frozen weights, the forwards run under bf16 autocast (:func:`compute_autocast`):
+On a GPU with bf16 frozen weights, the forwards run under bf16 autocast (``compute_autocast``, which
+the rollout's sampler enters too: both compute the same bf16 function):
 the fp32 trainable tensors (LoRA A/B, or an unsharded fp32 gen path) are cast to bf16 for their
 matmuls and receive fp32 gradients, as the frozen bf16 matmuls do. Without it peft runs every LoRA
 matmul in fp32 (CUDA cores, ~1/15 of the bf16 rate) and a one-process fp32 gen path cannot meet
@@ -23,18 +24,19 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from peft.tuners.lora import LoraLayer
 from torch import Tensor
 
 from flowgrpo.models.bagel.config import SpecialTokens
-from flowgrpo.models.bagel.model import BagelModel, latent_position_ids
+from flowgrpo.models.bagel.model import latent_position_ids
 from flowgrpo.models.bagel.sampling import (
+    compute_autocast,
     deterministic_kernels,
     guided_velocity,
+    lora_inputs_uncast,
     prefill_prompts,
     token_grid,
     window_step,
@@ -156,23 +158,12 @@ class FlowGRPOStep:
         metrics.update(batch_metrics(batch, lag, weights))
         return metrics
 
-    @contextlib.contextmanager
-    def _lora_inputs_uncast(self) -> Iterator[None]:
-        """Under autocast, peft's cast of every LoRA input to fp32 (the A/B dtype) is a round trip
-        (autocast casts it back to bf16 for the matmul) that costs ~10% of a forward in memory
-        traffic; it is switched off for the whole step, backward and recomputes included."""
-        model = self.policy.model
-        if not self.mixed_precision or not isinstance(compute_autocast(model), torch.autocast):
-            yield
-            return
-        layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
-        for layer in layers:
-            layer.cast_input_dtype_enabled = False
-        try:
-            yield
-        finally:
-            for layer in layers:
-                layer.cast_input_dtype_enabled = True
+    def _lora_inputs_uncast(self) -> contextlib.AbstractContextManager[None]:
+        """peft's LoRA input casts off for the whole step, backward and recomputes included
+        (``lora_inputs_uncast``: the rollout's sampler does the same)."""
+        if not self.mixed_precision:
+            return contextlib.nullcontext()
+        return lora_inputs_uncast(self.policy.model)
 
     def recompute(self, batch: Sequence[Trajectory], params: SamplerParams) -> Tensor:
         """The window log-probs [B, W] of ``batch`` under the current weights, as the step's
@@ -433,15 +424,6 @@ def stop_nothing() -> None:
 def deterministic_or_not(params: SamplerParams) -> contextlib.AbstractContextManager[None]:
     """The sampler's deterministic kernels when the settings ask for them (forwards only)."""
     return deterministic_kernels() if params.deterministic else contextlib.nullcontext()
-
-
-def compute_autocast(model: BagelModel) -> contextlib.AbstractContextManager[object]:
-    """bf16 (or fp16) autocast when the model's frozen weights are that dtype on a GPU, else a
-    no-op. The frozen ``vae2llm`` weight tells the load dtype (it is never trained)."""
-    weight = model.vae2llm.weight
-    if weight.device.type == "cuda" and weight.dtype in (torch.bfloat16, torch.float16):
-        return torch.autocast("cuda", dtype=weight.dtype)
-    return contextlib.nullcontext()
 
 
 def batch_metrics(batch: Sequence[Trajectory], lag: Tensor, weights: Tensor | None) -> dict[str, float]:
