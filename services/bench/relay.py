@@ -15,7 +15,7 @@ relay plan, over gRPC. The trainer's store holds each version under ``weights/v<
 Publisher does; the bytes it sent are its store's own counter.
 
 Payloads are the LoRA r64 update (0.3 GB) and the full gen path (13 GB bf16) divided by
-``--scale`` (default 1000) to fit 2 cores; figures at the real sizes are the formula's
+``--scale`` (default 2000) to fit 2 cores; figures at the real sizes are the formula's
 (star N S / B, relay depth k S / B), printed as such, never as measured.
 """
 
@@ -33,14 +33,15 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
 import numpy as np
+import zmq
 
 from flowgrpo.bus import BusClient, BusConfig, BusServer, TensorBytes, TensorRef, TensorStore
 from flowgrpo.bus.config import SECRET_ENV, SECRET_FILE_ENV
@@ -62,6 +63,7 @@ TENSORS_PER_VERSION = 8
 SUBNET = "10.77"
 BRIDGE_IP = f"{SUBNET}.255.254"
 NODE_TIMEOUT_S = 120.0
+T = TypeVar("T")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,8 +84,10 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flowgrpo bench relay", description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, default=64, help="simulated rollout replicas (N)")
     p.add_argument("--fanouts", type=int, nargs="+", default=[2, 4], help="relay fan-outs k to measure")
-    p.add_argument("--rate-mbit", type=float, default=200.0, help="each link's cap, each way (tc tbf)")
-    p.add_argument("--scale", type=float, default=1000.0, help="payloads are the real sizes / scale")
+    # 2 cores simulate 65 hosts: the links' sum in the widest wave (N / 2 x the rate, CURVE both
+    # ends) must stay within what the cores encrypt and copy, or the CPU, not the links, is measured
+    p.add_argument("--rate-mbit", type=float, default=50.0, help="each link's cap, each way (tc tbf)")
+    p.add_argument("--scale", type=float, default=2000.0, help="payloads are the real sizes / scale")
     p.add_argument("--payloads", nargs="+", choices=sorted(REAL_BYTES), default=["lora", "full"])
     p.add_argument("--repeats", type=repeats_arg, default=MIN_REPEATS, help="publications per figure")
     p.add_argument("--real-gbit", type=float, default=25.0, help="the link the formula extrapolates to")
@@ -123,6 +127,15 @@ def _tbf(device: str, rate_mbit: float) -> list[str]:
     burst = max(64 * 1024, int(rate_mbit * 1e6 / 8 / 250))  # one tick of a 250 Hz kernel at least
     return ["tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{rate_mbit}mbit",
             "burst", str(burst), "latency", "50ms"]  # fmt: skip
+
+
+def _wait_for_own_namespace(pid: int) -> None:
+    """``unshare -n`` makes the namespace after it started: a link moved in before lands in ours."""
+    deadline = time.monotonic() + NODE_TIMEOUT_S
+    while os.readlink(f"/proc/{pid}/ns/net") == os.readlink("/proc/self/ns/net"):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"benchmark node {pid} made no network namespace in {NODE_TIMEOUT_S:.0f} s")
+        time.sleep(0.01)
 
 
 def _make_bridge() -> None:
@@ -200,9 +213,10 @@ def _node_bus(ip: str) -> BusConfig:
 
 
 async def _node(args: argparse.Namespace) -> int:
+    sys.stdin.readline()  # the orchestrator's "go": our link is in place
     _wait_for_address(args.ip)
     config = _node_bus(args.ip)
-    server = BusServer(TensorStore(config), owns_store=True)
+    server = _serve_store(config)
     ready: dict[str, Any] = {"bus": server.endpoint, "store_id": server.store.store_id}
     grpc_server = None
     if args.node == "trainer":
@@ -211,7 +225,7 @@ async def _node(args: argparse.Namespace) -> int:
     else:
         grpc_server = grpc.aio.server()
         rollout_pb2_grpc.add_RolloutServicer_to_server(RelayNode(args.node, server, config), grpc_server)
-        port = grpc_server.add_insecure_port(f"{args.ip}:0")  # a private network of this benchmark
+        port = _retry(lambda: grpc_server.add_insecure_port(f"{args.ip}:0"))  # the benchmark's own network
         await grpc_server.start()
         ready["grpc"] = f"{args.ip}:{port}"
     print(json.dumps(ready), flush=True)
@@ -220,6 +234,30 @@ async def _node(args: argparse.Namespace) -> int:
         await grpc_server.stop(0)
     server.close()
     return 0
+
+
+def _serve_store(config: BusConfig) -> BusServer:
+    def serve() -> BusServer:
+        store = TensorStore(config)
+        try:
+            return BusServer(store, owns_store=True)
+        except BaseException:
+            store.close()
+            raise
+
+    return _retry(serve)
+
+
+def _retry(bind: Callable[[], T]) -> T:
+    """A bind, again for a few seconds: a fresh address refused binds for a moment under load."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        try:
+            return bind()
+        except (zmq.ZMQError, RuntimeError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def _wait_for_address(ip: str) -> None:
@@ -301,7 +339,11 @@ def _start_nodes(
                "--node", name, "--ip", _ip_of(index), "--versions", ",".join(map(str, versions))]  # fmt: skip
         procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
     for index, proc in enumerate(procs):
+        _wait_for_own_namespace(proc.pid)
         _wire(index, proc.pid, args.rate_mbit)
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")  # its link is ready: it may bind now
+        proc.stdin.flush()
     ready = []
     for name, proc in zip(names, procs, strict=True):
         assert proc.stdout is not None
@@ -421,14 +463,16 @@ def _markdown(report: dict[str, Any], args: argparse.Namespace) -> str:
         "bytes it served, in copies of the payload. Formula: bandwidth alone (star N S / B, relay "
         "depth k S / B).",
         "",
-        "| payload | mode | depth | trainer sent (copies) | time to all, s | formula, s | star / this |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| payload | mode | depth | trainer sent (copies) | time to all, s | formula, s | star / this "
+        "| fallbacks |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in report["rows"]:
         t: Figure = row["time_to_all_s"]
         lines.append(f"| {row['payload']} ({row['bytes'] / 1e6:.2f} MB) | {row['mode']} | {row['depth']} | "
                      f"{row['trainer_copies']:.1f} | {t.median:.2f} [{t.min:.2f}-{t.max:.2f}] | "
-                     f"{row['formula_s']:.2f} | {row['star_over_this'].median:.1f}x |")  # fmt: skip
+                     f"{row['formula_s']:.2f} | {row['star_over_this'].median:.1f}x | "
+                     f"{row['fallbacks']} |")  # fmt: skip
     lines += [
         "",
         f"Extrapolated by the formula only (not measured): the real payloads at N = {report['replicas']} "

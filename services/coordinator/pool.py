@@ -171,13 +171,13 @@ class ReplicaPool:
         async with self._weights:
             self.current_update = update
             replicas = {r.replica_id: r for r in self.healthy_rollouts()}
-            relay = self.publication.mode == "relay"
             members = [Member(rid, _host(r)) for rid, r in replicas.items()]
             plan = (
                 plan_relay(members, self.publication.relay_fanout, frozenset(self._failed_relays))
-                if relay
+                if self.publication.mode == "relay"
                 else plan_star(members)
             )
+            relay = plan.max_depth > 1  # up to fanout replicas: the star, and nobody keeps a copy
 
             async def load(
                 rid: str, sources: list[rollout_pb2.WeightSource]

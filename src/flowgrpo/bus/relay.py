@@ -118,6 +118,7 @@ class Keeper:
         self.store = store
         self.name = name
         self.versions: list[int] = []
+        self._warned = False
 
     def keep(self, version: int, refs: Sequence[TensorRef], fetched: Sequence[Fetched]) -> Source | None:
         """Put ``fetched`` under ``refs``' keys as ``version``; the source that now holds it, or
@@ -128,7 +129,9 @@ class Keeper:
         need = sum(ref.nbytes for ref in refs)
         info = self.store.info()
         if info.capacity_bytes - info.used_bytes < need:
-            log.warning(
+            say = log.info if self._warned else log.warning  # once loud, then quiet
+            self._warned = True
+            say(
                 "weights v%d (%d bytes) do not fit this replica's bus store (%d of %d bytes free): it "
                 "loads them but does not relay them; raise bus.max_bytes to relay",
                 version, need, info.capacity_bytes - info.used_bytes, info.capacity_bytes,
