@@ -413,8 +413,8 @@ def _report(args: argparse.Namespace, sizes: dict[str, int], runs: list[Run]) ->
             "trainer_bytes_sent": Figure.of(run.trainer_bytes, "B"),
             "trainer_copies": max(run.trainer_bytes) / sizes[run.payload],
             "star_over_this": ratio(Figure.of(star.seconds), seconds),
-            "formula_s": _formula_s(run, sizes[run.payload], args.replicas, args.rate_mbit * 1e6 / 8),
-            "real_formula_s": _formula_s(run, REAL_BYTES[run.payload], args.replicas, real_bytes_per_s),
+            "formula_time": _formula_s(run, sizes[run.payload], args.replicas, args.rate_mbit * 1e6 / 8),
+            "real_formula_time": _formula_s(run, REAL_BYTES[run.payload], args.replicas, real_bytes_per_s),
             "fallbacks": run.fallbacks, "failed_replicas": run.failed,
         })  # fmt: skip
     return {"replicas": args.replicas, "rate_mbit": args.rate_mbit, "scale": args.scale,
@@ -438,7 +438,7 @@ def _print(report: dict[str, Any]) -> None:
         t: Figure = row["time_to_all_s"]
         print(f"{row['payload']:8} {row['mode']:10} {row['depth']:>5} "
               f"{row['trainer_copies']:>7.1f} copies {t.median:>8.2f} [{t.min:.2f}-{t.max:.2f}] "
-              f"{row['formula_s']:>11.2f} {row['star_over_this'].median:>9.1f}x")  # fmt: skip
+              f"{row['formula_time']:>11.2f} {row['star_over_this'].median:>9.1f}x")  # fmt: skip
 
 
 def _markdown(report: dict[str, Any], args: argparse.Namespace) -> str:
@@ -471,7 +471,7 @@ def _markdown(report: dict[str, Any], args: argparse.Namespace) -> str:
         t: Figure = row["time_to_all_s"]
         lines.append(f"| {row['payload']} ({row['bytes'] / 1e6:.2f} MB) | {row['mode']} | {row['depth']} | "
                      f"{row['trainer_copies']:.1f} | {t.median:.2f} [{t.min:.2f}-{t.max:.2f}] | "
-                     f"{row['formula_s']:.2f} | {row['star_over_this'].median:.1f}x | "
+                     f"{row['formula_time']:.2f} | {row['star_over_this'].median:.1f}x | "
                      f"{row['fallbacks']} |")  # fmt: skip
     lines += [
         "",
@@ -483,7 +483,7 @@ def _markdown(report: dict[str, Any], args: argparse.Namespace) -> str:
     ]
     for row in report["rows"]:
         lines.append(f"| {row['payload']} ({REAL_BYTES[row['payload']] / 1e9:g} GB) | {row['mode']} | "
-                     f"{row['real_formula_s']:.1f} |")  # fmt: skip
+                     f"{row['real_formula_time']:.1f} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
