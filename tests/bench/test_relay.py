@@ -17,7 +17,9 @@ from .figures import check_figures, median
 
 def _namespaces_work() -> bool:
     unshare = shutil.which("unshare")
-    return unshare is not None and subprocess.run([unshare, "-rn", "true"], capture_output=True).returncode == 0
+    return (
+        unshare is not None and subprocess.run([unshare, "-rn", "true"], capture_output=True).returncode == 0
+    )
 
 
 @pytest.mark.skipif(not _namespaces_work(), reason="needs unprivileged user and network namespaces")
