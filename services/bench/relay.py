@@ -48,9 +48,6 @@ from flowgrpo.bus.config import SECRET_ENV, SECRET_FILE_ENV
 from flowgrpo.bus.relay import Keeper, Source, version_tag
 from flowgrpo.fields import FieldError
 from flowgrpo.services.bench.stats import MIN_REPEATS, Figure, ratio, repeats_arg, write_json
-from flowgrpo.services.coordinator.config import LaunchConfig
-from flowgrpo.services.coordinator.handles import Replica
-from flowgrpo.services.coordinator.pool import ReplicaPool
 from flowgrpo.services.coordinator.relay import Member, PublicationConfig, plan_relay
 from flowgrpo.services.rollout import relay
 from flowgrpo.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -363,6 +360,11 @@ async def _publish_all(
     modes: list[tuple[str, int]],
     sizes: dict[str, int],
 ) -> list[Run]:
+    # the coordinator's pool: imported here, so that the 64 node processes start without it
+    from flowgrpo.services.coordinator.config import LaunchConfig
+    from flowgrpo.services.coordinator.handles import Replica
+    from flowgrpo.services.coordinator.pool import ReplicaPool
+
     no_proxy = [("grpc.enable_http_proxy", 0)]  # the replicas are on the benchmark's own network
     channels = [grpc.aio.insecure_channel(info["grpc"], options=no_proxy) for _, info in replicas]
     handles = [Replica("rollout", f"r{i}", info["grpc"], rollout_pb2_grpc.RolloutStub(c))
