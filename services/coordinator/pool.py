@@ -195,7 +195,9 @@ class ReplicaPool:
             if not isinstance(error, ReplicaError):
                 raise error
             self._failed(replicas[rid], error)
-        by_endpoint = {h.endpoint: h.replica_id for r in outcome.responses.values() for h in [r.relay]}
+        by_endpoint = {
+            r.relay.endpoint: r.relay.replica_id for r in outcome.responses.values() if r.HasField("relay")
+        }
         for rid, failures in outcome.fallbacks().items():
             for failure in failures:
                 holder = by_endpoint.get(failure.split(": ", 1)[0], "")
@@ -315,17 +317,19 @@ class ReplicaPool:
 
     def _nearest_holders(self, replica: Replica) -> list[rollout_pb2.WeightSource]:
         """The current version's holders for a joining replica: those of its host first."""
-        host = _host(replica)
-        same = [h for h in self._holders if h.endpoint.removeprefix("tcp://").rsplit(":", 1)[0] == host]
-        others = [h for h in self._holders if h not in same and h.replica_id != replica.replica_id]
-        return [h for h in same if h.replica_id != replica.replica_id][: MAX_SOURCES // 2] + others[
-            : MAX_SOURCES // 2
-        ]
+        others = [h for h in self._holders if h.replica_id != replica.replica_id]
+        here = [h for h in others if _endpoint_host(h.endpoint) == _host(replica)]
+        elsewhere = [h for h in others if h not in here]
+        return here[: MAX_SOURCES // 2] + elsewhere[: MAX_SOURCES // 2]
 
 
 def _host(replica: Replica) -> str:
     """The host a replica runs on, as its address names it ("inprocess": this process)."""
     return replica.address.rsplit(":", 1)[0].strip("[]")
+
+
+def _endpoint_host(endpoint: str) -> str:
+    return endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
 
 
 def describe(replica: Replica) -> str:
