@@ -12,8 +12,8 @@ import signal
 import subprocess
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
@@ -23,7 +23,7 @@ import grpc.aio
 import pytest
 import torch
 
-from flowgrpo.bus import BusClient, BusConfig, BusServer, TensorRef, serve_store
+from flowgrpo.bus import BusClient, BusConfig, BusServer, StoreInfo, TensorRef, serve_store
 from flowgrpo.bus.relay import version_tag
 from flowgrpo.bus.torch_tensors import put_tensor
 from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
@@ -123,7 +123,7 @@ def run_with_pool(
         ]
         pool = ReplicaPool(LaunchConfig(request_timeout_s=60), rollouts, [], rollouts[0], lambda _: None,
                            publication=publication)  # fmt: skip
-        pool.store_stats = lambda endpoint: BusClient(CHECK).stat(endpoint)
+        pool.store_stats = stat
         try:
             return await body(pool)
         finally:
@@ -131,6 +131,11 @@ def run_with_pool(
                 await channel.close()
 
     return asyncio.run(main())
+
+
+def stat(endpoint: str) -> StoreInfo:
+    with BusClient(CHECK) as client:
+        return client.stat(endpoint)
 
 
 def held_bytes(update: common_pb2.WeightUpdate, source: rollout_pb2.WeightSource) -> dict[str, bytes]:
