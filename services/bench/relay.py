@@ -60,11 +60,17 @@ TENSORS_PER_VERSION = 8
 SUBNET = "10.77"
 BRIDGE_IP = f"{SUBNET}.255.254"
 NODE_TIMEOUT_S = 120.0
+MAX_REPLICAS = 4000  # addresses of one /16 (SUBNET.x.y); memory runs out long before
 T = TypeVar("T")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not 1 <= args.replicas <= MAX_REPLICAS or not all(1 <= k <= 64 for k in args.fanouts):
+        parser.error(f"--replicas must be 1..{MAX_REPLICAS} and every --fanouts 1..64")
+    if args.rate_mbit <= 0 or args.scale <= 0 or args.real_gbit <= 0:
+        parser.error("--rate-mbit, --scale and --real-gbit must be > 0")
     if args.node:
         return asyncio.run(_node(args))
     if os.environ.get(INSIDE_ENV) != "1":
