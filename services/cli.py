@@ -37,6 +37,7 @@ examples:
   flowgrpo bench system           images/s vs the FLOP limit, time split, MFU per --variant (system_gpu.sh)
   flowgrpo bench consistency      do rollout and trainer compute the same log-probs? (consistency_gpu.sh)
   flowgrpo bench paths            launchers, replica counts, schedules: do they train the same?
+  flowgrpo bench relay            weight publication, star vs relay, N replicas behind capped links
   flowgrpo bench learning --isa default avx2 --threads 1 2   the demo against its lr=0 control, per seed
   flowgrpo bench algos --plot algos.png   FlowGRPO, branching, DiffusionNFT: learnt per image and per second
   flowgrpo columns                the column schema every service checks its data against
@@ -54,6 +55,7 @@ BENCHMARKS = [
     "consistency",
     "learning",
     "paths",
+    "relay",
     "reward",
     "rollout",
     "schedule",
@@ -613,6 +615,7 @@ def build_parser() -> argparse.ArgumentParser:
         "sampling images/s and MFU against the matmul peak (GPU); trainer: FlowGRPO training "
         "throughput and MFU (GPU); schedule: async vs sync images/s and their overlap (the CPU demo); "
         "paths: do the launchers, replica counts and schedules train the same (the CPU demo); "
+        "relay: weight publication, star against relay, at N replicas each behind a capped link; "
         "learning: the demo against its lr=0 control per seed, CPU capability and thread count; "
         "algos: FlowGRPO, with branching, and DiffusionNFT on the demo: gain per image and per second; "
         "system: a recipe's images/s against its FLOP limit, each step's time split and MFU, per variant; "

@@ -17,6 +17,7 @@ TORCH_FREE = [
     "flowgrpo.v1.trainer_pb2_grpc",
     "flowgrpo.v1.coordinator_pb2_grpc",
     "flowgrpo.bus",
+    "flowgrpo.bus.relay",
     "flowgrpo.runtime",
     "flowgrpo.telemetry",
     "flowgrpo.logs",
@@ -36,6 +37,9 @@ TORCH_FREE = [
     "flowgrpo.services.coordinator.train",
     "flowgrpo.services.coordinator.status",
     "flowgrpo.services.coordinator.trace",
+    "flowgrpo.services.coordinator.relay",
+    "flowgrpo.services.rollout.relay",  # the relay benchmark's replicas run it without torch
+    "flowgrpo.services.bench.relay",
 ]
 
 

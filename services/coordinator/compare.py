@@ -2,7 +2,9 @@
 training the same? Per metric, over the steps all runs have: the largest absolute and relative
 difference from the first run, and the first step where they part (beyond ``atol`` / ``rtol``;
 0 / 0 asks for bitwise equality). Wall-clock keys (``timestamp_s/``, ``timing_s/``, ``perf/``)
-differ by nature and are left out unless asked for."""
+differ by nature and are left out unless asked for, like the weight publication's transport
+figures (``publication/``: bytes and replica counts of a launcher and a replica count, not of
+training)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any
 
 from flowgrpo.services.coordinator.outputs import read_metrics
 
-CLOCK_PREFIXES = ("timestamp_s/", "timing_s/", "perf/")
+CLOCK_PREFIXES = ("timestamp_s/", "timing_s/", "perf/", "publication/")
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from flowgrpo.models.bagel.config import GEN_PATH_LINEARS
 from flowgrpo.rewards.config import RewardConfig
 from flowgrpo.runtime.config import ServerConfig
 from flowgrpo.sampler_params import MAX_NUM_POINTS, SamplerParams, SamplerSettings
+from flowgrpo.services.coordinator.relay import PublicationConfig
 from flowgrpo.services.reward.config import StreamConfig
 from flowgrpo.services.rollout.config import EngineConfig
 from flowgrpo.services.trainer.config import TrainerConfig
@@ -208,6 +209,8 @@ class RunConfig:
     # bus.host=0.0.0.0 bus.advertise_host=<its name> in a container
     bus: BusConfig = field(default_factory=BusConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    # how weight versions reach the rollouts: a relay tree (default) or a star
+    publication: PublicationConfig = field(default_factory=PublicationConfig)
     # the services' own sections; an empty `checkpoint` follows model.checkpoint
     rollout: EngineConfig = field(default_factory=EngineConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)

@@ -7,7 +7,7 @@
   tried again after a back-off (1 s, doubling, at most 60 s) instead of being given up.
 - Weight loads go to every healthy rollout, one load at a time (a lock), and the last update is
   kept: a rollout that (re)joins loads it before it takes work, so no replica serves an older
-  version than the others.
+  version than the others. How the bytes travel (a relay tree or a star) is ``relay.py``'s.
 - The registry's events (``follow``): lost or departed replicas leave the pool (their calls in
   flight end at once), registered ones (back, or new: scaling up) join it.
 """
@@ -22,10 +22,21 @@ from typing import Any
 
 import grpc.aio
 
+from flowgrpo.bus import StoreInfo
+from flowgrpo.bus.relay import version_tag
 from flowgrpo.runtime import open_channel, wait_ready
 from flowgrpo.services.coordinator.config import LaunchConfig
 from flowgrpo.services.coordinator.handles import STUBS, Replica, ReplicaError
 from flowgrpo.services.coordinator.registry import CoordinatorService
+from flowgrpo.services.coordinator.relay import (
+    MAX_SOURCES,
+    Member,
+    Publication,
+    PublicationConfig,
+    plan_relay,
+    plan_star,
+    publish,
+)
 from flowgrpo.v1 import common_pb2, reward_pb2, rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -46,8 +57,11 @@ class ReplicaPool:
         rewards: list[Replica],
         trainer: Replica,
         say: Callable[[str], None],
+        *,
+        publication: PublicationConfig | None = None,
     ) -> None:
         self.launch = launch
+        self.publication = publication or PublicationConfig()
         self.rollouts, self.rewards, self.trainer = list(rollouts), list(rewards), trainer
         self.retries = 0  # calls that failed on one replica and went to another (or again later)
         self.rejoins = 0  # replicas that registered again and came back into the pool
@@ -56,6 +70,11 @@ class ReplicaPool:
         self._weights = asyncio.Lock()
         self._channels: list[grpc.aio.Channel] = []  # to replicas that joined during the run
         self._next_reward = 0
+        # weights: the holders of the current version (a joining rollout fetches from the nearest),
+        # relays that failed their children (leaves from then on), the publisher's store counters
+        self._holders: list[rollout_pb2.WeightSource] = []
+        self._failed_relays: set[str] = set()
+        self.store_stats: Callable[[str], StoreInfo] | None = None
 
     async def close(self) -> None:
         for channel in self._channels:
@@ -146,24 +165,82 @@ class ReplicaPool:
 
     # --- weights -----------------------------------------------------------------------------------
 
-    async def load_weights(self, update: common_pb2.WeightUpdate) -> None:
-        """``update`` on every healthy rollout (a replica that fails it leaves the pool)."""
+    async def load_weights(self, update: common_pb2.WeightUpdate) -> dict[str, float]:
+        """``update`` on every healthy rollout, relayed or as a star (``publication.mode``); a
+        replica that fails it leaves the pool. Returns the ``publication/*`` metrics."""
         async with self._weights:
             self.current_update = update
-            replicas = self.healthy_rollouts()
-            results = await asyncio.gather(
-                *(self._load_into(r, update) for r in replicas), return_exceptions=True
+            replicas = {r.replica_id: r for r in self.healthy_rollouts()}
+            members = [Member(rid, _host(r)) for rid, r in replicas.items()]
+            plan = (
+                plan_relay(members, self.publication.relay_fanout, frozenset(self._failed_relays))
+                if self.publication.mode == "relay"
+                else plan_star(members)
             )
-        for replica, result in zip(replicas, results, strict=True):
-            if isinstance(result, ReplicaError):
-                self._failed(replica, result)
-            elif isinstance(result, BaseException):
-                raise result
+            relay = plan.max_depth > 1  # up to fanout replicas: the star, and nobody keeps a copy
 
-    async def _load_into(self, replica: Replica, update: common_pb2.WeightUpdate) -> None:
-        request = rollout_pb2.LoadWeightsRequest(update=update)
-        await replica.unary("LoadWeights", request, self.launch.request_timeout_s)
+            async def load(
+                rid: str, sources: list[rollout_pb2.WeightSource]
+            ) -> rollout_pb2.LoadWeightsResponse:
+                return await self._load_into(replicas[rid], update, sources, relay=relay)
+
+            outcome = await publish(plan, load)
+            self._holders = outcome.holders()
+        self._account_failures(outcome, replicas)
+        return await self._publication_metrics(update, outcome)
+
+    def _account_failures(self, outcome: Publication, replicas: dict[str, Replica]) -> None:
+        """Failed replicas leave the pool; relays their children gave up are named and demoted."""
+        for rid, error in outcome.errors.items():
+            if not isinstance(error, ReplicaError):
+                raise error
+            self._failed(replicas[rid], error)
+        by_endpoint = {
+            r.relay.endpoint: r.relay.replica_id for r in outcome.responses.values() if r.HasField("relay")
+        }
+        for rid, failures in outcome.fallbacks().items():
+            for failure in failures:
+                holder = by_endpoint.get(failure.split(": ", 1)[0], "")
+                if holder:
+                    self._failed_relays.add(holder)
+                log.warning(
+                    "rollout %s gave up weight holder %s (a leaf in the relay plan from now on): %s; "
+                    "it fetched from the next holder", rid, holder or "?", failure,
+                )  # fmt: skip
+
+    async def _publication_metrics(
+        self, update: common_pb2.WeightUpdate, outcome: Publication
+    ) -> dict[str, float]:
+        publisher = update.tensors[0].ref.endpoint if update.tensors else ""
+        metrics = outcome.metrics(publisher)
+        if publisher and self.store_stats is not None:
+            try:
+                info = await asyncio.to_thread(self.store_stats, publisher)
+            except Exception as error:  # a metric: the run does not depend on it
+                log.warning("could not read the trainer store's counters at %s: %s", publisher, error)
+            else:
+                metrics["publication/trainer_bytes_sent"] = float(
+                    info.served.get(version_tag(update.policy_version), 0)
+                )
+        return metrics
+
+    async def _load_into(
+        self,
+        replica: Replica,
+        update: common_pb2.WeightUpdate,
+        sources: list[rollout_pb2.WeightSource] | None = None,
+        *,
+        relay: bool = False,
+    ) -> rollout_pb2.LoadWeightsResponse:
+        request = rollout_pb2.LoadWeightsRequest(
+            update=update, sources=sources or [], relay=relay and bool(update.tensors),
+            source_stall_s=self.publication.relay_stall_s,
+        )  # fmt: skip
+        response: rollout_pb2.LoadWeightsResponse = await replica.unary(
+            "LoadWeights", request, self.launch.request_timeout_s
+        )
         replica.policy_version = update.policy_version
+        return response
 
     async def release(self, tag: str) -> None:
         """Let every rollout drop the data it kept under ``tag``."""
@@ -236,7 +313,23 @@ class ReplicaPool:
             if update is not None and (
                 replica.policy_version != update.policy_version or update.HasField("base")
             ):
-                await self._load_into(replica, update)
+                await self._load_into(replica, update, self._nearest_holders(replica))
+
+    def _nearest_holders(self, replica: Replica) -> list[rollout_pb2.WeightSource]:
+        """The current version's holders for a joining replica: those of its host first."""
+        others = [h for h in self._holders if h.replica_id != replica.replica_id]
+        here = [h for h in others if _endpoint_host(h.endpoint) == _host(replica)]
+        elsewhere = [h for h in others if h not in here]
+        return here[: MAX_SOURCES // 2] + elsewhere[: MAX_SOURCES // 2]
+
+
+def _host(replica: Replica) -> str:
+    """The host a replica runs on, as its address names it ("inprocess": this process)."""
+    return replica.address.rsplit(":", 1)[0].strip("[]")
+
+
+def _endpoint_host(endpoint: str) -> str:
+    return endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
 
 
 def describe(replica: Replica) -> str:

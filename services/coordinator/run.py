@@ -90,10 +90,12 @@ class Coordinator:
         # validation: a fixed subset (the first val_prompts of the test split), ODE, fixed noise
         self.val_rows = list(test.rows[: config.data.val_prompts]) if test is not None else []
         self.order = PromptOrder(len(train), config.schedule.seed)
-        self.pool = ReplicaPool(config.launch, list(rollouts), list(rewards), trainer, outputs.say)
+        self.pool = ReplicaPool(config.launch, list(rollouts), list(rewards), trainer, outputs.say,
+                                publication=config.publication)  # fmt: skip
         self.store = store  # prompt ids, put once per prompt, fetched by rollouts and the trainer
         self.outputs = outputs
         self.client = BusClient(config.bus)  # sampled images for the outputs' grids
+        self.pool.store_stats = self.client.stat  # the trainer store's bytes sent per version
         self.state = RunState()
         self.registry = registry  # replicas register, beat and leave there; the pool follows it
         self.counters = {"dropped_groups": 0, "stale_groups": 0}
@@ -250,7 +252,7 @@ class Coordinator:
         groups = self._admit(step, groups)
         response = await self._train(step, groups)
         trained = time.perf_counter()
-        await self.pool.load_weights(response.update)
+        timing.update(await self.pool.load_weights(response.update))
         timing["timing_s/load_weights"] = time.perf_counter() - trained
         timing["timing_s/train"] = trained - started
         timing["timestamp_s/trained_from"], timing["timestamp_s/trained_until"] = started, trained

@@ -17,6 +17,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import grpc
 import grpc.aio
@@ -25,13 +26,16 @@ from opentelemetry import trace
 
 from flowgrpo.bus import (
     BusClient,
+    BusError,
     BusServer,
+    DataLost,
     TensorRef,
     TensorStore,
     cuda_ipc,
     serve_store,
 )
 from flowgrpo.bus.dtypes import itemsize
+from flowgrpo.bus.relay import Keeper, RelayedFetch, Source
 from flowgrpo.bus.torch_tensors import put_tensor, to_torch
 from flowgrpo.columns import TRAJECTORY_COLUMNS
 from flowgrpo.devices import release_cached_memory
@@ -53,7 +57,9 @@ from flowgrpo.models.bagel.wire import (
 )
 from flowgrpo.runtime import Actor, InvalidArgument, Unavailable, message, raise_if_abandoned
 from flowgrpo.runtime.data import fetch_inputs
+from flowgrpo.runtime.errors import ServiceError
 from flowgrpo.sampler_params import SamplerParams
+from flowgrpo.services.rollout import relay
 from flowgrpo.services.rollout.config import RolloutServiceConfig
 from flowgrpo.services.rollout.engine import BaseWeightsMissing, NativeBagelEngine, RolloutEngine
 from flowgrpo.services.rollout.shared_base import SharedBaseError
@@ -80,6 +86,7 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
         self.config = config
         self.engine: RolloutEngine | None = engine  # loaded in start() unless given
         self.bus: BusServer | None = None  # this replica's store of produced tensors
+        self.keeper: Keeper | None = None  # the weight versions it relays, in that store
         self.client = BusClient(config.bus)
         self.stages = [STAGE]
         self.limits: ModelLimits | None = None  # the checkpoint's image side, prompt length, vocabulary
@@ -90,6 +97,7 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
             self.engine = await self.compute(self._load_engine)
         self.bus = serve_store(self.config.bus)
         self.bus_endpoint = self.bus.endpoint
+        self.keeper = Keeper(self.bus.store, self.replica_id)
         self.policy_version = self.engine.policy_version
 
     async def stop(self) -> None:
@@ -171,19 +179,28 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
                     policy_version=self.policy_version, load_s=time.perf_counter() - started
                 )
         self._check_update(request.update)  # the whole update, before anything changes
+        with _invalid_argument():
+            sources, stall_s = relay.check_sources(request, self._own_source())
         if base is not None:
             await self.compute(self._attach_base, base)
-        update = await self.compute(self._fetch_update, request.update)
+        fetch = _Fetch(sources, stall_s, request.relay)
+        update = await self.compute(self._fetch_update, request.update, fetch)
         try:
             await self.compute(self._engine().apply_update, update)
-        except PolicyUpdateError as error:
-            raise InvalidArgument(str(error)) from None
-        except BaseWeightsMissing as error:
-            raise Unavailable(str(error)) from None
+        except BaseException as error:
+            if fetch.held is not None:
+                self._keeper().drop(update.version)  # never relay what this replica refused
+            if isinstance(error, PolicyUpdateError):
+                raise InvalidArgument(str(error)) from None
+            if isinstance(error, BaseWeightsMissing):
+                raise Unavailable(str(error)) from None
+            raise
         self.policy_version = self._engine().policy_version
-        return rollout_pb2.LoadWeightsResponse(
-            policy_version=self.policy_version, load_s=time.perf_counter() - started
+        response = rollout_pb2.LoadWeightsResponse(
+            policy_version=self.policy_version, load_s=time.perf_counter() - started, fetch_s=fetch.seconds
         )
+        relay.report(response, fetch.relayed, fetch.held)
+        return response
 
     @message
     async def Release(
@@ -358,8 +375,10 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
         ) as error:
             raise InvalidArgument(f"WeightUpdate.base: {error}") from None
 
-    def _fetch_update(self, update: common_pb2.WeightUpdate) -> PolicyUpdate:
-        tensors = self._update_tensors(update)
+    def _fetch_update(self, update: common_pb2.WeightUpdate, fetch: _Fetch) -> PolicyUpdate:
+        started = time.perf_counter()
+        tensors = self._update_tensors(update, fetch)
+        fetch.seconds = time.perf_counter() - started
         with _invalid_argument():
             for name, tensor in tensors.items():
                 check_finite(f"WeightUpdate tensor {name!r}", tensor)
@@ -371,9 +390,10 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
             lora_alpha=update.lora.alpha,
         )
 
-    def _update_tensors(self, update: common_pb2.WeightUpdate) -> dict[str, torch.Tensor]:
+    def _update_tensors(self, update: common_pb2.WeightUpdate, fetch: _Fetch) -> dict[str, torch.Tensor]:
         """From the trainer's GPU when this replica is a GPU on the same host (CUDA IPC views,
-        copied by the apply), else over the bus."""
+        copied by the apply), else over the bus: from the nearest holder the coordinator named,
+        kept in this replica's store for the ones after it when asked to relay."""
         on_gpu = self.config.rollout.device.startswith("cuda")
         if update.cuda_ipc and on_gpu and all(cuda_ipc.can_open(b) for b in update.cuda_ipc):
             return {n: t for b in update.cuda_ipc for n, t in cuda_ipc.open_bucket(b).items()}
@@ -383,9 +403,17 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
                 f"weights v{update.policy_version} are only on CUDA IPC ({where}), which this replica "
                 "cannot open: run it on that host with the GPU visible, or set trainer.publish_bus=true"
             )
-        fetched = fetch_inputs(
-            self.client, [TensorRef.from_proto(t.ref) for t in update.tensors], "policy weights"
-        )
+        refs = [TensorRef.from_proto(t.ref) for t in update.tensors]
+        keeper = self._keeper() if fetch.relay else None
+        try:
+            fetch.relayed, fetch.held = relay.fetch_and_keep(
+                self.client, keeper, update.policy_version, refs, sources=fetch.sources, stall_s=fetch.stall_s
+            )
+        except DataLost as error:
+            raise ServiceError(f"policy weights lost: {error}", grpc.StatusCode.UNAVAILABLE) from None
+        except BusError as error:
+            raise ServiceError(f"policy weights not available on the bus: {error}") from None
+        fetched = fetch.relayed.fetched
         return {t.name: to_torch(f) for t, f in zip(update.tensors, fetched, strict=True)}
 
     def _engine(self) -> RolloutEngine:
@@ -395,6 +423,13 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
     def _store(self) -> TensorStore:
         assert self.bus is not None, "the store is created in start(), before any message"
         return self.bus.store
+
+    def _keeper(self) -> Keeper:
+        assert self.keeper is not None, "made in start(), before any message"
+        return self.keeper
+
+    def _own_source(self) -> Source | None:
+        return Source(self.bus.endpoint, self.bus.store.store_id) if self.bus is not None else None
 
     def _limits(self) -> ModelLimits:
         assert self.limits is not None, "read in start(), before any message"
@@ -436,6 +471,18 @@ def _check_bucket(field: str, bucket: common_pb2.CudaIpcBucket) -> None:
                 f"{where}.offset={entry.offset}: its {nbytes} bytes must lie inside the bucket's "
                 f"storage_bytes={bucket.storage_bytes}"
             )
+
+
+@dataclass
+class _Fetch:
+    """One LoadWeights' relay plan in, and what its fetch did out."""
+
+    sources: list[Source]
+    stall_s: float
+    relay: bool
+    relayed: RelayedFetch | None = None
+    held: Source | None = None  # where this replica serves the version once kept
+    seconds: float = 0.0
 
 
 @contextlib.contextmanager

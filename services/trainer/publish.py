@@ -21,15 +21,10 @@ import torch
 
 from flowgrpo.bus import TensorStore
 from flowgrpo.bus.cuda_ipc import Bucket, BucketWriter, bucket_bytes
+from flowgrpo.bus.relay import KEEP_VERSIONS, version_tag
 from flowgrpo.bus.torch_tensors import put_tensor
 from flowgrpo.services.trainer.policy import TrainablePolicy
 from flowgrpo.v1 import common_pb2
-
-KEEP_VERSIONS = 2
-
-
-def version_tag(version: int) -> str:
-    return f"weights/v{version}"
 
 
 class Publisher:

@@ -52,26 +52,44 @@ class BusClient:
 
     @overload
     def fetch(
-        self, refs: Sequence[TensorRef], *, timeout_s: float | None = None, errors: Literal["raise"] = "raise"
+        self,
+        refs: Sequence[TensorRef],
+        *,
+        timeout_s: float | None = None,
+        errors: Literal["raise"] = "raise",
+        stall_s: float | None = None,
     ) -> list[Fetched]: ...
 
     @overload
     def fetch(
-        self, refs: Sequence[TensorRef], *, timeout_s: float | None = None, errors: Literal["return"]
+        self,
+        refs: Sequence[TensorRef],
+        *,
+        timeout_s: float | None = None,
+        errors: Literal["return"],
+        stall_s: float | None = None,
     ) -> list[Fetched | BusError]: ...
 
     def fetch(
-        self, refs: Sequence[TensorRef], *, timeout_s: float | None = None, errors: Errors = "raise"
+        self,
+        refs: Sequence[TensorRef],
+        *,
+        timeout_s: float | None = None,
+        errors: Errors = "raise",
+        stall_s: float | None = None,
     ) -> list[Fetched] | list[Fetched | BusError]:
         """The tensors of ``refs``, in order, within ``timeout_s`` (default fetch_timeout_s).
 
         A key that failed raises its :class:`BusError` (NotFound, Released, Evicted, DataLost
         when its producer did not answer ...); with ``errors="return"`` the error takes the
-        key's place in the list instead, and the other keys are still delivered.
+        key's place in the list instead, and the other keys are still delivered. ``stall_s``:
+        producers that sent nothing for that long are given up as dead (DataLost) before the
+        deadline, so a caller with another copy of the data moves on to it quickly while a long
+        transfer that keeps moving is left alone.
         """
         timeout = self.config.fetch_timeout_s if timeout_s is None else timeout_s
         with self._lock:
-            results = self._fetch(list(refs), timeout)
+            results = self._fetch(list(refs), timeout, stall_s)
         if errors == "return":
             return results
         for item in results:
@@ -79,7 +97,9 @@ class BusClient:
                 raise item
         return [item for item in results if isinstance(item, Fetched)]
 
-    def _fetch(self, refs: list[TensorRef], timeout_s: float) -> list[Fetched | BusError]:
+    def _fetch(
+        self, refs: list[TensorRef], timeout_s: float, stall_s: float | None = None
+    ) -> list[Fetched | BusError]:
         results: list[Fetched | BusError | None] = [None] * len(refs)
         by_endpoint: dict[str, list[Slot]] = {}
         for index, ref in enumerate(refs):
@@ -89,30 +109,43 @@ class BusClient:
             else:
                 by_endpoint.setdefault(ref.endpoint, []).append(Slot(index, ref, ref.nbytes))
         transfers = [Transfer(self._peer(ep), slots, self._rids) for ep, slots in by_endpoint.items()]
-        self._drive(transfers, time.monotonic() + timeout_s, timeout_s)
+        self._drive(transfers, time.monotonic() + timeout_s, timeout_s, stall_s)
         for transfer in transfers:
             for slot in transfer.slots:
                 results[slot.index] = slot.result()
         return [item for item in results if item is not None]
 
-    def _drive(self, transfers: list[Transfer], deadline: float, timeout_s: float) -> None:
-        """Send and receive for every transfer until all are done or the deadline passed."""
+    def _drive(
+        self, transfers: list[Transfer], deadline: float, timeout_s: float, stall_s: float | None
+    ) -> None:
+        """Send and receive for every transfer until all are done, the deadline passed, or (with
+        ``stall_s``) the producers left sent nothing for ``stall_s``."""
         spin_s = self.config.spin_us / 1e6
         pending = [t for t in transfers if not t.done]
-        while pending and time.monotonic() < deadline:
+        moved = time.monotonic()
+        while pending and time.monotonic() < self._give_up_at(deadline, moved, stall_s):
             for transfer in pending:
                 transfer.send()
-            ready = wait_readable([t.peer for t in pending], deadline, spin_s)
+            ready = wait_readable(
+                [t.peer for t in pending], self._give_up_at(deadline, moved, stall_s), spin_s
+            )
+            if ready:
+                moved = time.monotonic()
             for transfer in pending:
                 if transfer.peer in ready:
                     transfer.receive()
             pending = [t for t in pending if not t.done]
+        waited = min(timeout_s, time.monotonic() - deadline + timeout_s)
         for transfer in pending:
-            transfer.time_out(timeout_s)
+            transfer.time_out(waited)
             self._forget(transfer.peer)  # its late replies must not reach a later call
         for transfer in transfers:
             if transfer.peer.refusal is not None and self._peers.get(transfer.peer.endpoint) is transfer.peer:
                 self._forget(transfer.peer)  # the next call starts a fresh handshake
+
+    @staticmethod
+    def _give_up_at(deadline: float, moved: float, stall_s: float | None) -> float:
+        return deadline if stall_s is None else min(deadline, moved + stall_s)
 
     # --- release, stat, ping ------------------------------------------------------------------
 

@@ -264,6 +264,7 @@ class BusServer:
             entry.trace,
             offset=wanted.offset,
         )
+        self.store.count_served(entry.tag, end - wanted.offset)
         if shm and entry.segment is not None and wanted.offset == 0 and end == entry.nbytes:
             meta.shm = entry.segment
             return meta

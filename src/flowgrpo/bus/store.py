@@ -91,6 +91,7 @@ class TensorStore:
         self._pending: dict[str, StoredTensor] = {}
         self._tombstones: OrderedDict[str, ErrorCode] = OrderedDict()
         self._used = 0
+        self._served: dict[str, int] = {}  # tag -> bytes sent by the server (tags held only)
         self._closed = False
         self._shm_warned = False
         self._segments: set[str] = set()  # live segment files (and the probe), for cleanup
@@ -308,7 +309,12 @@ class TensorStore:
                         chosen.add(entry.key)
             for key in chosen:
                 self._drop(self._entries.get(key) or self._pending[key], ErrorCode.RELEASED)
+            if tag is not None and tag in self._served and not self._holds_tag(tag):
+                del self._served[tag]  # bounded: counters live as long as their tag
             return len(chosen)
+
+    def _holds_tag(self, tag: str) -> bool:
+        return any(e.tag == tag for e in itertools.chain(self._entries.values(), self._pending.values()))
 
     def _drop(self, entry: StoredTensor, why: ErrorCode) -> None:
         """Forget ``entry`` (lock held): free its bytes, unlink its segment, leave a tombstone."""
@@ -356,6 +362,17 @@ class TensorStore:
                 return ItemError(key, why, f"key {key!r} was released from store {self.store_id}")
             return ItemError(key, ErrorCode.NOT_FOUND, self._not_found_message(key))
 
+    def count_served(self, tag: str | None, nbytes: int) -> None:
+        """The server sent ``nbytes`` of a tensor put with ``tag`` (untagged ones are not counted)."""
+        if tag is not None:
+            with self._cond:
+                self._served[tag] = self._served.get(tag, 0) + nbytes
+
+    def served_bytes(self, tag: str) -> int:
+        """Bytes sent so far of the tensors put with ``tag`` (0 once the tag is released)."""
+        with self._cond:
+            return self._served.get(tag, 0)
+
     def _not_found_message(self, key: str) -> str:
         pending = " (allocated but not committed yet)" if key in self._pending else ""
         recent = list(itertools.islice(reversed(self._entries), _SUGGEST_FROM))
@@ -375,6 +392,7 @@ class TensorStore:
                 shm_min_bytes=self.config.shm_min_bytes,
                 pid=os.getpid(),
                 hostname=socket.gethostname(),
+                served=dict(self._served),
             )
 
     # --- lifetime -----------------------------------------------------------------------------
@@ -385,6 +403,7 @@ class TensorStore:
             self._closed = True
             self._entries.clear()
             self._pending.clear()
+            self._served.clear()
             self._used = 0
             self._cond.notify_all()
         _LOCAL.pop(self.store_id, None)

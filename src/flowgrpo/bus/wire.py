@@ -136,6 +136,9 @@ class StoreInfo:
     shm_min_bytes: int
     pid: int
     hostname: str
+    # bytes this store has sent per tag (socket frames, or whole tensors mapped from shared
+    # memory), for the tags it holds: what a publisher or a relay sent of each weight version
+    served: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -317,7 +320,14 @@ def _store_info(data: dict[str, Any]) -> StoreInfo:
         shm_min_bytes=_get(data, "shm_min_bytes", int),
         pid=_get(data, "pid", int),
         hostname=_get(data, "hostname", str),
+        served=_served(_optional(data, "served", dict) or {}),
     )
+
+
+def _served(data: dict[Any, Any]) -> dict[str, int]:
+    if not all(isinstance(k, str) and _is_int(v) and v >= 0 for k, v in data.items()):
+        raise WireError("header field 'served' must map tags to byte counts >= 0")
+    return dict(data)
 
 
 def _is_int(value: Any) -> bool:

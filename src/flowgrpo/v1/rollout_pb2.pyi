@@ -180,6 +180,37 @@ class GenerateResponse(_message.Message):
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
 
 @_typing.final
+class WeightSource(_message.Message):
+    """Another holder of an update's bytes: a rollout that loaded the version keeps it in its own
+    bus store under the publisher's keys (the relay), so a ref rewritten to `endpoint` and
+    `store_id` names the same bytes. The dtype, shape and size stay the update's own.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENDPOINT_FIELD_NUMBER: _builtins.int
+    STORE_ID_FIELD_NUMBER: _builtins.int
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    endpoint: _builtins.str
+    store_id: _builtins.str
+    replica_id: _builtins.str
+    """who holds it (for reports only)"""
+    def __init__(
+        self,
+        *,
+        endpoint: _builtins.str = ...,
+        store_id: _builtins.str = ...,
+        replica_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "replica_id", b"replica_id", "store_id", b"store_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WeightSource: _TypeAlias = WeightSource  # noqa: Y015
+
+@_typing.final
 class LoadWeightsRequest(_message.Message):
     """A new policy published by the trainer. Applied between requests, atomically: a replica
     never samples with half an update.
@@ -188,16 +219,33 @@ class LoadWeightsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     UPDATE_FIELD_NUMBER: _builtins.int
+    SOURCES_FIELD_NUMBER: _builtins.int
+    RELAY_FIELD_NUMBER: _builtins.int
+    SOURCE_STALL_S_FIELD_NUMBER: _builtins.int
+    relay: _builtins.bool
+    """keep the fetched bytes in this replica's store for others"""
+    source_stall_s: _builtins.float
+    """a source that sends nothing for this long is given up; 0: default"""
     @_builtins.property
     def update(self) -> _common_pb2.WeightUpdate: ...
+    @_builtins.property
+    def sources(self) -> _containers.RepeatedCompositeFieldContainer[Global___WeightSource]:
+        """The relay plan (docs/ARCHITECTURE.md, "Weight publication relay"): holders to fetch the
+        update's tensors from, nearest first; whatever none of them delivers comes from the
+        update's own refs (the publisher's store), which are always the last resort.
+        """
+
     def __init__(
         self,
         *,
         update: _common_pb2.WeightUpdate | None = ...,
+        sources: _abc.Iterable[Global___WeightSource] | None = ...,
+        relay: _builtins.bool = ...,
+        source_stall_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["update", b"update"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["update", b"update"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["relay", b"relay", "source_stall_s", b"source_stall_s", "sources", b"sources", "update", b"update"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -207,19 +255,61 @@ Global___LoadWeightsRequest: _TypeAlias = LoadWeightsRequest  # noqa: Y015
 class LoadWeightsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class FetchedBytesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     LOAD_S_FIELD_NUMBER: _builtins.int
+    RELAY_FIELD_NUMBER: _builtins.int
+    FETCHED_BYTES_FIELD_NUMBER: _builtins.int
+    FAILED_SOURCES_FIELD_NUMBER: _builtins.int
+    FETCH_S_FIELD_NUMBER: _builtins.int
     policy_version: _builtins.int
     load_s: _builtins.float
+    fetch_s: _builtins.float
+    """the fetch alone, of load_s"""
+    @_builtins.property
+    def relay(self) -> Global___WeightSource:
+        """where this replica now serves the version (unset: it does not)"""
+
+    @_builtins.property
+    def fetched_bytes(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """bytes fetched per source endpoint (publisher's included)"""
+
+    @_builtins.property
+    def failed_sources(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """"endpoint: why" of each source given up"""
+
     def __init__(
         self,
         *,
         policy_version: _builtins.int = ...,
         load_s: _builtins.float = ...,
+        relay: Global___WeightSource | None = ...,
+        fetched_bytes: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        failed_sources: _abc.Iterable[_builtins.str] | None = ...,
+        fetch_s: _builtins.float = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["relay", b"relay"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["load_s", b"load_s", "policy_version", b"policy_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failed_sources", b"failed_sources", "fetch_s", b"fetch_s", "fetched_bytes", b"fetched_bytes", "load_s", b"load_s", "policy_version", b"policy_version", "relay", b"relay"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
