@@ -41,6 +41,17 @@ class Member:
     beats: bool = True  # False: an actor in this process (``inprocess``), never lost
 
 
+@dataclass
+class RegistryLoad:
+    """What the registry has handled since it started (``flowgrpo bench scale`` reads it)."""
+
+    registrations: int = 0  # Register calls accepted (first joins and rejoins)
+    heartbeats: int = 0  # heartbeats answered
+    late_heartbeats: int = 0  # beats that came more than 1.5 intervals after the member's last one
+    missed_heartbeats: int = 0  # intervals with no beat, counted when the next beat finally comes
+    lost: int = 0  # members declared lost (silent for lost_after_s)
+
+
 @dataclass(frozen=True)
 class MemberEvent:
     kind: str  # "joined" (registered: new, or back), "lost", "left"
@@ -68,6 +79,7 @@ class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
         self.schedule = ""
         self.policy_version = 0
         self.last_metrics: dict[str, float] = {}
+        self.load = RegistryLoad()
         self._watchdog: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -113,10 +125,18 @@ class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
         member = self.members.get(request.replica_id)
         if member is None or member.state != "up":
             return coordinator_pb2.HeartbeatResponse(known=False)  # lost or left: register again
-        member.last_seen = time.monotonic()
+        self._count_beat(member, time.monotonic())
         member.info.policy_version = request.policy_version
         member.in_flight = request.in_flight
         return coordinator_pb2.HeartbeatResponse(known=True)
+
+    def _count_beat(self, member: Member, now: float) -> None:
+        gap = now - member.last_seen
+        self.load.heartbeats += 1
+        if gap > 1.5 * self.heartbeat_interval_s:
+            self.load.late_heartbeats += 1
+            self.load.missed_heartbeats += max(0, round(gap / self.heartbeat_interval_s) - 1)
+        member.last_seen = now
 
     @message
     async def Leave(
@@ -163,6 +183,7 @@ class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
         known = self.members.get(info.replica_id)
         member = Member(info, last_seen=time.monotonic(), joins=known.joins + 1 if known else 1, beats=beats)
         self.members[info.replica_id] = member
+        self.load.registrations += 1
         log.info(
             "%s %s registered at %s (join %d)", info.role, info.replica_id, info.grpc_address, member.joins
         )
@@ -218,6 +239,7 @@ class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
             for member in self.members.values():
                 if member.beats and member.state == "up" and now - member.last_seen > self.lost_after_s:
                     member.state = "lost"
+                    self.load.lost += 1
                     log.warning(
                         "%s %s sent no heartbeat for %.0f s (launch.lost_after_s=%g): declared lost",
                         member.info.role, member.info.replica_id, now - member.last_seen, self.lost_after_s,

@@ -264,6 +264,7 @@ class BusServer:
             entry.trace,
             offset=wanted.offset,
         )
+        self.store.served_bytes += end - wanted.offset  # this thread alone writes it
         if shm and entry.segment is not None and wanted.offset == 0 and end == entry.nbytes:
             meta.shm = entry.segment
             return meta

@@ -91,6 +91,7 @@ class TensorStore:
         self._pending: dict[str, StoredTensor] = {}
         self._tombstones: OrderedDict[str, ErrorCode] = OrderedDict()
         self._used = 0
+        self.served_bytes = 0  # tensor bytes answered to fetches (what publication costs the producer)
         self._closed = False
         self._shm_warned = False
         self._segments: set[str] = set()  # live segment files (and the probe), for cleanup
@@ -375,6 +376,7 @@ class TensorStore:
                 shm_min_bytes=self.config.shm_min_bytes,
                 pid=os.getpid(),
                 hostname=socket.gethostname(),
+                served_bytes=self.served_bytes,
             )
 
     # --- lifetime -----------------------------------------------------------------------------

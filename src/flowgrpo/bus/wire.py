@@ -136,6 +136,7 @@ class StoreInfo:
     shm_min_bytes: int
     pid: int
     hostname: str
+    served_bytes: int = 0  # tensor bytes this store has answered fetches with (socket or shared memory)
 
 
 @dataclass
@@ -317,6 +318,7 @@ def _store_info(data: dict[str, Any]) -> StoreInfo:
         shm_min_bytes=_get(data, "shm_min_bytes", int),
         pid=_get(data, "pid", int),
         hostname=_get(data, "hostname", str),
+        served_bytes=_optional(data, "served_bytes", int) or 0,
     )
 
 
