@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
 import math
 import os
-import resource
+import pstats
 import secrets
+import shutil
 import signal
 import statistics
 import subprocess
@@ -59,7 +61,7 @@ from flowgrpo.services.bench.stats import write_json
 from flowgrpo.services.coordinator.config import RunConfig, load_run_config
 from flowgrpo.services.coordinator.launch import launch, role_config
 from flowgrpo.services.coordinator.outputs import RunOutputs
-from flowgrpo.services.coordinator.registry import CoordinatorService, RegistryLoad
+from flowgrpo.services.coordinator.registry import CoordinatorService, RegistryLoad, raise_fd_limit
 from flowgrpo.services.coordinator.run import Coordinator
 from flowgrpo.services.coordinator.train import prepare_data, prepare_model
 from flowgrpo.v1 import common_pb2, coordinator_pb2_grpc
@@ -73,7 +75,8 @@ KILL_STEP = 2
 class ScaleOptions:
     replicas: list[int] = field(default_factory=lambda: [1, 8, 64, 256, 1024])
     steps: int = 4  # the first opens connections; the others are the steady state
-    per_host: int = 128  # simulated replicas per host process
+    per_host: int = 128  # simulated rollout replicas per host process
+    rewards_per_host: int = 8  # each fetches from every rollout: its sockets, not its CPU, bound it
     rollouts_per_reward: int = 8
     group_size: int = 2
     step_delay_s: float = 0.05  # the load-test engine's delay per denoising step
@@ -185,7 +188,9 @@ def spawn_host(role: str, config: Path, first: int, count: int, folder: Path, vi
     return Host(proc, ready, role, first, count, victim)
 
 
-def spawn_hosts(role: str, config: Path, total: int, per_host: int, folder: Path, victims: int = 0) -> list[Host]:
+def spawn_hosts(
+    role: str, config: Path, total: int, per_host: int, folder: Path, victims: int = 0
+) -> list[Host]:
     """``total`` replicas of ``role``; the last ``victims`` of them in host processes of their own."""
     hosts, first = [], 0
     for count, victim in ((total - victims, False), (victims, True)):
@@ -228,7 +233,8 @@ def point_config(n: int, opts: ScaleOptions, run_dir: Path, model: str, prompts:
         f"run_dir={run_dir}", f"model.checkpoint={model}", f"data.prompts={prompts}",
         f"data.prompts_per_step={n}", f"data.group_size={opts.group_size}", "data.val_prompts=0",
         f"schedule.steps={opts.steps}", "schedule.eval_every=0", "schedule.save_every=0",
-        "sampling.resolution=32", "sampling.deterministic=false",
+        "sampling.resolution=32", "sampling.deterministic=false", "sampling.num_points=4",
+        "sampling.eval_num_points=4", "sampling.window_size=1", "sampling.window_range=[0,1]",
         "launch.launcher=remote", f"launch.rollout_replicas={n}", f"launch.reward_replicas={rewards}",
         f"launch.heartbeat_interval_s={opts.heartbeat_interval_s}", f"launch.lost_after_s={opts.lost_after_s}",
         f"launch.start_timeout_s={opts.start_timeout_s}", "logger.progress=none",
@@ -259,6 +265,7 @@ def critical_path_s(cfg: RunConfig, opts: ScaleOptions) -> float:
 
 async def run_point(n: int, opts: ScaleOptions, work: Path, model: str) -> Point:
     run_dir = work / f"n{n}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run folder with a state would resume, not run
     prompts = write_prompts(run_dir / "prompts", n * opts.steps)
     cfg = prepare_data(point_config(n, opts, run_dir, model, prompts))
     split = load_split(cfg.data.dataset, "train", model_path=cfg.model.checkpoint)
@@ -313,12 +320,22 @@ def start_replicas(
         paths[role] = folder / f"{role}.yaml"
         dump_yaml(config, paths[role])
     log = open(folder / "trainer.log", "ab")  # noqa: SIM115 (the child holds it)
-    cmd = [sys.executable, "-m", "flowgrpo.services.cli", "serve", "trainer", "--config", str(paths["trainer"])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flowgrpo.services.cli",
+        "serve",
+        "trainer",
+        "--config",
+        str(paths["trainer"]),
+    ]
     trainer = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
     victims = round(cfg.launch.rollout_replicas * opts.kill_fraction)
-    hosts = spawn_hosts("rollout", paths["rollout"], cfg.launch.rollout_replicas, opts.per_host, folder, victims)
-    hosts += spawn_hosts("reward", paths["reward"], cfg.launch.reward_replicas, opts.per_host, folder)
+    hosts = spawn_hosts(
+        "rollout", paths["rollout"], cfg.launch.rollout_replicas, opts.per_host, folder, victims
+    )
+    hosts += spawn_hosts("reward", paths["reward"], cfg.launch.reward_replicas, opts.rewards_per_host, folder)
     return hosts, trainer
 
 
@@ -342,7 +359,11 @@ class TrainerBytes:
 
 
 def arm_kill(
-    coordinator: Coordinator, registry: MeasuredRegistry, victims: list[Host], cfg: RunConfig, opts: ScaleOptions
+    coordinator: Coordinator,
+    registry: MeasuredRegistry,
+    victims: list[Host],
+    cfg: RunConfig,
+    opts: ScaleOptions,
 ) -> None:
     """SIGKILL the first half of ``victims`` while step KILL_STEP's samples are being generated
     (half-way through the simulated denoising), the rest as its weight load starts."""
@@ -373,12 +394,17 @@ async def check_kill(
     cfg: RunConfig,
 ) -> dict[str, Any]:  # fmt: skip
     """After the run: every victim declared lost, every survivor beating with the last version."""
-    dead, alive = set(host_ids(victims)), set(host_ids([h for h in hosts if h.role == "rollout" and not h.victim]))
+    dead, alive = (
+        set(host_ids(victims)),
+        set(host_ids([h for h in hosts if h.role == "rollout" and not h.victim])),
+    )
     last = int(history[-1]["training/policy_version"])
     deadline = time.monotonic() + registry.lost_after_s + 3 * registry.heartbeat_interval_s
     while time.monotonic() < deadline:  # the watchdog's verdict, and one fresh beat from each survivor
         lost = {m for m, s in registry.members.items() if s.state == "lost"}
-        current = {m for m, s in registry.members.items() if s.state == "up" and s.info.policy_version == last}
+        current = {
+            m for m, s in registry.members.items() if s.state == "up" and s.info.policy_version == last
+        }
         if dead <= lost and alive <= current:
             break
         await asyncio.sleep(0.5)
@@ -502,14 +528,9 @@ def run_credentials() -> None:
     os.environ.setdefault(SECRET_ENV, secrets.token_urlsafe(32))
 
 
-def raise_fd_limit() -> int:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return hard
-
-
-async def sweep(opts: ScaleOptions, work: Path, report: Callable[[Point], Awaitable[None] | None]) -> list[Point]:
+async def sweep(
+    opts: ScaleOptions, work: Path, report: Callable[[Point], Awaitable[None] | None]
+) -> list[Point]:
     model = prepare_model(load_run_config(RECIPE, [f"run_dir={work}"])).model.checkpoint
     points = []
     for n in opts.replicas:
@@ -524,22 +545,32 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     defaults = ScaleOptions()
     parser.add_argument("--replicas", type=int, nargs="+", default=defaults.replicas)
-    for name in ("steps", "per_host", "rollouts_per_reward", "group_size"):
+    for name in ("steps", "per_host", "rewards_per_host", "rollouts_per_reward", "group_size"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     for name in ("step_delay_s", "reward_delay_s", "heartbeat_interval_s", "lost_after_s", "kill_fraction"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name))
     parser.add_argument("--out", help="write OUT.md (the table), OUT.png (the plot) and OUT.json")
     parser.add_argument("--json", help="the figures as JSON (default with --out: OUT.json)")
+    parser.add_argument("--profile", help="profile the coordinator's event loop (cProfile) into this file")
     parser.add_argument("--work-dir", help="run folders (default: a temporary folder, removed)")
     args = parser.parse_args(argv)
     opts = ScaleOptions(**{k: v for k, v in vars(args).items() if k in ScaleOptions.__dataclass_fields__})
     if opts.steps < 2 or not 0 <= opts.kill_fraction < 1 or opts.kill_fraction and opts.steps < KILL_STEP + 1:
-        parser.error(f"--steps must be >= 2 (>= {KILL_STEP + 1} with --kill-fraction) and --kill-fraction in [0, 1)")
+        parser.error(
+            f"--steps must be >= 2 (>= {KILL_STEP + 1} with --kill-fraction) and --kill-fraction in [0, 1)"
+        )
     run_credentials()
     print(f"flowgrpo bench scale: file descriptors up to {raise_fd_limit()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="flowgrpo-scale-") as tmp:
         work = Path(args.work_dir or tmp)
-        points = asyncio.run(sweep(opts, work, lambda p: print(table([p]).splitlines()[-1], flush=True)))
+        show = lambda p: print(table([p]).splitlines()[-1], flush=True)  # noqa: E731
+        if args.profile:  # the coordinator's event loop (its thread) under cProfile
+            profiler = cProfile.Profile()
+            points = profiler.runcall(asyncio.run, sweep(opts, work, show))
+            pstats.Stats(profiler).sort_stats("tottime").dump_stats(args.profile)
+            pstats.Stats(args.profile).sort_stats("tottime").print_stats(25)
+        else:
+            points = asyncio.run(sweep(opts, work, show))
     print(table(points))
     out = Path(args.out) if args.out else None
     if out is not None:

@@ -22,6 +22,7 @@ import functools
 import json
 import logging
 import os
+import resource
 import signal
 import sys
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import zmq
 from flowgrpo.config import load_config
 from flowgrpo.fileio import atomic_write
 from flowgrpo.runtime import Service, ServiceServer
@@ -103,6 +105,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch  # one thread per process: the load-test engine computes nothing worth a pool
 
     torch.set_num_threads(1)
+    # this process stands for `count` processes: libzmq's 1,023 sockets and the soft descriptor
+    # limit are per process, so they are raised to what `count` processes would have had
+    zmq.Context.instance().set(zmq.MAX_SOCKETS, min(65536, 1024 * args.count))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     asyncio.run(host(args.role, config, args.count, args.first, Path(args.ready)))
     return 0
 

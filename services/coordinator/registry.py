@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import time
 from dataclasses import dataclass
 
@@ -83,6 +84,7 @@ class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
         self._watchdog: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        raise_fd_limit()
         self._watchdog = asyncio.create_task(self._watch(), name="coordinator heartbeat watchdog")
 
     async def stop(self) -> None:
@@ -245,3 +247,23 @@ class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
                         member.info.role, member.info.replica_id, now - member.last_seen, self.lost_after_s,
                     )  # fmt: skip
                     self._emit("lost", member.info)
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft limit of open files to its hard limit; return the new limit.
+
+    The coordinator holds about two descriptors per replica (its channel to the replica, the
+    replica's own channel for heartbeats) and the bus its own; the usual soft limit of 1,024 ran
+    out near 500 replicas (docs/scaling.md), the hard limit (often 2^20) is what the process may have.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft >= hard:
+        return soft
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as error:
+        log.warning("cannot raise the open-file limit from %d to %d (%s): at most ~%d replicas",
+                    soft, target, error, soft // 2)  # fmt: skip
+        return soft
+    return target
