@@ -61,7 +61,12 @@ from flowgrpo.services.bench.stats import write_json
 from flowgrpo.services.coordinator.config import RunConfig, load_run_config
 from flowgrpo.services.coordinator.launch import launch, role_config
 from flowgrpo.services.coordinator.outputs import RunOutputs
-from flowgrpo.services.coordinator.registry import CoordinatorService, RegistryLoad, raise_fd_limit
+from flowgrpo.services.coordinator.registry import (
+    CoordinatorService,
+    RegistryLoad,
+    raise_fd_limit,
+    server_concurrency,
+)
 from flowgrpo.services.coordinator.run import Coordinator
 from flowgrpo.services.coordinator.train import prepare_data, prepare_model
 from flowgrpo.v1 import common_pb2, coordinator_pb2_grpc
@@ -85,6 +90,7 @@ class ScaleOptions:
     lost_after_s: float = 10.0
     kill_fraction: float = 0.0
     start_timeout_s: float = 600.0
+    fixes: bool = True  # False: the coordinator server's fixed concurrency (the figures before the fix)
 
 
 @dataclass
@@ -271,7 +277,11 @@ async def run_point(n: int, opts: ScaleOptions, work: Path, model: str) -> Point
     split = load_split(cfg.data.dataset, "train", model_path=cfg.model.checkpoint)
     registry = MeasuredRegistry(run_id=f"scale-{n}", heartbeat_interval_s=opts.heartbeat_interval_s,
                                 lost_after_s=opts.lost_after_s)  # fmt: skip
-    server = ServiceServer(registry, replace(cfg.server, concurrency=cfg.server.concurrency), [
+    members = cfg.launch.rollout_replicas + cfg.launch.reward_replicas + 1
+    concurrency = (
+        server_concurrency(cfg.server.concurrency, members) if opts.fixes else cfg.server.concurrency
+    )
+    server = ServiceServer(registry, replace(cfg.server, concurrency=concurrency), [
         Service("flowgrpo.v1.Coordinator", registry, coordinator_pb2_grpc.add_CoordinatorServicer_to_server)
     ])  # fmt: skip
     store = serve_store(cfg.bus)
@@ -549,6 +559,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     for name in ("step_delay_s", "reward_delay_s", "heartbeat_interval_s", "lost_after_s", "kill_fraction"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name))
+    parser.add_argument(
+        "--no-fixes",
+        dest="fixes",
+        action="store_false",
+        help="the coordinator's server with a fixed server.concurrency (as before the fix)",
+    )
     parser.add_argument("--out", help="write OUT.md (the table), OUT.png (the plot) and OUT.json")
     parser.add_argument("--json", help="the figures as JSON (default with --out: OUT.json)")
     parser.add_argument("--profile", help="profile the coordinator's event loop (cProfile) into this file")

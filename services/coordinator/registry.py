@@ -267,3 +267,16 @@ def raise_fd_limit() -> int:
                     soft, target, error, soft // 2)  # fmt: skip
         return soft
     return target
+
+
+def server_concurrency(configured: int, members: int) -> int:
+    """The RPCs the coordinator's server takes at once for a run of ``members`` replicas.
+
+    A service's ``server.concurrency`` (64) refuses work past what it can do; the coordinator's
+    RPCs are heartbeats, registrations and leaves, one or two per member at a time. While its
+    event loop is busy (a step dispatching to a thousand replicas), every member's beat arrives
+    at once, and refusing them is what overloaded it at 1,024 replicas: refused replicas
+    registered again (docs/scaling.md). So it takes 4 per member (a run that scales beyond what
+    it started with may set ``server.concurrency`` higher).
+    """
+    return max(configured, 4 * members + 64)

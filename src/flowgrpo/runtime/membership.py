@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Callable
 from typing import cast
@@ -28,6 +29,22 @@ log = logging.getLogger(__name__)
 
 RETRY_S = 2.0  # between registration attempts while the coordinator does not answer
 CALL_TIMEOUT_S = 10.0
+JITTER = 0.2  # each pause is drawn from +-20% of its length: replicas started together drift apart
+# A heartbeat that failed with one of these is tried again at the next beat; the coordinator, not
+# one failed call, decides when a replica is lost. Registering again instead (what any other
+# failure does) is far dearer for the coordinator: at 1,024 replicas an overloaded coordinator
+# refusing beats (RESOURCE_EXHAUSTED) made every refused replica register again, each
+# registration a call back to the replica, which overloaded it further (docs/scaling.md).
+BEAT_AGAIN = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.CANCELLED,
+)
+
+
+def jittered(seconds: float) -> float:
+    return seconds * random.uniform(1 - JITTER, 1 + JITTER)
 
 
 class Membership:
@@ -80,7 +97,7 @@ class Membership:
                 while await self._heartbeat(interval):
                     if self._orphaned():
                         return
-                    await asyncio.sleep(interval)
+                    await asyncio.sleep(jittered(interval))
                 log.warning(
                     "the coordinator at %s no longer knows this replica; registering again", self.address
                 )
@@ -91,7 +108,7 @@ class Membership:
                         "cannot reach the coordinator at %s (%s: %s); retrying every %.0f s",
                         self.address, error.code().name, error.details(), RETRY_S,
                     )  # fmt: skip
-                await asyncio.sleep(RETRY_S)
+                await asyncio.sleep(jittered(RETRY_S))
 
     async def _register(self) -> float:
         request = coordinator_pb2.RegisterRequest(info=self.actor.info())
@@ -114,7 +131,7 @@ class Membership:
                 request, timeout=max(CALL_TIMEOUT_S, 2 * interval)
             )
         except grpc.aio.AioRpcError as error:
-            if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if error.code() in BEAT_AGAIN:
                 log.warning("heartbeat to %s failed (%s); trying again", self.address, error.code().name)
                 return True  # the next beat may pass; the coordinator decides when we are lost
             raise

@@ -1,0 +1,104 @@
+"""The registry under load, over real gRPC: a coordinator that is slow to answer must not make its
+replicas register again (each registration costs it a call back to the replica), and its server
+must take every member's heartbeat at once rather than refuse them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from flowgrpo.runtime import Actor, Service, ServiceServer, ServiceError, open_channel
+from flowgrpo.runtime.config import ServerConfig
+from flowgrpo.runtime.membership import Membership
+from flowgrpo.services.coordinator.registry import CoordinatorService, server_concurrency
+from flowgrpo.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+
+class Replica(Actor):
+    role = "reward"
+
+
+class RefusingRegistry(CoordinatorService):
+    """A registry whose first ``refusals`` heartbeats are refused as an overloaded server refuses."""
+
+    def __init__(self, refusals: int) -> None:
+        super().__init__("run-1", heartbeat_interval_s=0.1, lost_after_s=30.0, verify=False)
+        self.refusals = refusals
+
+    async def Heartbeat(
+        self, request: coordinator_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext | None
+    ) -> coordinator_pb2.HeartbeatResponse:
+        if self.refusals > 0:
+            self.refusals -= 1
+            raise ServiceError("Concurrent RPC limit exceeded!", grpc.StatusCode.RESOURCE_EXHAUSTED)
+        response: coordinator_pb2.HeartbeatResponse = await super().Heartbeat(request, context)
+        return response
+
+
+def serve(registry: CoordinatorService, concurrency: int = 64) -> ServiceServer:
+    add = coordinator_pb2_grpc.add_CoordinatorServicer_to_server
+    config = ServerConfig(concurrency=concurrency)
+    return ServiceServer(registry, config, [Service("flowgrpo.v1.Coordinator", registry, add)])
+
+
+async def until(what: str, check: object, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        await asyncio.sleep(0.02)
+
+
+def test_refused_heartbeats_are_tried_again_without_registering_again() -> None:
+    async def body() -> None:
+        registry = RefusingRegistry(refusals=3)
+        server = serve(registry)
+        address = await server.start()
+        replica = Replica("reward-a")
+        replica.grpc_address = "127.0.0.1:1"  # verify=False: never called back
+        await replica.launch()
+        membership = Membership(replica, address)
+        membership.start()
+        try:
+            await until("3 refused beats, then 3 answered", lambda: registry.load.heartbeats >= 3)
+            assert registry.load.registrations == 1  # the refusals did not make it register again
+            assert registry.members["reward-a"].state == "up"
+        finally:
+            await membership.leave("test over")
+            await replica.shutdown()
+            await server.stop()
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("members", [300])
+def test_the_coordinator_server_takes_every_members_beat_while_its_loop_is_busy(members: int) -> None:
+    """Every member's beat arrives at once while the registry is busy (a long message ahead of
+    them): the server sized by ``server_concurrency`` answers them all; the services' default
+    (64) refused most of them, as it did at 1,024 replicas."""
+
+    async def beats(concurrency: int) -> tuple[int, int]:
+        registry = CoordinatorService("run-1", heartbeat_interval_s=1.0, verify=False)
+        server = serve(registry, concurrency)
+        address = await server.start()
+        channel = open_channel(address)
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        try:
+            busy = asyncio.ensure_future(registry.call(asyncio.sleep, 1.0))  # the loop's long step
+            await asyncio.sleep(0.05)
+            calls = [stub.Heartbeat(coordinator_pb2.HeartbeatRequest(replica_id=f"r{i}"), timeout=30)
+                     for i in range(members)]  # fmt: skip
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            await busy
+        finally:
+            await channel.close()
+            await server.stop()
+        refused = sum(isinstance(r, grpc.aio.AioRpcError) for r in results)
+        return members - refused, refused
+
+    answered, refused = asyncio.run(beats(server_concurrency(64, members)))
+    assert (answered, refused) == (members, 0)
+    _, refused_before = asyncio.run(beats(64))
+    assert refused_before > 0  # the default refuses them: this test can fail
