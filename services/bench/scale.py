@@ -88,9 +88,10 @@ class ScaleOptions:
     reward_delay_s: float = 0.002  # the load-test scorer's delay per image
     heartbeat_interval_s: float = 2.0
     lost_after_s: float = 10.0
+    max_heartbeats_per_s: float = 50.0
     kill_fraction: float = 0.0
     start_timeout_s: float = 600.0
-    fixes: bool = True  # False: the coordinator server's fixed concurrency (the figures before the fix)
+    fixes: bool = True  # False: the coordinator as before the fixes (fixed server concurrency and period)
 
 
 @dataclass
@@ -119,7 +120,8 @@ class Point:
     critical_path_s: float
     first_step_cpu_s: float
     heartbeats_per_s: float
-    heartbeats_expected_per_s: float  # every member (and the trainer) once per interval
+    heartbeats_expected_per_s: float  # every member (and the trainer) once per period
+    heartbeat_interval_s: float  # the period in force at the end (it grows with the members)
     late_heartbeats: int
     missed_heartbeats: int
     registrations: int
@@ -276,7 +278,8 @@ async def run_point(n: int, opts: ScaleOptions, work: Path, model: str) -> Point
     cfg = prepare_data(point_config(n, opts, run_dir, model, prompts))
     split = load_split(cfg.data.dataset, "train", model_path=cfg.model.checkpoint)
     registry = MeasuredRegistry(run_id=f"scale-{n}", heartbeat_interval_s=opts.heartbeat_interval_s,
-                                lost_after_s=opts.lost_after_s)  # fmt: skip
+                                lost_after_s=opts.lost_after_s,
+                                max_heartbeats_per_s=opts.max_heartbeats_per_s if opts.fixes else math.inf)  # fmt: skip
     members = cfg.launch.rollout_replicas + cfg.launch.reward_replicas + 1
     concurrency = (
         server_concurrency(cfg.server.concurrency, members) if opts.fixes else cfg.server.concurrency
@@ -409,7 +412,7 @@ async def check_kill(
         set(host_ids([h for h in hosts if h.role == "rollout" and not h.victim])),
     )
     last = int(history[-1]["training/policy_version"])
-    deadline = time.monotonic() + registry.lost_after_s + 3 * registry.heartbeat_interval_s
+    deadline = time.monotonic() + registry.lost_after() + 3 * registry.interval_s
     while time.monotonic() < deadline:  # the watchdog's verdict, and one fresh beat from each survivor
         lost = {m for m, s in registry.members.items() if s.state == "lost"}
         current = {
@@ -456,7 +459,7 @@ def summarise(
         overhead_s=statistics.median(d - path for d in draw), critical_path_s=path,
         first_step_cpu_s=first.cpu - snaps[0].cpu,
         heartbeats_per_s=beats, heartbeats_expected_per_s=(n + cfg.launch.reward_replicas + 1)
-        / opts.heartbeat_interval_s,
+        / registry.interval_s, heartbeat_interval_s=registry.interval_s,
         late_heartbeats=last.load.late_heartbeats, missed_heartbeats=last.load.missed_heartbeats,
         registrations=last.load.registrations,
         samples_min=min(per_step), samples_max=max(per_step), samples_stddev=statistics.pstdev(per_step),
@@ -474,7 +477,7 @@ def summarise(
 COLUMNS = (  # (header, Point field, format)
     ("rollouts", "rollouts", "d"), ("rewards", "rewards", "d"), ("start s", "start_s", ".1f"),
     ("step wall s", "step_wall_s", ".2f"), ("coord. CPU s/step", "coordinator_cpu_s", ".3f"),
-    ("overhead s", "overhead_s", ".3f"), ("heartbeats/s (expected)", "", ""),
+    ("overhead s", "overhead_s", ".3f"), ("beat period s", "heartbeat_interval_s", ".1f"), ("heartbeats/s (expected)", "", ""),
     ("late beats", "late_heartbeats", "d"), ("missed beats", "missed_heartbeats", "d"),
     ("samples/replica min-max (ideal)", "", ""), ("stddev", "samples_stddev", ".2f"),
     ("RSS MiB", "rss_mib", ".0f"), ("fds", "fds", "d"), ("threads", "threads", "d"),
@@ -557,7 +560,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, nargs="+", default=defaults.replicas)
     for name in ("steps", "per_host", "rewards_per_host", "rollouts_per_reward", "group_size"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
-    for name in ("step_delay_s", "reward_delay_s", "heartbeat_interval_s", "lost_after_s", "kill_fraction"):
+    for name in (
+        "step_delay_s",
+        "reward_delay_s",
+        "heartbeat_interval_s",
+        "lost_after_s",
+        "max_heartbeats_per_s",
+        "kill_fraction",
+    ):
         parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name))
     parser.add_argument(
         "--no-fixes",

@@ -100,7 +100,8 @@ class ReplicaPool:
     def _failed(self, replica: Replica, error: ReplicaError) -> None:
         if not error.retryable:
             raise RunError(str(error)) from error
-        replica.lose(f"failed: {error}")
+        if replica.healthy:  # once: its other calls fail with this reason, which must not nest
+            replica.lose(f"failed: {error}")
         self.retries += 1
         log.warning("%s; its work goes to another replica", error)
 

@@ -24,6 +24,7 @@ import grpc
 from flowgrpo import PROTOCOL_VERSION
 from flowgrpo.runtime import Actor, InvalidArgument, ServiceError, message, wait_ready
 from flowgrpo.runtime.errors import HandshakeError, NotReadyError
+from flowgrpo.runtime.membership import JITTER
 from flowgrpo.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -62,8 +63,13 @@ class MemberEvent:
 class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
     role = "coordinator"
 
-    def __init__(
-        self, run_id: str, heartbeat_interval_s: float = 2.0, lost_after_s: float = 20.0, verify: bool = True
+    def __init__(  # noqa: PLR0917
+        self,
+        run_id: str,
+        heartbeat_interval_s: float = 2.0,
+        lost_after_s: float = 20.0,
+        verify: bool = True,
+        max_heartbeats_per_s: float = 50.0,
     ) -> None:
         super().__init__(replica_id="coordinator")
         self.run_id = run_id
@@ -71,6 +77,10 @@ class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
         self.verify = verify
         self.heartbeat_interval_s = heartbeat_interval_s
         self.lost_after_s = lost_after_s
+        # the beats handled per second stay below this: the period handed out grows with the
+        # members (a thousand replicas beating every 2 s starved the run loop, docs/scaling.md)
+        self.max_heartbeats_per_s = max_heartbeats_per_s
+        self.interval_s = heartbeat_interval_s  # the period in force, kept by the watchdog
         self.members: dict[str, Member] = {}
         self.events: asyncio.Queue[MemberEvent] = asyncio.Queue()
         self.changed = asyncio.Event()  # set on every event; waiters clear it
@@ -116,9 +126,7 @@ class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
                 "register the address this replica serves at (server.advertise_host, server.port)"
             )
         await self.call(self._join, info)
-        return coordinator_pb2.RegisterResponse(
-            run_id=self.run_id, heartbeat_interval_s=self.heartbeat_interval_s
-        )
+        return coordinator_pb2.RegisterResponse(run_id=self.run_id, heartbeat_interval_s=self.interval_s)
 
     @message
     async def Heartbeat(
@@ -130,14 +138,14 @@ class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
         self._count_beat(member, time.monotonic())
         member.info.policy_version = request.policy_version
         member.in_flight = request.in_flight
-        return coordinator_pb2.HeartbeatResponse(known=True)
+        return coordinator_pb2.HeartbeatResponse(known=True, heartbeat_interval_s=self.interval_s)
 
     def _count_beat(self, member: Member, now: float) -> None:
         gap = now - member.last_seen
         self.load.heartbeats += 1
-        if gap > 1.5 * self.heartbeat_interval_s:
+        if gap > 1.5 * self.interval_s * (1 + JITTER):
             self.load.late_heartbeats += 1
-            self.load.missed_heartbeats += max(0, round(gap / self.heartbeat_interval_s) - 1)
+            self.load.missed_heartbeats += max(0, round(gap / self.interval_s) - 1)
         member.last_seen = now
 
     @message
@@ -233,18 +241,31 @@ class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
         self.events.put_nowait(MemberEvent(kind, info))
         self.changed.set()
 
+    def lost_after(self) -> float:
+        """Silence after which a member is lost: ``lost_after_s``, or as many periods of the
+        longer period in force."""
+        return self.lost_after_s * self.interval_s / self.heartbeat_interval_s
+
+    def _pace(self) -> None:
+        """The period to hand out: the configured one, longer when the members would beat more
+        than ``max_heartbeats_per_s`` times a second."""
+        beating = sum(1 for m in self.members.values() if m.beats and m.state == "up")
+        self.interval_s = max(self.heartbeat_interval_s, beating / self.max_heartbeats_per_s)
+
     async def _watch(self) -> None:
-        """Declare lost the replicas whose heartbeats stopped."""
+        """Declare lost the replicas whose heartbeats stopped; keep the period in force."""
         while True:
             await asyncio.sleep(min(self.heartbeat_interval_s, self.lost_after_s / 4))
-            now = time.monotonic()
+            self._pace()
+            now, lost_after = time.monotonic(), self.lost_after()
             for member in self.members.values():
-                if member.beats and member.state == "up" and now - member.last_seen > self.lost_after_s:
+                if member.beats and member.state == "up" and now - member.last_seen > lost_after:
                     member.state = "lost"
                     self.load.lost += 1
                     log.warning(
-                        "%s %s sent no heartbeat for %.0f s (launch.lost_after_s=%g): declared lost",
-                        member.info.role, member.info.replica_id, now - member.last_seen, self.lost_after_s,
+                        "%s %s sent no heartbeat for %.0f s (launch.lost_after_s=%g at a %.1f s period): "
+                        "declared lost", member.info.role, member.info.replica_id, now - member.last_seen,
+                        self.lost_after_s, self.interval_s,
                     )  # fmt: skip
                     self._emit("lost", member.info)
 

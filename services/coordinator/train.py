@@ -151,6 +151,7 @@ async def _train_holding_lock(cfg: RunConfig, progress: Any) -> list[dict[str, f
         run_id=f"{cfg.name}-{uuid.uuid4().hex[:8]}",
         heartbeat_interval_s=cfg.launch.heartbeat_interval_s,
         lost_after_s=cfg.launch.lost_after_s,
+        max_heartbeats_per_s=cfg.launch.max_heartbeats_per_s,
     )
     ready_file = Path(cfg.run_dir).resolve() / "services" / "coordinator.ready.json"
     members = cfg.launch.rollout_replicas + cfg.launch.reward_replicas + 1

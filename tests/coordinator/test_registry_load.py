@@ -10,11 +10,14 @@ import time
 import grpc
 import pytest
 
+from flowgrpo import PROTOCOL_VERSION
 from flowgrpo.runtime import Actor, Service, ServiceServer, ServiceError, open_channel
 from flowgrpo.runtime.config import ServerConfig
 from flowgrpo.runtime.membership import Membership
 from flowgrpo.services.coordinator.registry import CoordinatorService, server_concurrency
 from flowgrpo.v1 import coordinator_pb2, coordinator_pb2_grpc
+from flowgrpo.v1.common_pb2 import ServiceInfo
+from flowgrpo.v1.coordinator_pb2 import HeartbeatRequest
 
 
 class Replica(Actor):
@@ -102,3 +105,28 @@ def test_the_coordinator_server_takes_every_members_beat_while_its_loop_is_busy(
     assert (answered, refused) == (members, 0)
     _, refused_before = asyncio.run(beats(64))
     assert refused_before > 0  # the default refuses them: this test can fail
+
+
+def test_the_heartbeat_period_grows_with_the_members_so_the_beats_per_second_stay_bounded() -> None:
+    async def body() -> None:
+        registry = CoordinatorService("run-1", heartbeat_interval_s=0.1, lost_after_s=1.0, verify=False,
+                                      max_heartbeats_per_s=100.0)  # fmt: skip
+        await registry.launch()
+        try:
+            for i in range(3):
+                registry.join(ServiceInfo(role="reward", replica_id=f"r{i}", grpc_address="h:1",
+                                          protocol_version=PROTOCOL_VERSION))  # fmt: skip
+            await asyncio.sleep(0.3)  # a watchdog tick
+            assert registry.interval_s == pytest.approx(0.1)  # 3 members x 10/s: below the bound of 100/s
+            for i in range(3, 40):
+                registry.join(ServiceInfo(role="reward", replica_id=f"r{i}", grpc_address="h:1",
+                                          protocol_version=PROTOCOL_VERSION))  # fmt: skip
+            await until("the period lengthened", lambda: registry.interval_s > 0.1)
+            assert registry.interval_s == pytest.approx(40 / 100.0)  # 40 members, 100 beats/s at most
+            assert registry.lost_after() == pytest.approx(1.0 * 0.4 / 0.1)  # as many periods as before
+            answer = await registry.Heartbeat(HeartbeatRequest(replica_id="r0"), None)
+            assert answer.known and answer.heartbeat_interval_s == pytest.approx(0.4)  # handed out
+        finally:
+            await registry.shutdown()
+
+    asyncio.run(body())

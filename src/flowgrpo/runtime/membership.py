@@ -69,6 +69,7 @@ class Membership:
             "coordinator_pb2_grpc.CoordinatorAsyncStub", coordinator_pb2_grpc.CoordinatorStub(self._channel)
         )
         self._task: asyncio.Task[None] | None = None
+        self._interval = RETRY_S  # the heartbeat period the coordinator asks for
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"membership {self.address}")
@@ -92,12 +93,12 @@ class Membership:
         failures = 0
         while not self._orphaned():
             try:
-                interval = await self._register()
+                self._interval = await self._register()
                 failures = 0
-                while await self._heartbeat(interval):
+                while await self._heartbeat(self._interval):
                     if self._orphaned():
                         return
-                    await asyncio.sleep(jittered(interval))
+                    await asyncio.sleep(jittered(self._interval))
                 log.warning(
                     "the coordinator at %s no longer knows this replica; registering again", self.address
                 )
@@ -136,13 +137,16 @@ class Membership:
                 return True  # the next beat may pass; the coordinator decides when we are lost
             raise
         self._answered = time.monotonic()
+        if response.heartbeat_interval_s > 0:  # the coordinator slows its members down as they grow
+            self._interval = max(response.heartbeat_interval_s, 0.1)
         return response.known
 
     def _orphaned(self) -> bool:
         """True (once ``on_orphaned`` was called) when a launched replica's coordinator has been
         silent for ``orphan_after_s``."""
         silent = time.monotonic() - self._answered
-        if not self.orphan_after_s or silent < self.orphan_after_s or self.on_orphaned is None:
+        patience = max(self.orphan_after_s, 3 * self._interval)  # a period the coordinator lengthened
+        if not self.orphan_after_s or silent < patience or self.on_orphaned is None:
             return False
         self.on_orphaned()
         return True
