@@ -182,10 +182,12 @@ class Host:
     role: str
     first: int
     count: int
-    victim: bool = False
+    victim: str = ""  # "generating", "loading": killed during step KILL_STEP (--kill-fraction)
 
 
-def spawn_host(role: str, config: Path, first: int, count: int, folder: Path, victim: bool = False) -> Host:
+def spawn_host(  # noqa: PLR0917 (a host's coordinates, each named)
+    role: str, config: Path, first: int, count: int, folder: Path, victim: str = ""
+) -> Host:
     ready = folder / f"{role}-host-{first}.json"
     log = open(folder / f"{role}-host-{first}.log", "ab")  # noqa: SIM115 (the child holds it)
     cmd = [sys.executable, "-m", HOST_MODULE, "--role", role, "--config", str(config),
@@ -196,12 +198,14 @@ def spawn_host(role: str, config: Path, first: int, count: int, folder: Path, vi
     return Host(proc, ready, role, first, count, victim)
 
 
-def spawn_hosts(
+def spawn_hosts(  # noqa: PLR0917
     role: str, config: Path, total: int, per_host: int, folder: Path, victims: int = 0
 ) -> list[Host]:
-    """``total`` replicas of ``role``; the last ``victims`` of them in host processes of their own."""
+    """``total`` replicas of ``role``; the last ``victims`` of them in host processes of their own,
+    half to be killed while generating, half while loading weights."""
     hosts, first = [], 0
-    for count, victim in ((total - victims, False), (victims, True)):
+    groups = ((total - victims, ""), (victims - victims // 2, "generating"), (victims // 2, "loading"))
+    for count, victim in groups:
         for start in range(0, count, per_host):
             n = min(per_host, count - start)
             hosts.append(spawn_host(role, config, first, n, folder, victim))
@@ -244,7 +248,8 @@ def point_config(n: int, opts: ScaleOptions, run_dir: Path, model: str, prompts:
         "sampling.resolution=32", "sampling.deterministic=false", "sampling.num_points=4",
         "sampling.eval_num_points=4", "sampling.window_size=1", "sampling.window_range=[0,1]",
         "launch.launcher=remote", f"launch.rollout_replicas={n}", f"launch.reward_replicas={rewards}",
-        f"launch.heartbeat_interval_s={opts.heartbeat_interval_s}", f"launch.lost_after_s={opts.lost_after_s}",
+        f"launch.heartbeat_interval_s={opts.heartbeat_interval_s}",
+        f"launch.lost_after_s={opts.lost_after_s}",
         f"launch.start_timeout_s={opts.start_timeout_s}", "logger.progress=none",
         "rollout.engine=synthetic", f"rollout.synthetic.step_delay_s={opts.step_delay_s}",
         "reward.scorers=[{name: synthetic, weight: 1.0}]", f"reward.synthetic_delay_s={opts.reward_delay_s}",
@@ -279,7 +284,8 @@ async def run_point(n: int, opts: ScaleOptions, work: Path, model: str) -> Point
     split = load_split(cfg.data.dataset, "train", model_path=cfg.model.checkpoint)
     registry = MeasuredRegistry(run_id=f"scale-{n}", heartbeat_interval_s=opts.heartbeat_interval_s,
                                 lost_after_s=opts.lost_after_s,
-                                max_heartbeats_per_s=opts.max_heartbeats_per_s if opts.fixes else math.inf)  # fmt: skip
+                                max_heartbeats_per_s=opts.max_heartbeats_per_s if opts.fixes else math.inf,
+                                )  # fmt: skip
     members = cfg.launch.rollout_replicas + cfg.launch.reward_replicas + 1
     concurrency = (
         server_concurrency(cfg.server.concurrency, members) if opts.fixes else cfg.server.concurrency
@@ -380,7 +386,8 @@ def arm_kill(
 ) -> None:
     """SIGKILL the first half of ``victims`` while step KILL_STEP's samples are being generated
     (half-way through the simulated denoising), the rest as its weight load starts."""
-    generating, loading = victims[: max(1, len(victims) // 2)], victims[max(1, len(victims) // 2) :]
+    generating = [h for h in victims if h.victim == "generating"]
+    loading = [h for h in victims if h.victim == "loading"]
     loop = asyncio.get_running_loop()
 
     def on_report(step: int) -> None:
@@ -437,7 +444,7 @@ async def check_kill(
 # --- the figures ------------------------------------------------------------------------------------
 
 
-def summarise(
+def summarise(  # noqa: PLR0917 (what one point's figures come from)
     n: int, cfg: RunConfig, opts: ScaleOptions, registry: MeasuredRegistry, history: list[dict[str, float]],
     bytes_per_step: list[int], start_s: float, kill: dict[str, Any],
 ) -> Point:  # fmt: skip
@@ -477,7 +484,8 @@ def summarise(
 COLUMNS = (  # (header, Point field, format)
     ("rollouts", "rollouts", "d"), ("rewards", "rewards", "d"), ("start s", "start_s", ".1f"),
     ("step wall s", "step_wall_s", ".2f"), ("coord. CPU s/step", "coordinator_cpu_s", ".3f"),
-    ("overhead s", "overhead_s", ".3f"), ("beat period s", "heartbeat_interval_s", ".1f"), ("heartbeats/s (expected)", "", ""),
+    ("overhead s", "overhead_s", ".3f"), ("beat period s", "heartbeat_interval_s", ".1f"),
+    ("heartbeats/s (expected)", "", ""),
     ("late beats", "late_heartbeats", "d"), ("missed beats", "missed_heartbeats", "d"),
     ("samples/replica min-max (ideal)", "", ""), ("stddev", "samples_stddev", ".2f"),
     ("RSS MiB", "rss_mib", ".0f"), ("fds", "fds", "d"), ("threads", "threads", "d"),
@@ -581,7 +589,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--work-dir", help="run folders (default: a temporary folder, removed)")
     args = parser.parse_args(argv)
     opts = ScaleOptions(**{k: v for k, v in vars(args).items() if k in ScaleOptions.__dataclass_fields__})
-    if opts.steps < 2 or not 0 <= opts.kill_fraction < 1 or opts.kill_fraction and opts.steps < KILL_STEP + 1:
+    kill_steps = opts.kill_fraction and opts.steps < KILL_STEP + 1
+    if opts.steps < 2 or not 0 <= opts.kill_fraction < 1 or kill_steps:
         parser.error(
             f"--steps must be >= 2 (>= {KILL_STEP + 1} with --kill-fraction) and --kill-fraction in [0, 1)"
         )

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+
 from flowgrpo.config import load_config
 from flowgrpo.fileio import atomic_write
 from flowgrpo.runtime import Service, ServiceServer
@@ -108,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # this process stands for `count` processes: libzmq's 1,023 sockets and the soft descriptor
     # limit are per process, so they are raised to what `count` processes would have had
     zmq.Context.instance().set(zmq.MAX_SOCKETS, min(65536, 1024 * args.count))
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     asyncio.run(host(args.role, config, args.count, args.first, Path(args.ready)))
     return 0

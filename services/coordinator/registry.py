@@ -63,7 +63,7 @@ class MemberEvent:
 class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
     role = "coordinator"
 
-    def __init__(  # noqa: PLR0917
+    def __init__(
         self,
         run_id: str,
         heartbeat_interval_s: float = 2.0,

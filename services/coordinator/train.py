@@ -154,9 +154,13 @@ async def _train_holding_lock(cfg: RunConfig, progress: Any) -> list[dict[str, f
         max_heartbeats_per_s=cfg.launch.max_heartbeats_per_s,
     )
     ready_file = Path(cfg.run_dir).resolve() / "services" / "coordinator.ready.json"
-    members = cfg.launch.rollout_replicas + cfg.launch.reward_replicas + 1
-    concurrency = server_concurrency(cfg.server.concurrency, members)
-    server = ServiceServer(registry, replace(cfg.server, ready_file=str(ready_file), concurrency=concurrency), [
+    members = cfg.launch.rollout_replicas + cfg.launch.reward_replicas + 1  # heartbeats: docs/scaling.md
+    server_config = replace(
+        cfg.server,
+        ready_file=str(ready_file),
+        concurrency=server_concurrency(cfg.server.concurrency, members),
+    )
+    server = ServiceServer(registry, server_config, [
         Service("flowgrpo.v1.Coordinator", registry, coordinator_pb2_grpc.add_CoordinatorServicer_to_server)
     ])  # fmt: skip
     try:

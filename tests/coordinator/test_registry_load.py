@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from flowgrpo import PROTOCOL_VERSION
-from flowgrpo.runtime import Actor, Service, ServiceServer, ServiceError, open_channel
+from flowgrpo.runtime import Actor, Service, ServiceError, ServiceServer, open_channel
 from flowgrpo.runtime.config import ServerConfig
 from flowgrpo.runtime.membership import Membership
 from flowgrpo.services.coordinator.registry import CoordinatorService, server_concurrency
