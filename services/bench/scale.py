@@ -581,7 +581,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--no-fixes",
         dest="fixes",
         action="store_false",
-        help="the coordinator's server with a fixed server.concurrency (as before the fix)",
+        help="the coordinator as before the fixes: its server at server.concurrency, a fixed heartbeat period",
     )
     parser.add_argument("--out", help="write OUT.md (the table), OUT.png (the plot) and OUT.json")
     parser.add_argument("--json", help="the figures as JSON (default with --out: OUT.json)")
@@ -611,12 +611,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if out is not None:
         out.with_suffix(".md").write_text(table(points) + "\n")
         plot(points, out.with_suffix(".png"))
-    write_json(args.json or (out.with_suffix(".json") if out else None),
-               {"options": asdict(opts), "points": points})  # fmt: skip
+    report = {"options": asdict(opts), "points": points, "metrics": [metrics(p) for p in points]}
+    write_json(args.json or (out.with_suffix(".json") if out else None), report)
     failed = [p for p in points if p.kill and not kill_passed(p.kill)]
     for p in failed:
         print(f"N={p.rollouts}: failure at scale NOT survived: {json.dumps(p.kill)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def metrics(point: Point) -> dict[str, float]:
+    """A point's publication figures under the metric names the relay's benchmark reports too."""
+    return {
+        "rollout_replicas": point.rollouts,
+        "publication/time_to_all_s": point.publication_time_to_all_s,
+        "publication/trainer_bytes_sent": point.publication_trainer_bytes_sent,
+    }
 
 
 def kill_passed(kill: dict[str, Any]) -> bool:
