@@ -581,7 +581,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--no-fixes",
         dest="fixes",
         action="store_false",
-        help="the coordinator as before the fixes: its server at server.concurrency, a fixed heartbeat period",
+        help="the coordinator as before the fixes: server.concurrency as is, a fixed heartbeat period",
     )
     parser.add_argument("--out", help="write OUT.md (the table), OUT.png (the plot) and OUT.json")
     parser.add_argument("--json", help="the figures as JSON (default with --out: OUT.json)")
