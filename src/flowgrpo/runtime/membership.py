@@ -69,7 +69,7 @@ class Membership:
             "coordinator_pb2_grpc.CoordinatorAsyncStub", coordinator_pb2_grpc.CoordinatorStub(self._channel)
         )
         self._task: asyncio.Task[None] | None = None
-        self._interval = RETRY_S  # the heartbeat period the coordinator asks for
+        self._interval = 0.0  # the heartbeat period the coordinator asks for (0: not registered yet)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"membership {self.address}")
