@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import json
 import math
@@ -45,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -542,11 +543,17 @@ def plot(points: Sequence[Point], path: Path) -> None:
 # --- the command ------------------------------------------------------------------------------------
 
 
-def run_credentials() -> None:
-    """A token and a bus secret for this benchmark's run (every child inherits them), as
-    ``flowgrpo train`` makes for the services it starts."""
-    os.environ.setdefault(TOKEN_ENV, secrets.token_urlsafe(32))
-    os.environ.setdefault(SECRET_ENV, secrets.token_urlsafe(32))
+@contextlib.contextmanager
+def run_credentials() -> Iterator[None]:
+    """A token and a bus secret for this benchmark's runs (every child inherits them), as
+    ``flowgrpo train`` makes for the services it starts; the environment is restored after."""
+    made = {name: secrets.token_urlsafe(32) for name in (TOKEN_ENV, SECRET_ENV) if not os.environ.get(name)}
+    os.environ.update(made)
+    try:
+        yield
+    finally:
+        for name in made:
+            os.environ.pop(name, None)
 
 
 async def sweep(
@@ -594,9 +601,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(
             f"--steps must be >= 2 (>= {KILL_STEP + 1} with --kill-fraction) and --kill-fraction in [0, 1)"
         )
-    run_credentials()
     print(f"flowgrpo bench scale: file descriptors up to {raise_fd_limit()}", flush=True)
-    with tempfile.TemporaryDirectory(prefix="flowgrpo-scale-") as tmp:
+    with run_credentials(), tempfile.TemporaryDirectory(prefix="flowgrpo-scale-") as tmp:
         work = Path(args.work_dir or tmp)
         show = lambda p: print(table([p]).splitlines()[-1], flush=True)  # noqa: E731
         if args.profile:  # the coordinator's event loop (its thread) under cProfile
