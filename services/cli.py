@@ -36,6 +36,7 @@ examples:
   flowgrpo bench schedule         async vs sync images/s and their overlap (the CPU demo, or --recipe)
   flowgrpo bench system           images/s vs the FLOP limit, time split, MFU per --variant (system_gpu.sh)
   flowgrpo bench consistency      do rollout and trainer compute the same log-probs? (consistency_gpu.sh)
+  flowgrpo bench scale --replicas 1 8 64 256   the coordinator's cost per step against the replica count
   flowgrpo bench paths            launchers, replica counts, schedules: do they train the same?
   flowgrpo bench relay            weight publication, star vs relay, N replicas behind capped links
   flowgrpo bench learning --isa default avx2 --threads 1 2   the demo against its lr=0 control, per seed
@@ -58,6 +59,7 @@ BENCHMARKS = [
     "relay",
     "reward",
     "rollout",
+    "scale",
     "schedule",
     "system",
     "trainer",

@@ -142,6 +142,8 @@ class LaunchConfig:
     restarts: int = 3  # local: times a rollout or reward replica process that died is started again
     heartbeat_interval_s: float = 2.0  # how often registered replicas send a heartbeat
     lost_after_s: float = 20.0  # no heartbeat for this long: the replica is lost, its work goes elsewhere
+    # beyond this many members x 1/heartbeat_interval_s the period grows (lost_after_s with it)
+    max_heartbeats_per_s: float = 50.0
     start_timeout_s: float = 300.0  # how long a service may take to answer READY (or to register)
     request_timeout_s: float = 600.0  # one Generate / TrainStep / LoadWeights call
     reward_timeout_s: float = 120.0  # one image's score; a timed-out image is retried elsewhere
@@ -172,10 +174,12 @@ class LaunchConfig:
             self.restarts < 0
             or self.heartbeat_interval_s <= 0
             or self.lost_after_s < 2 * self.heartbeat_interval_s
+            or not self.max_heartbeats_per_s > 0
         ):
             raise ValueError(
                 f"launch.restarts={self.restarts} must be >= 0 and launch.lost_after_s={self.lost_after_s:g} "
-                f"at least twice launch.heartbeat_interval_s={self.heartbeat_interval_s:g} (> 0)"
+                f"at least twice launch.heartbeat_interval_s={self.heartbeat_interval_s:g} (> 0), and "
+                f"launch.max_heartbeats_per_s={self.max_heartbeats_per_s:g} > 0"
             )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -66,6 +67,7 @@ class ReplicaPool:
         self.retries = 0  # calls that failed on one replica and went to another (or again later)
         self.rejoins = 0  # replicas that registered again and came back into the pool
         self.current_update: common_pb2.WeightUpdate | None = None  # what a (re)joining rollout loads
+        self.samples_served: Counter[str] = Counter()  # rollout replica id -> samples it generated
         self._say = say
         self._weights = asyncio.Lock()
         self._channels: list[grpc.aio.Channel] = []  # to replicas that joined during the run
@@ -91,7 +93,9 @@ class ReplicaPool:
             replica = await self._pick(self.rollouts)
             replica.busy += 1
             try:
-                return await replica.unary(method, request, self.launch.request_timeout_s)
+                response = await replica.unary(method, request, self.launch.request_timeout_s)
+                self.samples_served[replica.replica_id] += len(getattr(response, "samples", ()))
+                return response
             except ReplicaError as error:
                 self._failed(replica, error)
             finally:
@@ -115,7 +119,8 @@ class ReplicaPool:
     def _failed(self, replica: Replica, error: ReplicaError) -> None:
         if not error.retryable:
             raise RunError(str(error)) from error
-        replica.lose(f"failed: {error}")
+        if replica.healthy:  # once: its other calls fail with this reason, which must not nest
+            replica.lose(f"failed: {error}")
         self.retries += 1
         log.warning("%s; its work goes to another replica", error)
 

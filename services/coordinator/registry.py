@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import time
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ import grpc
 from flowgrpo import PROTOCOL_VERSION
 from flowgrpo.runtime import Actor, InvalidArgument, ServiceError, message, wait_ready
 from flowgrpo.runtime.errors import HandshakeError, NotReadyError
+from flowgrpo.runtime.membership import JITTER
 from flowgrpo.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,17 @@ class Member:
     beats: bool = True  # False: an actor in this process (``inprocess``), never lost
 
 
+@dataclass
+class RegistryLoad:
+    """What the registry has handled since it started (``flowgrpo bench scale`` reads it)."""
+
+    registrations: int = 0  # Register calls accepted (first joins and rejoins)
+    heartbeats: int = 0  # heartbeats answered
+    late_heartbeats: int = 0  # beats that came more than 1.5 intervals after the member's last one
+    missed_heartbeats: int = 0  # intervals with no beat, counted when the next beat finally comes
+    lost: int = 0  # members declared lost (silent for lost_after_s)
+
+
 @dataclass(frozen=True)
 class MemberEvent:
     kind: str  # "joined" (registered: new, or back), "lost", "left"
@@ -51,7 +64,12 @@ class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
     role = "coordinator"
 
     def __init__(
-        self, run_id: str, heartbeat_interval_s: float = 2.0, lost_after_s: float = 20.0, verify: bool = True
+        self,
+        run_id: str,
+        heartbeat_interval_s: float = 2.0,
+        lost_after_s: float = 20.0,
+        verify: bool = True,
+        max_heartbeats_per_s: float = 50.0,
     ) -> None:
         super().__init__(replica_id="coordinator")
         self.run_id = run_id
@@ -59,6 +77,10 @@ class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
         self.verify = verify
         self.heartbeat_interval_s = heartbeat_interval_s
         self.lost_after_s = lost_after_s
+        # the beats handled per second stay below this: the period handed out grows with the
+        # members (a thousand replicas beating every 2 s starved the run loop, docs/scaling.md)
+        self.max_heartbeats_per_s = max_heartbeats_per_s
+        self.interval_s = heartbeat_interval_s  # the period in force, kept by the watchdog
         self.members: dict[str, Member] = {}
         self.events: asyncio.Queue[MemberEvent] = asyncio.Queue()
         self.changed = asyncio.Event()  # set on every event; waiters clear it
@@ -68,9 +90,11 @@ class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
         self.schedule = ""
         self.policy_version = 0
         self.last_metrics: dict[str, float] = {}
+        self.load = RegistryLoad()
         self._watchdog: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        raise_fd_limit()
         self._watchdog = asyncio.create_task(self._watch(), name="coordinator heartbeat watchdog")
 
     async def stop(self) -> None:
@@ -102,9 +126,7 @@ class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
                 "register the address this replica serves at (server.advertise_host, server.port)"
             )
         await self.call(self._join, info)
-        return coordinator_pb2.RegisterResponse(
-            run_id=self.run_id, heartbeat_interval_s=self.heartbeat_interval_s
-        )
+        return coordinator_pb2.RegisterResponse(run_id=self.run_id, heartbeat_interval_s=self.interval_s)
 
     @message
     async def Heartbeat(
@@ -113,10 +135,18 @@ class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
         member = self.members.get(request.replica_id)
         if member is None or member.state != "up":
             return coordinator_pb2.HeartbeatResponse(known=False)  # lost or left: register again
-        member.last_seen = time.monotonic()
+        self._count_beat(member, time.monotonic())
         member.info.policy_version = request.policy_version
         member.in_flight = request.in_flight
-        return coordinator_pb2.HeartbeatResponse(known=True)
+        return coordinator_pb2.HeartbeatResponse(known=True, heartbeat_interval_s=self.interval_s)
+
+    def _count_beat(self, member: Member, now: float) -> None:
+        gap = now - member.last_seen
+        self.load.heartbeats += 1
+        if gap > 1.5 * self.interval_s * (1 + JITTER):
+            self.load.late_heartbeats += 1
+            self.load.missed_heartbeats += max(0, round(gap / self.interval_s) - 1)
+        member.last_seen = now
 
     @message
     async def Leave(
@@ -163,6 +193,7 @@ class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
         known = self.members.get(info.replica_id)
         member = Member(info, last_seen=time.monotonic(), joins=known.joins + 1 if known else 1, beats=beats)
         self.members[info.replica_id] = member
+        self.load.registrations += 1
         log.info(
             "%s %s registered at %s (join %d)", info.role, info.replica_id, info.grpc_address, member.joins
         )
@@ -210,16 +241,63 @@ class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
         self.events.put_nowait(MemberEvent(kind, info))
         self.changed.set()
 
+    def lost_after(self) -> float:
+        """Silence after which a member is lost: ``lost_after_s``, or as many periods of the
+        longer period in force."""
+        return self.lost_after_s * self.interval_s / self.heartbeat_interval_s
+
+    def _pace(self) -> None:
+        """The period to hand out: the configured one, longer when the members would beat more
+        than ``max_heartbeats_per_s`` times a second."""
+        beating = sum(1 for m in self.members.values() if m.beats and m.state == "up")
+        self.interval_s = max(self.heartbeat_interval_s, beating / self.max_heartbeats_per_s)
+
     async def _watch(self) -> None:
-        """Declare lost the replicas whose heartbeats stopped."""
+        """Declare lost the replicas whose heartbeats stopped; keep the period in force."""
         while True:
             await asyncio.sleep(min(self.heartbeat_interval_s, self.lost_after_s / 4))
-            now = time.monotonic()
+            self._pace()
+            now, lost_after = time.monotonic(), self.lost_after()
             for member in self.members.values():
-                if member.beats and member.state == "up" and now - member.last_seen > self.lost_after_s:
+                if member.beats and member.state == "up" and now - member.last_seen > lost_after:
                     member.state = "lost"
+                    self.load.lost += 1
                     log.warning(
-                        "%s %s sent no heartbeat for %.0f s (launch.lost_after_s=%g): declared lost",
-                        member.info.role, member.info.replica_id, now - member.last_seen, self.lost_after_s,
+                        "%s %s sent no heartbeat for %.0f s (launch.lost_after_s=%g at a %.1f s period): "
+                        "declared lost", member.info.role, member.info.replica_id, now - member.last_seen,
+                        self.lost_after_s, self.interval_s,
                     )  # fmt: skip
                     self._emit("lost", member.info)
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft limit of open files to its hard limit; return the new limit.
+
+    The coordinator holds about two descriptors per replica (its channel to the replica, the
+    replica's own channel for heartbeats) and the bus its own; the usual soft limit of 1,024 ran
+    out near 500 replicas (docs/scaling.md), the hard limit (often 2^20) is what the process may have.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft >= hard:
+        return soft
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as error:
+        log.warning("cannot raise the open-file limit from %d to %d (%s): at most ~%d replicas",
+                    soft, target, error, soft // 2)  # fmt: skip
+        return soft
+    return target
+
+
+def server_concurrency(configured: int, members: int) -> int:
+    """The RPCs the coordinator's server takes at once for a run of ``members`` replicas.
+
+    A service's ``server.concurrency`` (64) refuses work past what it can do; the coordinator's
+    RPCs are heartbeats, registrations and leaves, one or two per member at a time. While its
+    event loop is busy (a step dispatching to a thousand replicas), every member's beat arrives
+    at once, and refusing them is what overloaded it at 1,024 replicas: refused replicas
+    registered again (docs/scaling.md). So it takes 4 per member (a run that scales beyond what
+    it started with may set ``server.concurrency`` higher).
+    """
+    return max(configured, 4 * members + 64)

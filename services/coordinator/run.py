@@ -23,7 +23,7 @@ from typing import TypeVar
 import numpy as np
 from opentelemetry import trace
 
-from flowgrpo.bus import BusClient, TensorRef, TensorStore
+from flowgrpo.bus import BusClient, BusError, TensorRef, TensorStore
 from flowgrpo.columns import TRAIN_INPUT_COLUMNS
 from flowgrpo.data import PromptRow, PromptSplit
 from flowgrpo.rewards.config import ScorerSpec
@@ -272,11 +272,19 @@ class Coordinator:
         shown = [g for g in groups[:most] if g.samples]
         if shown:
             refs = [TensorRef.from_proto(g.samples[0].outputs["images"]) for g in shown]
-            fetched = await asyncio.to_thread(self.client.fetch, refs, timeout_s=60.0)
+            # a replica that died after its samples were trained on takes its images with it:
+            # the grid shows the others (the step is trained; a picture is not worth failing it)
+            got = await asyncio.to_thread(self.client.fetch, refs, timeout_s=10.0, errors="return")
+            kept = [(g, f) for g, f in zip(shown, got, strict=True) if not isinstance(f, BusError)]
+            lost = [f for f in got if isinstance(f, BusError)]
+            if lost:
+                log.warning("%s grid of step %d: %d of %d images are gone with their replica (%s)",
+                            tag, step, len(lost), len(shown), lost[0])  # fmt: skip
             captions = [
-                {"prompt": g.row.prompt, "reward": g.rewards[0] if g.rewards else math.nan} for g in shown
+                {"prompt": g.row.prompt, "reward": g.rewards[0] if g.rewards else math.nan} for g, _ in kept
             ]
-            self.outputs.images(tag, step, [f.array for f in fetched], captions)
+            if kept:
+                self.outputs.images(tag, step, [f.array for _, f in kept], captions)
 
     def _since_last_step(self) -> float:
         """Wall time per step: from the end of the previous one (async overlaps the next draw)."""

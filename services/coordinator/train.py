@@ -31,7 +31,7 @@ from flowgrpo.services.coordinator.config import RunConfig, with_checkpoint
 from flowgrpo.services.coordinator.launch import Services, launch
 from flowgrpo.services.coordinator.lifecycle import RunInterrupted, RunLock, StopSignals, stop_leftovers
 from flowgrpo.services.coordinator.outputs import RunOutputs
-from flowgrpo.services.coordinator.registry import CoordinatorService
+from flowgrpo.services.coordinator.registry import CoordinatorService, server_concurrency
 from flowgrpo.services.coordinator.run import Coordinator, reward_summary
 from flowgrpo.telemetry import setup_tracing, shutdown_tracing
 from flowgrpo.v1 import coordinator_pb2_grpc
@@ -151,9 +151,16 @@ async def _train_holding_lock(cfg: RunConfig, progress: Any) -> list[dict[str, f
         run_id=f"{cfg.name}-{uuid.uuid4().hex[:8]}",
         heartbeat_interval_s=cfg.launch.heartbeat_interval_s,
         lost_after_s=cfg.launch.lost_after_s,
+        max_heartbeats_per_s=cfg.launch.max_heartbeats_per_s,
     )
     ready_file = Path(cfg.run_dir).resolve() / "services" / "coordinator.ready.json"
-    server = ServiceServer(registry, replace(cfg.server, ready_file=str(ready_file)), [
+    members = cfg.launch.rollout_replicas + cfg.launch.reward_replicas + 1  # heartbeats: docs/scaling.md
+    server_config = replace(
+        cfg.server,
+        ready_file=str(ready_file),
+        concurrency=server_concurrency(cfg.server.concurrency, members),
+    )
+    server = ServiceServer(registry, server_config, [
         Service("flowgrpo.v1.Coordinator", registry, coordinator_pb2_grpc.add_CoordinatorServicer_to_server)
     ])  # fmt: skip
     try:

@@ -108,11 +108,16 @@ class BusClient:
                 results[index] = _read_local(store, ref)
             else:
                 by_endpoint.setdefault(ref.endpoint, []).append(Slot(index, ref, ref.nbytes))
-        transfers = [Transfer(self._peer(ep), slots, self._rids) for ep, slots in by_endpoint.items()]
-        self._drive(transfers, time.monotonic() + timeout_s, timeout_s, stall_s)
-        for transfer in transfers:
-            for slot in transfer.slots:
-                results[slot.index] = slot.result()
+        deadline, endpoints, wave = time.monotonic() + timeout_s, list(by_endpoint), self.config.max_peers
+        for start in range(0, len(endpoints), wave):  # at most max_peers sockets open at once
+            transfers = [
+                Transfer(self._peer(ep), by_endpoint[ep], self._rids)
+                for ep in endpoints[start : start + wave]
+            ]
+            self._drive(transfers, deadline, timeout_s, stall_s)
+            for transfer in transfers:
+                for slot in transfer.slots:
+                    results[slot.index] = slot.result()
         return [item for item in results if item is not None]
 
     def _drive(
@@ -220,15 +225,24 @@ class BusClient:
     # --- sockets ------------------------------------------------------------------------------
 
     def _peer(self, endpoint: str) -> Peer:
-        peer = self._peers.get(endpoint)
-        if peer is None:
+        peer = self._peers.pop(endpoint, None)  # put back last: the dict is in order of last use
+        if peer is not None:
+            self._peers[endpoint] = peer
+        else:
             if not endpoint:
                 raise ValueError(
                     "a ref with no endpoint names a store that is not served; it is readable only "
                     "in the process that holds the store"
                 )
+            self._trim(self.config.max_peers - 1)
             peer = self._peers[endpoint] = Peer(endpoint, self.config, self._keys)
         return peer
+
+    def _trim(self, most: int) -> None:
+        """Close the least recently used sockets until ``most`` are open. A fetch opens at most
+        max_peers (a wave), so the sockets closed here are never the current wave's."""
+        while len(self._peers) > most:
+            self._forget(next(iter(self._peers.values())))
 
     def _forget(self, peer: Peer) -> None:
         peer.close()

@@ -74,6 +74,11 @@ class BusConfig:
     fetch_timeout_s: float = 60.0  # deadline of one fetch call, all keys together
     max_request_bytes: int = 8 * MiB  # bytes asked for by one request (large tensors are split)
     pipeline_depth: int = 4  # requests in flight per producer
+    # Sockets one client keeps open (one per producer; the least recently used are closed past
+    # it). A fetch from more producers goes to them in waves of this many: a trainer or a reward
+    # replica fed by a thousand rollouts would otherwise hold a thousand sockets, past libzmq's
+    # 1,023 per process (EMFILE, "Too many open files"), docs/scaling.md.
+    max_peers: int = 128
     # Busy-check this long for a reply before sleeping: a thread wake-up costs 50-300 us on
     # virtual machines, so small round trips get faster for at most this much CPU (and GIL)
     # per wait. 0 sleeps at once.
@@ -91,6 +96,7 @@ class BusConfig:
             "max_request_bytes",
             "pipeline_depth",
             "max_request_header_bytes",
+            "max_peers",
         )
         for name in positive:
             if getattr(self, name) <= 0:

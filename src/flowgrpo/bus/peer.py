@@ -31,6 +31,11 @@ _FAILED = {
 _MONITORED = int(zmq.EVENT_HANDSHAKE_SUCCEEDED) | sum(int(e) for e in _FAILED)
 _MECHANISM_MISMATCH = zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
 _ids = itertools.count()
+# A handshake that broke without a reason is a refusal only the third time in a row: a store with
+# another secret fails every one (within ~0.3 s, libzmq reconnecting every 0.1 s), while a store
+# that a thousand rollouts reach at once (the coordinator's prompts at a step's start) dropped
+# some handshakes it could not finish within its handshake interval (docs/scaling.md).
+_BELIEVE = 3
 
 
 class Peer:
@@ -47,6 +52,7 @@ class Peer:
         self.shm: bool | None = None if config.shm else False
         self.shm_min_bytes = 0
         self.refusal: str | None = None  # why the store refused the last handshake, if it did
+        self._failed = 0  # handshakes failed in a row
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sock: zmq.Socket[bytes] = context.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -74,6 +80,13 @@ class Peer:
         while cast(int, self.events.getsockopt(_EVENTS)) & _POLLIN:
             event = parse_monitor_message(self.events.recv_multipart())
             kind = event["event"]
+            self._failed = 0 if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED else self._failed + 1
+            if (
+                kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                and self.keys is not None
+                and self._failed < _BELIEVE
+            ):
+                continue  # maybe a store too busy to finish the handshake in time: libzmq tries again
             self.refusal = None if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED else self._why(kind, event["value"])
         return self.refusal is not None
 

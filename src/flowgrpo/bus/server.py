@@ -265,6 +265,7 @@ class BusServer:
             offset=wanted.offset,
         )
         self.store.count_served(entry.tag, end - wanted.offset)
+        self.store.served_total += end - wanted.offset  # this thread alone writes it
         if shm and entry.segment is not None and wanted.offset == 0 and end == entry.nbytes:
             meta.shm = entry.segment
             return meta

@@ -92,6 +92,7 @@ class TensorStore:
         self._tombstones: OrderedDict[str, ErrorCode] = OrderedDict()
         self._used = 0
         self._served: dict[str, int] = {}  # tag -> bytes sent by the server (tags held only)
+        self.served_total = 0  # tensor bytes answered to fetches, all tags (what publication costs)
         self._closed = False
         self._shm_warned = False
         self._segments: set[str] = set()  # live segment files (and the probe), for cleanup
@@ -393,6 +394,7 @@ class TensorStore:
                 pid=os.getpid(),
                 hostname=socket.gethostname(),
                 served=dict(self._served),
+                served_bytes=self.served_total,
             )
 
     # --- lifetime -----------------------------------------------------------------------------

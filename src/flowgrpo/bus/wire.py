@@ -139,6 +139,7 @@ class StoreInfo:
     # bytes this store has sent per tag (socket frames, or whole tensors mapped from shared
     # memory), for the tags it holds: what a publisher or a relay sent of each weight version
     served: dict[str, int] = field(default_factory=dict)
+    served_bytes: int = 0  # tensor bytes this store has answered fetches with (socket or shared memory)
 
 
 @dataclass
@@ -321,6 +322,7 @@ def _store_info(data: dict[str, Any]) -> StoreInfo:
         pid=_get(data, "pid", int),
         hostname=_get(data, "hostname", str),
         served=_served(_optional(data, "served", dict) or {}),
+        served_bytes=_optional(data, "served_bytes", int) or 0,
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Callable
 from typing import cast
@@ -28,6 +29,22 @@ log = logging.getLogger(__name__)
 
 RETRY_S = 2.0  # between registration attempts while the coordinator does not answer
 CALL_TIMEOUT_S = 10.0
+JITTER = 0.2  # each pause is drawn from +-20% of its length: replicas started together drift apart
+# A heartbeat that failed with one of these is tried again at the next beat; the coordinator, not
+# one failed call, decides when a replica is lost. Registering again instead (what any other
+# failure does) is far dearer for the coordinator: at 1,024 replicas an overloaded coordinator
+# refusing beats (RESOURCE_EXHAUSTED) made every refused replica register again, each
+# registration a call back to the replica, which overloaded it further (docs/scaling.md).
+BEAT_AGAIN = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.CANCELLED,
+)
+
+
+def jittered(seconds: float) -> float:
+    return seconds * random.uniform(1 - JITTER, 1 + JITTER)
 
 
 class Membership:
@@ -52,6 +69,7 @@ class Membership:
             "coordinator_pb2_grpc.CoordinatorAsyncStub", coordinator_pb2_grpc.CoordinatorStub(self._channel)
         )
         self._task: asyncio.Task[None] | None = None
+        self._interval = 0.0  # the heartbeat period the coordinator asks for (0: not registered yet)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"membership {self.address}")
@@ -75,12 +93,12 @@ class Membership:
         failures = 0
         while not self._orphaned():
             try:
-                interval = await self._register()
+                self._interval = await self._register()
                 failures = 0
-                while await self._heartbeat(interval):
+                while await self._heartbeat(self._interval):
                     if self._orphaned():
                         return
-                    await asyncio.sleep(interval)
+                    await asyncio.sleep(jittered(self._interval))
                 log.warning(
                     "the coordinator at %s no longer knows this replica; registering again", self.address
                 )
@@ -91,7 +109,7 @@ class Membership:
                         "cannot reach the coordinator at %s (%s: %s); retrying every %.0f s",
                         self.address, error.code().name, error.details(), RETRY_S,
                     )  # fmt: skip
-                await asyncio.sleep(RETRY_S)
+                await asyncio.sleep(jittered(RETRY_S))
 
     async def _register(self) -> float:
         request = coordinator_pb2.RegisterRequest(info=self.actor.info())
@@ -114,18 +132,21 @@ class Membership:
                 request, timeout=max(CALL_TIMEOUT_S, 2 * interval)
             )
         except grpc.aio.AioRpcError as error:
-            if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if error.code() in BEAT_AGAIN:
                 log.warning("heartbeat to %s failed (%s); trying again", self.address, error.code().name)
                 return True  # the next beat may pass; the coordinator decides when we are lost
             raise
         self._answered = time.monotonic()
+        if response.heartbeat_interval_s > 0:  # the coordinator slows its members down as they grow
+            self._interval = max(response.heartbeat_interval_s, 0.1)
         return response.known
 
     def _orphaned(self) -> bool:
         """True (once ``on_orphaned`` was called) when a launched replica's coordinator has been
         silent for ``orphan_after_s``."""
         silent = time.monotonic() - self._answered
-        if not self.orphan_after_s or silent < self.orphan_after_s or self.on_orphaned is None:
+        patience = max(self.orphan_after_s, 3 * self._interval)  # a period the coordinator lengthened
+        if not self.orphan_after_s or silent < patience or self.on_orphaned is None:
             return False
         self.on_orphaned()
         return True

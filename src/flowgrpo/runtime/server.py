@@ -197,7 +197,7 @@ class ServiceServer:
             ("grpc.max_receive_message_length", self.config.max_message_bytes),
             ("grpc.keepalive_permit_without_calls", 1),
             (
-                "grpc.http2.min_recv_ping_interval_without_data_ms",
+                "grpc.http2.min_ping_interval_without_data_ms",  # the server-side limit (not "min_recv_...")
                 int(self.config.min_ping_interval_s * 1000),
             ),
         ]

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from flowgrpo.v1 import common_pb2 as flowgrpo_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x66lowgrpo/v1/coordinator.proto\x12\x0b\x66lowgrpo.v1\x1a\x18\x66lowgrpo/v1/common.proto\"9\n\x0fRegisterRequest\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.flowgrpo.v1.ServiceInfo\"@\n\x10RegisterResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\"x\n\x10HeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x11\n\tin_flight\x18\x03 \x01(\x05\x12%\n\x07metrics\x18\x04 \x01(\x0b\x32\x14.flowgrpo.v1.Metrics\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"2\n\x0cLeaveRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x0f\n\rLeaveResponse\"\x12\n\x10RunStatusRequest\"}\n\rReplicaStatus\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.flowgrpo.v1.ServiceInfo\x12\r\n\x05state\x18\x02 \x01(\t\x12\x13\n\x0blast_seen_s\x18\x03 \x01(\x01\x12\r\n\x05joins\x18\x04 \x01(\x05\x12\x11\n\tin_flight\x18\x05 \x01(\x05\"\xef\x01\n\x11RunStatusResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12*\n\x08replicas\x18\x04 \x03(\x0b\x32\x18.flowgrpo.v1.ServiceInfo\x12*\n\x0clast_metrics\x18\x05 \x01(\x0b\x32\x14.flowgrpo.v1.Metrics\x12+\n\x07members\x18\x06 \x03(\x0b\x32\x1a.flowgrpo.v1.ReplicaStatus\x12\r\n\x05steps\x18\x07 \x01(\x03\x12\x10\n\x08schedule\x18\x08 \x01(\t2\xae\x02\n\x0b\x43oordinator\x12G\n\x08Register\x12\x1c.flowgrpo.v1.RegisterRequest\x1a\x1d.flowgrpo.v1.RegisterResponse\x12J\n\tHeartbeat\x12\x1d.flowgrpo.v1.HeartbeatRequest\x1a\x1e.flowgrpo.v1.HeartbeatResponse\x12>\n\x05Leave\x12\x19.flowgrpo.v1.LeaveRequest\x1a\x1a.flowgrpo.v1.LeaveResponse\x12J\n\tRunStatus\x12\x1d.flowgrpo.v1.RunStatusRequest\x1a\x1e.flowgrpo.v1.RunStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x66lowgrpo/v1/coordinator.proto\x12\x0b\x66lowgrpo.v1\x1a\x18\x66lowgrpo/v1/common.proto\"9\n\x0fRegisterRequest\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.flowgrpo.v1.ServiceInfo\"@\n\x10RegisterResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\"x\n\x10HeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x11\n\tin_flight\x18\x03 \x01(\x05\x12%\n\x07metrics\x18\x04 \x01(\x0b\x32\x14.flowgrpo.v1.Metrics\"@\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\"2\n\x0cLeaveRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x0f\n\rLeaveResponse\"\x12\n\x10RunStatusRequest\"}\n\rReplicaStatus\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.flowgrpo.v1.ServiceInfo\x12\r\n\x05state\x18\x02 \x01(\t\x12\x13\n\x0blast_seen_s\x18\x03 \x01(\x01\x12\r\n\x05joins\x18\x04 \x01(\x05\x12\x11\n\tin_flight\x18\x05 \x01(\x05\"\xef\x01\n\x11RunStatusResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12*\n\x08replicas\x18\x04 \x03(\x0b\x32\x18.flowgrpo.v1.ServiceInfo\x12*\n\x0clast_metrics\x18\x05 \x01(\x0b\x32\x14.flowgrpo.v1.Metrics\x12+\n\x07members\x18\x06 \x03(\x0b\x32\x1a.flowgrpo.v1.ReplicaStatus\x12\r\n\x05steps\x18\x07 \x01(\x03\x12\x10\n\x08schedule\x18\x08 \x01(\t2\xae\x02\n\x0b\x43oordinator\x12G\n\x08Register\x12\x1c.flowgrpo.v1.RegisterRequest\x1a\x1d.flowgrpo.v1.RegisterResponse\x12J\n\tHeartbeat\x12\x1d.flowgrpo.v1.HeartbeatRequest\x1a\x1e.flowgrpo.v1.HeartbeatResponse\x12>\n\x05Leave\x12\x19.flowgrpo.v1.LeaveRequest\x1a\x1a.flowgrpo.v1.LeaveResponse\x12J\n\tRunStatus\x12\x1d.flowgrpo.v1.RunStatusRequest\x1a\x1e.flowgrpo.v1.RunStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,17 +39,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATREQUEST']._serialized_start=197
   _globals['_HEARTBEATREQUEST']._serialized_end=317
   _globals['_HEARTBEATRESPONSE']._serialized_start=319
-  _globals['_HEARTBEATRESPONSE']._serialized_end=353
-  _globals['_LEAVEREQUEST']._serialized_start=355
-  _globals['_LEAVEREQUEST']._serialized_end=405
-  _globals['_LEAVERESPONSE']._serialized_start=407
-  _globals['_LEAVERESPONSE']._serialized_end=422
-  _globals['_RUNSTATUSREQUEST']._serialized_start=424
-  _globals['_RUNSTATUSREQUEST']._serialized_end=442
-  _globals['_REPLICASTATUS']._serialized_start=444
-  _globals['_REPLICASTATUS']._serialized_end=569
-  _globals['_RUNSTATUSRESPONSE']._serialized_start=572
-  _globals['_RUNSTATUSRESPONSE']._serialized_end=811
-  _globals['_COORDINATOR']._serialized_start=814
-  _globals['_COORDINATOR']._serialized_end=1116
+  _globals['_HEARTBEATRESPONSE']._serialized_end=383
+  _globals['_LEAVEREQUEST']._serialized_start=385
+  _globals['_LEAVEREQUEST']._serialized_end=435
+  _globals['_LEAVERESPONSE']._serialized_start=437
+  _globals['_LEAVERESPONSE']._serialized_end=452
+  _globals['_RUNSTATUSREQUEST']._serialized_start=454
+  _globals['_RUNSTATUSREQUEST']._serialized_end=472
+  _globals['_REPLICASTATUS']._serialized_start=474
+  _globals['_REPLICASTATUS']._serialized_end=599
+  _globals['_RUNSTATUSRESPONSE']._serialized_start=602
+  _globals['_RUNSTATUSRESPONSE']._serialized_end=841
+  _globals['_COORDINATOR']._serialized_start=844
+  _globals['_COORDINATOR']._serialized_end=1146
 # @@protoc_insertion_point(module_scope)

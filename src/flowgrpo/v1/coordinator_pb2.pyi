@@ -97,16 +97,22 @@ class HeartbeatResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     KNOWN_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
     known: _builtins.bool
     """false: the coordinator forgot this replica; register again"""
+    heartbeat_interval_s: _builtins.float
+    """the period to beat at from now on (0: keep the current one); it grows with the member count
+    so that the coordinator handles a bounded number of heartbeats per second
+    """
     def __init__(
         self,
         *,
         known: _builtins.bool = ...,
+        heartbeat_interval_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["known", b"known"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_s", b"heartbeat_interval_s", "known", b"known"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
