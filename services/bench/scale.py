@@ -93,6 +93,7 @@ class ScaleOptions:
     kill_fraction: float = 0.0
     start_timeout_s: float = 600.0
     fixes: bool = True  # False: the coordinator as before the fixes (fixed server concurrency and period)
+    publication: str = "relay"  # publication.mode: "star" (every rollout from the trainer) or "relay"
 
 
 @dataclass
@@ -255,7 +256,7 @@ def point_config(n: int, opts: ScaleOptions, run_dir: Path, model: str, prompts:
         "rollout.engine=synthetic", f"rollout.synthetic.step_delay_s={opts.step_delay_s}",
         "reward.scorers=[{name: synthetic, weight: 1.0}]", f"reward.synthetic_delay_s={opts.reward_delay_s}",
         "trainer.loss.micro_batch_size=64", "trainer.loss.mini_batches=1",
-        "bus.transport=ipc",
+        "bus.transport=ipc", f"publication.mode={opts.publication}",
     ]  # fmt: skip
     return load_run_config(RECIPE, overrides)
 
@@ -590,6 +591,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_false",
         help="the coordinator as before the fixes: server.concurrency as is, a fixed heartbeat period",
     )
+    parser.add_argument("--publication", choices=["relay", "star"], default=defaults.publication,
+                        help="publication.mode: the relay tree (the default) or the star")  # fmt: skip
     parser.add_argument("--out", help="write OUT.md (the table), OUT.png (the plot) and OUT.json")
     parser.add_argument("--json", help="the figures as JSON (default with --out: OUT.json)")
     parser.add_argument("--profile", help="profile the coordinator's event loop (cProfile) into this file")
