@@ -182,7 +182,7 @@ class ReplicaPool:
                 if self.publication.mode == "relay"
                 else plan_star(members)
             )
-            relay = plan.max_depth > 1  # up to fanout replicas: the star, and nobody keeps a copy
+            relay = plan.max_depth > 1  # up to fanout replicas: the star (plan_relay), nobody keeps a copy
 
             async def load(
                 rid: str, sources: list[rollout_pb2.WeightSource]

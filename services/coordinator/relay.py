@@ -89,7 +89,10 @@ def plan_relay(members: Sequence[Member], fanout: int, avoid: frozenset[str] = f
     """A tree over ``members``: the first replica of each host (one not in ``avoid`` where there is
     one: relays that failed before) in a breadth-first tree of ``fanout`` children per holder
     under the publisher, then each host's others in a tree of their own under it. Replicas in
-    ``avoid`` are leaves wherever possible."""
+    ``avoid`` are leaves wherever possible. Up to ``fanout`` members it is the star: nobody
+    waits for a holder, and nobody keeps a copy (a 2-replica run on one host stays as it was)."""
+    if len(members) <= fanout:
+        return plan_star(members)
     hosts: dict[str, list[str]] = {}
     for member in members:
         hosts.setdefault(member.host, []).append(member.replica_id)

@@ -13,6 +13,7 @@ checkpoint (``run_state.json`` + the trainer's).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -41,6 +42,7 @@ T = TypeVar("T")
 tracer = trace.get_tracer(__name__)
 
 VALIDATION_SHARE = 0.2  # a warning when validation takes more of the run's time than this
+STORE_STATS_TIMEOUT_S = 2.0  # reading the trainer store's counters (publication/trainer_bytes_sent)
 
 
 class PromptOrder:
@@ -95,7 +97,8 @@ class Coordinator:
         self.store = store  # prompt ids, put once per prompt, fetched by rollouts and the trainer
         self.outputs = outputs
         self.client = BusClient(config.bus)  # sampled images for the outputs' grids
-        self.pool.store_stats = self.client.stat  # the trainer store's bytes sent per version
+        # the trainer store's bytes sent per version: a metric, never worth a long wait
+        self.pool.store_stats = functools.partial(self.client.stat, timeout_s=STORE_STATS_TIMEOUT_S)
         self.state = RunState()
         self.registry = registry  # replicas register, beat and leave there; the pool follows it
         self.counters = {"dropped_groups": 0, "stale_groups": 0}

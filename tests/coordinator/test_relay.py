@@ -176,6 +176,9 @@ def test_the_plan_bounds_the_fanout_prefers_the_same_host_and_keeps_failed_relay
     assert star_sized.max_depth == 3 and len(star_sized.children[None]) == 4
     demoted = plan_relay([Member(f"r{i}", f"h{i}") for i in range(7)], fanout=2, avoid=frozenset({"r0"}))
     assert "r0" not in demoted.children and demoted.max_depth == 3
+    for n in (1, 2, 4):  # up to fanout replicas, on one host or several: the star, nobody waits
+        assert plan_relay([Member(f"r{i}", "h0") for i in range(n)], fanout=4).max_depth == 1
+    assert plan_relay([Member(f"r{i}", "h0") for i in range(5)], fanout=4).max_depth == 2
 
 
 # --- real replicas -----------------------------------------------------------------------------------

@@ -141,7 +141,7 @@ class Keeper:
             for ref, item in zip(refs, fetched, strict=True):
                 data = TensorBytes(item.array.reshape(-1).view("uint8"), ref.dtype, ref.shape)
                 self.store.put(ref.key, WEIGHTS_COLUMN, data, policy_version=version, tag=tag)
-        except StoreFull as error:  # the samples took the room meanwhile
+        except (StoreFull, ValueError) as error:  # the samples took the room meanwhile; a key held
             self.store.release(tag=tag)
             log.warning("weights v%d not relayed: %s", version, error)
             return None
