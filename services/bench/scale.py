@@ -38,7 +38,6 @@ import json
 import math
 import os
 import pstats
-import secrets
 import shutil
 import signal
 import statistics
@@ -60,7 +59,7 @@ from flowgrpo.runtime.config import ServerConfig
 from flowgrpo.runtime.security import TOKEN_ENV
 from flowgrpo.services.bench.stats import write_json
 from flowgrpo.services.coordinator.config import RunConfig, load_run_config
-from flowgrpo.services.coordinator.launch import launch, role_config
+from flowgrpo.services.coordinator.launch import launch, role_config, terminate_groups
 from flowgrpo.services.coordinator.outputs import RunOutputs
 from flowgrpo.services.coordinator.registry import (
     CoordinatorService,
@@ -69,7 +68,7 @@ from flowgrpo.services.coordinator.registry import (
     server_concurrency,
 )
 from flowgrpo.services.coordinator.run import Coordinator
-from flowgrpo.services.coordinator.train import prepare_data, prepare_model
+from flowgrpo.services.coordinator.train import prepare_data, prepare_model, secrets_in_environment
 from flowgrpo.v1 import common_pb2, coordinator_pb2_grpc
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "tiny_demo.yaml"
@@ -215,20 +214,6 @@ def spawn_hosts(  # noqa: PLR0917
     return hosts
 
 
-def stop_hosts(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = 30.0) -> None:
-    """SIGTERM (each drains its replicas), then SIGKILL of the ones still there after ``grace_s``."""
-    for proc in procs:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 def kill_hosts(hosts: Sequence[Host]) -> None:
     for host in hosts:
         os.killpg(host.proc.pid, signal.SIGKILL)
@@ -321,7 +306,7 @@ async def run_point(n: int, opts: ScaleOptions, work: Path, model: str) -> Point
             outputs.close()
         return summarise(n, cfg, opts, registry, history, bytes_sent.per_step(), start_s, kill)
     finally:
-        await asyncio.to_thread(stop_hosts, procs)
+        await asyncio.to_thread(terminate_groups, procs, 30.0)
         if server.address:
             await server.stop(0)
         store.close()
@@ -548,13 +533,8 @@ def plot(points: Sequence[Point], path: Path) -> None:
 def run_credentials() -> Iterator[None]:
     """A token and a bus secret for this benchmark's runs (every child inherits them), as
     ``flowgrpo train`` makes for the services it starts; the environment is restored after."""
-    made = {name: secrets.token_urlsafe(32) for name in (TOKEN_ENV, SECRET_ENV) if not os.environ.get(name)}
-    os.environ.update(made)
-    try:
+    with secrets_in_environment([name for name in (TOKEN_ENV, SECRET_ENV) if not os.environ.get(name)]):
         yield
-    finally:
-        for name in made:
-            os.environ.pop(name, None)
 
 
 async def sweep(

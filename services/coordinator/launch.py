@@ -209,7 +209,7 @@ async def _launch_local(cfg: RunConfig, coordinator: str) -> Services:
         waits = [_ready_address(rid, procs[rid], config, run_dir, timeout) for rid, config in configs.items()]
         by_id = dict(zip(procs, await asyncio.gather(*waits), strict=True))
     except BaseException:
-        _terminate(procs.values(), grace_s=10)
+        terminate_groups(procs.values(), grace_s=10)
         lifeline.close()
         raise
     rollouts = [a for r, a in by_id.items() if r.startswith("rollout")]
@@ -220,7 +220,7 @@ async def _launch_local(cfg: RunConfig, coordinator: str) -> Services:
     async def stop_processes() -> None:
         supervisor.cancel()
         await asyncio.gather(supervisor, return_exceptions=True)
-        await asyncio.to_thread(_terminate, list(procs.values()), 60.0)
+        await asyncio.to_thread(terminate_groups, list(procs.values()), 60.0)
         lifeline.close()
 
     services._stop.insert(0, stop_processes)
@@ -317,7 +317,7 @@ async def _ready_address(
     return address
 
 
-def _terminate(procs: Sequence[subprocess.Popen[bytes]] | Any, grace_s: float) -> None:
+def terminate_groups(procs: Sequence[subprocess.Popen[bytes]] | Any, grace_s: float) -> None:
     """SIGTERM (a graceful drain), then SIGKILL of the whole process group after ``grace_s``."""
     procs = list(procs)
     for proc in procs:

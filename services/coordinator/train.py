@@ -16,7 +16,7 @@ import secrets
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -106,11 +106,17 @@ def run_credentials(cfg: RunConfig) -> Iterator[None]:
     if cfg.launch.launcher == "remote":
         yield
         return
-    made = {}
-    if not resolve_token(cfg.server.token):
-        made[TOKEN_ENV] = secrets.token_urlsafe(32)
-    if cfg.bus.resolve_secret() is None:
-        made[SECRET_ENV] = secrets.token_urlsafe(32)
+    missing = [TOKEN_ENV] if not resolve_token(cfg.server.token) else []
+    missing += [SECRET_ENV] if cfg.bus.resolve_secret() is None else []
+    with secrets_in_environment(missing):
+        yield
+
+
+@contextlib.contextmanager
+def secrets_in_environment(names: Sequence[str]) -> Iterator[None]:
+    """A fresh random secret in each of the environment variables ``names`` while inside (the
+    children started inside inherit them); removed after."""
+    made = {name: secrets.token_urlsafe(32) for name in names}
     os.environ.update(made)
     try:
         yield
