@@ -23,9 +23,10 @@ source bench/gpu_env.sh
 RUNS=/tmp/system-runs
 if [[ $DEVICE == cuda* ]]; then
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
-    CKPT=${CKPT:-$PWD/.ckpt/bagel-7b-random}
+    LAYERS=${LAYERS:-28}  # of the 7B geometry's 28 (fewer: the same code paths, faster; bench/gpu_check.sh)
+    CKPT=${CKPT:-$PWD/.ckpt/bagel-7b-random$([[ $LAYERS == 28 ]] || echo "-${LAYERS}l")}
     RECIPE=${RECIPE:-examples/bagel_pickscore_lora_1gpu.yaml}
-    MODEL=(--model 7b --device cuda --dtype bf16)
+    MODEL=(--model 7b --layers "$LAYERS" --device cuda --dtype bf16)
     # PickScore's geometry (CLIP ViT-H/14) with random weights when no local PickScore is given,
     # and the repository's prompts (the recipe names a prepared dataset)
     CLIP=${CLIP:-$PWD/.ckpt/clip-vit-h-14-random}

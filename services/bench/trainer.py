@@ -31,6 +31,7 @@ import math
 import resource
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -264,6 +265,7 @@ def write_random_checkpoint(args: argparse.Namespace) -> int:
     FLUX-geometry ae.safetensors, configs and the tiny tokenizer, whose ids every vocabulary
     holds), for the loader's figures and for whole runs of the services (bench/coordinator_gpu.sh)."""
     cfg = bagel_7b() if args.model == "7b" else tiny()
+    cfg = replace(cfg, layers=args.layers or cfg.layers)
     begin = time.perf_counter()
     model = random_bagel(cfg, DTYPES[args.dtype], torch.device(args.device))
     torch.manual_seed(0)
@@ -315,6 +317,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--checkpoint", metavar="DIR", help="load this checkpoint through the trainer's loader")
     p.add_argument("--write-checkpoint", metavar="DIR", help="write a random checkpoint of --model and exit")
+    p.add_argument("--layers", type=int, default=0, metavar="N",
+                   help="--write-checkpoint: N decoder layers (each of the geometry's shapes)")  # fmt: skip
     return p
 
 

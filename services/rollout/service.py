@@ -437,20 +437,16 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
 
 
 def _check_bucket(field: str, bucket: common_pb2.CudaIpcBucket) -> None:
-    """What torch's IPC opener trusts, checked: the handles' sizes, the reference counter's file
+    """What torch's IPC opener trusts, checked: the handles' layouts, the reference counter's file
     name and slot (torch decrements that slot when the mapping is released), the sizes and
     offsets (every tensor inside the shared bytes), names once each. What no check can see (that
     ``storage_bytes`` is the real allocation's size) is why CUDA IPC is same-host, same-user only."""
     check_id(f"{field}.host_id", bucket.host_id, MAX_DEVICE_ID_CHARS)
     check_id(f"{field}.device_uuid", bucket.device_uuid, MAX_DEVICE_ID_CHARS)
-    if len(bucket.handle) != cuda_ipc.HANDLE_BYTES:
-        raise FieldError(
-            f"{field}.handle: {len(bucket.handle)} bytes; a CUDA IPC handle has {cuda_ipc.HANDLE_BYTES}"
-        )
-    if len(bucket.event_handle) not in (0, cuda_ipc.HANDLE_BYTES):
-        raise FieldError(
-            f"{field}.event_handle: {len(bucket.event_handle)} bytes; need 0 or {cuda_ipc.HANDLE_BYTES}"
-        )
+    try:
+        cuda_ipc.check_handles(bucket)
+    except ValueError as error:
+        raise FieldError(f"{field}.{error}") from None
     if not cuda_ipc.REF_COUNTER_FILE.fullmatch(bucket.ref_counter_handle.decode("ascii", "replace")):
         raise FieldError(f"{field}.ref_counter_handle: not a torch reference-counter file name")
     check_int(f"{field}.ref_counter_offset", bucket.ref_counter_offset, 0, cuda_ipc.REF_COUNTER_SLOTS - 1)

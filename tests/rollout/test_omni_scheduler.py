@@ -18,6 +18,7 @@ from flowgrpo.models.bagel.model import latent_position_ids
 from flowgrpo.models.bagel.sampling import (
     BagelSampler,
     SampleRequest,
+    deterministic_kernels,
     guided_velocity,
     prefill_prompts,
     with_cfg_branches,
@@ -96,7 +97,10 @@ def test_scheduler_reproduces_the_native_sampler_bitwise(tiny: Path, sde_type: s
     scheduler = FlowGrpoScheduler(request)
     omni_t = torch.linspace(1, 0, params.num_points)  # vLLM-Omni's fp32 schedule, computed its way
     omni_t = params.timestep_shift * omni_t / (1 + (params.timestep_shift - 1) * omni_t)
-    context = with_cfg_branches(model, prefill_prompts(model, [torch.tensor(IDS)]), params)
+    # the native sampler's deterministic mode: the same kernels on ONE thread (a matmul split over
+    # two threads rounds otherwise where the BLAS path splits its reductions, e.g. MKL on AVX2 CPUs)
+    with torch.no_grad(), deterministic_kernels():
+        context = with_cfg_branches(model, prefill_prompts(model, [torch.tensor(IDS)]), params)
     pos_ids = latent_position_ids(2, 3, model.config.max_latent_size, "cpu")
     x = sample_noise(
         (6, 64),
@@ -108,7 +112,7 @@ def test_scheduler_reproduces_the_native_sampler_bitwise(tiny: Path, sde_type: s
     )
     latents, log_probs = [x], []
     schedule = shifted_schedule(params.num_points, params.timestep_shift)
-    with torch.no_grad():
+    with torch.no_grad(), deterministic_kernels():
         for i in range(params.num_steps):
             v = guided_velocity(
                 model, context, x[None], schedule[i : i + 1], pos_ids, params=params, special=special

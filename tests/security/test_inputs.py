@@ -37,6 +37,7 @@ from flowgrpo.v1 import (
     trainer_pb2,
     trainer_pb2_grpc,
 )
+from tests.bus.cuda_ipc_layouts import fields_of, recorded
 from tests.services.launch import kill_service, spawn_service
 
 PARAMS = SamplerParams(num_points=6, cfg_text_scale=2.0, noise_level=1.0, window_range=(0, 4),
@@ -330,10 +331,11 @@ def on_update(change: Callable[[common_pb2.WeightUpdate, Services], object]) -> 
 def bucket(
     storage_bytes: int, offset: int, dtype: str = "float32", **fields: object
 ) -> common_pb2.CudaIpcBucket:
-    """A bucket well formed but for what the case changes (it points at no real GPU memory)."""
+    """A bucket well formed but for what the case changes (it points at no real GPU memory): its
+    handles shaped as torch 2.11 was recorded to export them (tests/bus/cuda_ipc_layouts.json)."""
     entry = common_pb2.BucketTensor(name=Q + ".lora_A.weight", dtype=dtype, shape=[4, 64], offset=offset)
-    well_formed = {"host_id": "h", "device_uuid": "GPU-x", "handle": b"\x01" * 64,
-                   "ref_counter_handle": b"/torch_1_2_3", "storage_bytes": storage_bytes}  # fmt: skip
+    well_formed = {"host_id": "h", "device_uuid": "GPU-x", "storage_bytes": storage_bytes,
+                   **fields_of(recorded()["2.11"])}  # fmt: skip
     return common_pb2.CudaIpcBucket(**(well_formed | fields), tensors=[entry])  # type: ignore[arg-type]
 
 
@@ -373,6 +375,11 @@ LOAD_CASES = [
      "cuda_ipc[0].handle"),
     ("bucket event handle", lambda u, s: u.cuda_ipc.append(bucket(4096, 0, event_handle=b"e" * 5)),
      "cuda_ipc[0].event_handle"),
+    ("bucket expandable-segment handle",
+     lambda u, s: u.cuda_ipc.append(bucket(4096, 0, handle=b"\x02e" + b"\x00" * 64)),
+     "cuda_ipc[0].handle: an expandable-segment handle"),
+    ("base one byte short", lambda u, s: u.base.CopyFrom(bucket(4096, 0, handle=b"\x02c" + b"\x00" * 63)),
+     "WeightUpdate.base.handle: 65 bytes"),
     ("bucket counter file",
      lambda u, s: u.cuda_ipc.append(bucket(4096, 0, ref_counter_handle=b"/../../etc/x")),
      "cuda_ipc[0].ref_counter_handle"),

@@ -31,7 +31,9 @@ from torch import Tensor
 from flowgrpo.v1 import common_pb2
 
 ALIGN = 256  # bytes: every tensor starts aligned for vectorised copies
-HANDLE_BYTES = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t (CUDA_IPC_HANDLE_SIZE)
+CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t) == sizeof(cudaIpcEventHandle_t)
+CUDA_MALLOC_HANDLE = ord("c")  # torch's handle type of a cudaMalloc block (SHAREABLE_CUDA_MALLOC)
+EXPANDABLE_SEGMENT_HANDLE = ord("e")  # ... of an expandable segment (SHAREABLE_CUDA_EXPANDABLE_SEGMENT)
 REF_COUNTER_SLOTS = 10000  # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE: slots of one counter file
 REF_COUNTER_FILE = re.compile(r"/[A-Za-z0-9_.-]{1,63}")  # a shared-memory name (torch: /torch_<pid>_...)
 
@@ -49,6 +51,54 @@ def device_uuid(device: torch.device) -> str:
 
 class CudaIpcError(RuntimeError):
     """A bucket this process cannot open (another host, an invisible GPU, a malformed table)."""
+
+
+def check_handles(bucket: common_pb2.CudaIpcBucket) -> None:
+    """The two CUDA handles of ``bucket`` in the layouts torch's opener parses, else ValueError
+    naming the field. Without torch or a GPU: the rollout checks a request before it touches CUDA.
+
+    The memory handle (``handle``), as ``_share_cuda_`` writes it (``shareIpcHandle`` in torch's
+    caching allocator) and ``_new_shared_cuda`` reads it (``getIpcDevPtr``):
+
+    - 64 bytes: a bare ``cudaIpcMemHandle_t`` (torch before versioned handles);
+    - ``[version][type][payload]``: torch 2.11 writes version 2, type ``'c'`` and the 64-byte
+      ``cudaIpcMemHandle_t``, 66 bytes (recorded on a GPU: tests/bus/cuda_ipc_layouts.json);
+      torch 2.13 writes version 3 with the same payload. The opener itself refuses a version
+      newer than its own torch's.
+
+    Refused: any other length (the opener reads 64 bytes after the header whatever the length,
+    past the end of a shorter one), a version of 0, and type ``'e'``, an expandable segment: its
+    payload names a process and file descriptors the opener takes from that process, and a count
+    of them, which no check here can bound (and the torch versions we support do not export such
+    blocks by ``_share_cuda_``).
+
+    The event handle: a ``cudaIpcEventHandle_t`` (64 bytes) when ``event_sync_required``, else
+    64 bytes that are not read, or none."""
+    handle = bucket.handle
+    if len(handle) != CUDA_IPC_HANDLE_BYTES:
+        if len(handle) < 2:
+            raise ValueError(
+                f"handle: {len(handle)} bytes; a CUDA IPC memory handle has 64, or 66 with torch's header"
+            )
+        version, kind = handle[0], handle[1]
+        if kind == EXPANDABLE_SEGMENT_HANDLE:
+            raise ValueError(
+                "handle: an expandable-segment handle (type 'e'), which names another process's file "
+                "descriptors; only cudaMalloc blocks (type 'c') are taken"
+            )
+        if kind != CUDA_MALLOC_HANDLE:
+            raise ValueError(f"handle: type byte {kind:#04x}; torch writes 'c' (0x63) for a cudaMalloc block")
+        if version == 0:
+            raise ValueError("handle: version byte 0; torch's versions start at 1")
+        if len(handle) != 2 + CUDA_IPC_HANDLE_BYTES:
+            raise ValueError(
+                f"handle: {len(handle)} bytes; a version-{version} 'c' handle has {2 + CUDA_IPC_HANDLE_BYTES}"
+            )
+    event = bucket.event_handle
+    sync = bucket.event_sync_required
+    if len(event) not in (0, CUDA_IPC_HANDLE_BYTES) or (sync and not event):
+        need = "64" if sync else "0 or 64"
+        raise ValueError(f"event_handle: {len(event)} bytes; need {need} (event_sync_required={sync})")
 
 
 @dataclass
@@ -90,9 +140,16 @@ class BucketWriter:
     def finish(self) -> Bucket:
         device = self.buffer.device
         torch.cuda.current_stream(device).synchronize()  # the copies are done before anyone reads
-        (_, handle, size, storage_offset, counter, counter_offset, event, event_sync) = (
-            self.buffer.untyped_storage()._share_cuda_()  # type: ignore[no-untyped-call]
-        )
+        try:
+            (_, handle, size, storage_offset, counter, counter_offset, event, event_sync) = (
+                self.buffer.untyped_storage()._share_cuda_()  # type: ignore[no-untyped-call]
+            )
+        except RuntimeError as error:  # e.g. a block of an expandable segment, which torch does not share
+            raise CudaIpcError(
+                f"torch cannot export the bucket by CUDA IPC ({str(error).splitlines()[0]}): run the "
+                "trainer without PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or publish over the "
+                "bus (trainer.publish_bus=true, trainer.publish_cuda_ipc=false)"
+            ) from None
         proto = common_pb2.CudaIpcBucket(
             host_id=host_id(),
             device_uuid=device_uuid(device),
@@ -105,6 +162,13 @@ class BucketWriter:
             event_sync_required=event_sync,
             tensors=self.entries,
         )
+        try:  # what this torch wrote, in the layout every consumer checks (check_handles)
+            check_handles(proto)
+        except ValueError as error:
+            raise CudaIpcError(
+                f"torch {torch.__version__} exported a CUDA IPC bucket that consumers refuse ({error}): "
+                "publish over the bus instead (trainer.publish_bus=true, trainer.publish_cuda_ipc=false)"
+            ) from None
         return Bucket(self.buffer, proto)
 
 

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The GPU check: what CPU-only CI cannot see, in ONE device call on one GPU, in under 8 minutes.
+# A change that touches a GPU path (CUDA IPC, the shared base, compile, attention backends, FSDP
+# on CUDA, precision) is done only when this passed on its final commit (docs/ARCHITECTURE.md,
+# "The GPU check"); its last line is the summary to quote.
+#   run(command="COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_check.sh", carry=[".whl"],
+#       kind="nvidia-h200", timeout_s=600)
+# (.whl: bench/fetch_gpu_wheels.sh; COMMIT: the device's copy of the tree has no .git, so the
+# caller names the commit it sent.) Stages, each timed:
+#   1. layout: what this torch's `_share_cuda_()` returns, field by field ($OUT/cuda_ipc_layout.json;
+#      the gpu tests compare it with tests/bus/cuda_ipc_layouts.json, which the CPU tests build from);
+#   2. tests: every `gpu`-marked test but the vLLM-Omni ones (their own venv): among them a LoRA
+#      and the shared base published by CUDA IPC through the real rollout service's LoadWeights,
+#      bitwise against the bus, and two short runs (rollout and trainer two processes on one GPU,
+#      the adapter over CUDA IPC; then the base shared too) that train bitwise alike;
+#   3. system: the one-GPU recipe (examples/bagel_pickscore_lora_1gpu.yaml: rollout, trainer and
+#      reward their own processes on one GPU, the base shared and the LoRA published by CUDA IPC,
+#      compile, bf16, PickScore's geometry on the GPU) for SYSTEM_STEPS steps (the first a warm-up)
+#      of 2 prompts x 8 samples, at the 7B geometry cut to SYSTEM_LAYERS of its 28 decoder layers:
+#      every layer's shapes and kernels, the same code paths, minutes less of loading and
+#      compiling. Its images/s is a smoke figure, not the recipe's: the full 7B figure of the README
+#      is `bash bench/system_gpu.sh` (a call of its own: a step of 128 images takes ~2.5 min).
+# Measured (H200, torch 2.11): the tests 2 min; at 28 layers and 128 images a step the first step
+# alone took 210-268 s, which is why the check cuts both.
+# Environment: OUT (default /tmp/gpu-check), COMMIT, SYSTEM_STEPS (4), SYSTEM_LAYERS (2).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+SYSTEM_STEPS=${SYSTEM_STEPS:-4}
+SYSTEM_LAYERS=${SYSTEM_LAYERS:-2}
+source bench/gpu_env.sh
+export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+started=$SECONDS
+declare -A status seconds
+
+stage() {  # stage NAME COMMAND...: run it, its output to $OUT/NAME.log, its exit status and time kept
+    local name=$1 begin=$SECONDS
+    shift
+    echo "=== $name: $*" >&2
+    "$@" > >(tee "$OUT/$name.log") 2>&1
+    status[$name]=$?
+    seconds[$name]=$((SECONDS - begin))
+    echo "=== $name: exit ${status[$name]} in ${seconds[$name]} s" >&2
+}
+
+$PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))' \
+    | tee "$OUT/env.txt"
+stage layout $PY tests/bus/cuda_ipc_layouts.py "$OUT/cuda_ipc_layout.json"
+
+mapfile -t gpu_tests < <(grep -rlE "pytest\.mark\.gpu|mark\.gpu\b" tests --include='test_*.py' | sort)
+stage tests $PY -m pytest -p no:cacheprovider -o addopts="" -m "gpu and not vllm_omni" -q -rfEs \
+    --junitxml="$OUT/gpu-tests.xml" "${gpu_tests[@]}"
+
+stage system env LAYERS="$SYSTEM_LAYERS" OUT="$OUT" bash bench/system_gpu.sh --steps "$SYSTEM_STEPS" \
+    --variant check data.prompts_per_step=2 data.group_size=8
+
+$PY - "$OUT" "$COMMIT" "$((SECONDS - started))" "${status[layout]}" "${status[tests]}" "${status[system]}" \
+    "${seconds[tests]}" "${seconds[system]}" "$SYSTEM_LAYERS" <<'EOF'
+import json, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+out, commit, total, st_layout, st_tests, st_system, s_tests, s_system, layers = sys.argv[1:]
+parts, ok = [], st_layout == st_tests == st_system == "0"
+try:
+    suite = ET.parse(Path(out) / "gpu-tests.xml").getroot()
+    suite = suite if suite.tag == "testsuite" else suite[0]
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    parts.append(f"gpu tests {passed} passed, {counts['failures'] + counts['errors']} failed, "
+                 f"{counts['skipped']} skipped ({s_tests} s)")
+    ok = ok and passed > 0 and counts["skipped"] == 0
+except (OSError, ET.ParseError, IndexError) as error:
+    parts.append(f"gpu tests: no report ({error})")
+    ok = False
+try:
+    variant = json.loads((Path(out) / "system.json").read_text())["variants"]["check"]
+    rate, share = variant["images_per_s"], variant["achieved_over_limit"]
+    memory = variant["gpu_memory_gib"]
+    peak = f", peak {max(memory.values()):.1f} GiB" if isinstance(memory, dict) else ""
+    parts.append(f"system ({layers} layers) {rate['median']:.3f} images/s ({rate['min']:.3f}-{rate['max']:.3f}, "
+                 f"n={rate['n']}), {share['median']:.1%} of its limit{peak} ({s_system} s)")
+except (OSError, KeyError, ValueError) as error:
+    parts.append(f"system: no figures ({type(error).__name__}: {error})")
+    ok = False
+verdict = "PASSED" if ok else "FAILED"
+print(f"GPU CHECK {verdict} at {commit} in {total} s: " + "; ".join(parts))
+sys.exit(0 if ok else 1)
+EOF
