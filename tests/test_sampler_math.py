@@ -23,6 +23,8 @@ from flowgrpo.sampler_math import (
 )
 from flowgrpo.sampler_params import SamplerSettings
 
+pytestmark = pytest.mark.bitwise  # tests/test_instruction_sets.py re-runs these on other ISAs
+
 
 def test_shifted_schedule_points_and_steps() -> None:
     """The shift multiplies the noise-to-signal odds t / (1 - t) by 3 at every point (SD3's

@@ -25,6 +25,8 @@ from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, Trajecto
 from flowgrpo.sampler_math import initial_noise, window_begin
 from flowgrpo.sampler_params import SamplerParams
 
+pytestmark = pytest.mark.bitwise  # tests/test_instruction_sets.py re-runs these on other ISAs
+
 SEED, STEP = 11, 0  # the three groups' windows begin at steps 0, 2 and 3 (asserted below)
 PARAMS = SamplerParams(num_points=9, height=64, width=64, window_size=2, window_range=(0, 5), branch=True)
 FIELDS = [f.name for f in dataclasses.fields(Trajectories)]

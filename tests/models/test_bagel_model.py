@@ -160,8 +160,10 @@ def test_cache_query_equals_one_pass_with_both_cfg_branches(model: BagelModel) -
 
 @torch.no_grad()
 def test_batched_equals_one_at_a_time(model: BagelModel) -> None:
-    """Tolerance: each row alone (unpadded) == its row in a padded batch. Bitwise where shapes
-    match: a permuted batch gives the permuted velocities, duplicated rows identical ones."""
+    """Tolerance: each row alone (unpadded) == its row in a padded batch, a permuted batch gives
+    the permuted velocities, duplicated rows the same ones. Not bitwise: a BLAS may sum a row in
+    another order by where it sits in the batch (MKL's AVX2 kernels do, by the row's alignment in
+    memory; its AVX-512 ones do not), so row independence is asserted to fp32 rounding."""
     lengths = [3, 8, 1, 6]
     ids, mask = prompts(lengths)
     x, t = latents(4)
@@ -174,10 +176,11 @@ def test_batched_equals_one_at_a_time(model: BagelModel) -> None:
 
     perm = torch.tensor([2, 0, 3, 1])
     permuted = model.predict_velocity(cache.select(perm), x[perm], t[perm], pos_ids(), **MARKERS)
-    assert torch.equal(permuted, v[perm])
+    assert_fp32_close(permuted, v[perm])
     same = torch.tensor([1, 1, 1, 1])
     repeated = model.predict_velocity(cache.select(same), x[same], t[same], pos_ids(), **MARKERS)
-    assert all(torch.equal(repeated[0], repeated[i]) for i in range(1, 4))
+    for i in range(1, 4):
+        assert_fp32_close(repeated[i], repeated[0])
 
 
 @torch.no_grad()

@@ -23,6 +23,8 @@ from flowgrpo.models.bagel.sampling import (
 from flowgrpo.sampler_math import ode_step, sample_noise, shifted_schedule
 from flowgrpo.sampler_params import SamplerParams
 
+pytestmark = pytest.mark.bitwise  # tests/test_instruction_sets.py re-runs these on other ISAs
+
 SEED, STEP = 11, 3
 PARAMS = SamplerParams(num_points=9, height=64, width=64, window_size=2, window_range=(0, 5))
 

@@ -80,6 +80,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_bagel(tmp_path_factory.mktemp("tiny"), seed=0)
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("sde_type", ["sde", "cps"])
 def test_scheduler_reproduces_the_native_sampler_bitwise(tiny: Path, sde_type: str) -> None:
     """vLLM-Omni's loop: the initial noise in, then per step the CFG-combined velocity of x_t at

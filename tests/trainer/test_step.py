@@ -224,6 +224,7 @@ def test_bypass_without_an_alarm_is_refused() -> None:
         LossConfig(logp_old="bypass").validate()
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("micro_batch", [1, 2, 3])
 def test_batch_invariant_rollouts_and_trainer_compute_the_same_log_probs_bitwise(
     tiny: Path, micro_batch: int
