@@ -245,7 +245,9 @@ def test_batch_invariant_rollouts_and_trainer_compute_the_same_log_probs_bitwise
         assert metrics["actor/on_policy_logp_gap/max"] == 0.0
         update = dict(step.policy.published())
         applier.apply(PolicyUpdate(step.version, "lora", update, lora_rank=4, lora_alpha=8.0))
-    control = trainer(tiny, micro_batch_size=micro_batch, mini_batches=2)
+    # micro-batches of one against the batch of 8: the shapes farthest apart, whose sums part on
+    # every instruction set tried (micro-batches of 3 matched the batch bitwise on MKL's SSE4.2 path)
+    control = trainer(tiny, micro_batch_size=1, mini_batches=2)
     plain = replace(params, batch_invariant=False)
     assert (
         control.run(sampled(sampler_for(tiny), plain, 0, order_seed=0), plain)["actor/rollout_logp_gap/max"]
