@@ -624,6 +624,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    import os
+
+    # gRPC core writes to stderr on its own, INFO lines too ("Got goaway" when a start-up is
+    # abandoned): only its errors here; GRPC_VERBOSITY=INFO or DEBUG shows the rest
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # dotted overrides (section.key=value) may come anywhere after the subcommand
