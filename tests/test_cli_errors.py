@@ -118,3 +118,13 @@ def test_an_unexpected_error_names_its_type_and_the_debug_flag(capsys: pytest.Ca
 def test_a_long_message_stays_one_bounded_line() -> None:
     line = cli.error_line(OSError("cannot read\n" + "x" * 10_000))
     assert "\n" not in line and len(line) <= 2000 and line.startswith("cannot read xxx")
+
+
+def test_a_missing_prompt_folder_names_the_key(tiny: Path, tmp_path: Path) -> None:
+    done = flowgrpo("train", str(RECIPE), f"run_dir={tmp_path / 'run'}", f"model.checkpoint={tiny}",
+                    f"data.prompts={tmp_path / 'none'}")  # fmt: skip
+    assert done.returncode == 1
+    assert error_lines(done.stderr)[-1] == (
+        f"flowgrpo train: data.prompts={tmp_path / 'none'}: no train.txt and no test.txt there; the "
+        "folder needs train.txt and test.txt, one prompt per line"
+    )

@@ -23,7 +23,7 @@ from typing import Any
 
 from flowgrpo.bus import serve_store
 from flowgrpo.bus.config import SECRET_ENV
-from flowgrpo.data import PromptSplit, load_split
+from flowgrpo.data import DatasetError, PromptSplit, load_split
 from flowgrpo.data.prepare import PrepareOptions, prepare_dataset
 from flowgrpo.runtime import Service, ServiceServer
 from flowgrpo.runtime.security import TOKEN_ENV, resolve_token
@@ -80,6 +80,13 @@ def prepare_data(cfg: RunConfig) -> RunConfig:
     folder = prepared_data_folder(cfg)
     if not (folder / "meta.json").is_file():
         options = PrepareOptions(kind=cfg.data.kind, progress=False)
+        prompts = Path(cfg.data.prompts)
+        missing = [name for name in ("train.txt", "test.txt") if not (prompts / name).is_file()]
+        if missing:  # named by the key the user set (prepare_dataset speaks of its own options)
+            raise DatasetError(
+                f"data.prompts={cfg.data.prompts}: no {' and no '.join(missing)} there; the folder needs "
+                "train.txt and test.txt, one prompt per line"
+            )
         prepare_dataset(cfg.model.checkpoint, cfg.data.prompts, folder, options)
     return replace(cfg, data=replace(cfg.data, dataset=str(folder), prompts=""))
 
