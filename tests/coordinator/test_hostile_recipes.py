@@ -107,6 +107,13 @@ def test_a_billion_laughs_fails_in_one_line_naming_the_key(
     print(f"{where}: {outcome.seconds:.2f} s, {outcome.peak_kib / 1024:.0f} MiB: {line}")
 
 
+@pytest.mark.parametrize("source", ["--recipe", "--config"])
+def test_a_service_reads_its_recipe_or_config_within_the_same_bounds(source: str, tmp_path: Path) -> None:
+    recipe = write(tmp_path / "bomb.yaml", ["name:", *laughs()])
+    outcome = run_cli(["serve", "reward", source, str(recipe), "--print-config"], tmp_path)
+    assert_refused_small_and_fast(outcome, f"flowgrpo serve reward: {recipe}:", "name[3]", "more than 10,000")
+
+
 def test_a_200_mb_recipe_is_refused_before_it_is_read(tmp_path: Path) -> None:
     recipe = tmp_path / "big.yaml"
     with open(recipe, "w") as f:
