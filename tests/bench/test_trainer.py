@@ -12,7 +12,6 @@ import pytest
 
 from flowgrpo.models.bagel.config import tiny
 from flowgrpo.services.bench import trainer
-from flowgrpo.services.bench.common import spec_step_flops
 
 from .figures import check_figures, median
 
@@ -21,20 +20,35 @@ SIZES = ["--resolution", "32", "--num-points", "8", "--batch", "4", "--group", "
 TINY = MODEL + SIZES
 
 
-def expected_old_pass_flops() -> float:
-    """The logp_old pass of TINY, written out from the shapes rather than taken from the report:
-    4 trajectories of two prompts (6 and 14 tokens: --prompt-len 6, the next + 8), each a
-    conditional and an empty-context row, at each of the 2 window steps; per row the SPEC count
-    (2 x gen matmul parameters x T + 4 T K d H L, T = 4 latent tokens + 2) and the rank-4 LoRA
-    matmuls on all seven gen-path linears (2 T r (in + out) per linear and layer)."""
+def expected_pass_flops() -> dict[str, float]:
+    """The logp_old and update passes of TINY, written out from the shapes rather than taken from
+    the report: 4 trajectories of two prompts (6 and 14 tokens: --prompt-len 6, the next + 8),
+    each a conditional and an empty-context row, at each of the 2 window steps, T = 4 latent
+    tokens + 2 markers, rank-4 LoRA on all seven gen-path linears. Per row: forward = the gen
+    matmuls 2 P T + attention 4 T K d H L + LoRA 2 T r S L; the update adds the activation
+    gradients (every matmul again but layer 0's q/k/v, whose input needs none; attention twice)
+    and the LoRA weight gradients (the LoRA matmuls again)."""
     cfg = tiny()
-    q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    h, i = cfg.hidden, cfg.intermediate
-    in_plus_out = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)  # q, k, v, o, gate, up, down
+    q, kv, h, i, layers = (
+        cfg.heads * cfg.head_dim,
+        cfg.kv_heads * cfg.head_dim,
+        cfg.hidden,
+        cfg.intermediate,
+        cfg.layers,
+    )
+    gen_params = layers * (2 * h * q + 2 * h * kv + 3 * h * i)  # q, o; k, v; gate, up, down
+    layer0_qkv = h * q + 2 * h * kv
+    in_plus_out = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)
     tokens, rank, window = 4 + 2, 4, 2
-    lora_per_row = 2 * tokens * rank * in_plus_out * cfg.layers
-    contexts = [6, 0, 6, 0, 14, 0, 14, 0]
-    return window * (spec_step_flops(cfg, 4, contexts) + len(contexts) * lora_per_row)
+    lora = 2 * tokens * rank * in_plus_out * layers
+    old = update = 0.0
+    for context in [6, 0, 6, 0, 14, 0, 14, 0]:
+        attention = 4 * tokens * (context + tokens) * cfg.head_dim * cfg.heads * layers
+        forward = 2 * gen_params * tokens + attention + lora
+        act_grads = 2 * tokens * (gen_params - layer0_qkv) + 2 * attention + lora - 2 * tokens * rank * 3 * h
+        old += window * forward
+        update += window * (forward + act_grads + lora)
+    return {"old": old, "update": update}
 
 
 def test_the_trainer_benchmark_reports_consistent_figures(
@@ -48,7 +62,11 @@ def test_the_trainer_benchmark_reports_consistent_figures(
     assert peak["used_tflops"] == max(median(peak["before"]), median(peak["after"]))
     assert peak["before"]["n"] == peak["after"]["n"] == 10
     flops, world, used = report["flops"], report["world"], peak["used_tflops"] * 1e12
-    assert flops["old"] == pytest.approx(expected_old_pass_flops(), rel=1e-12)
+    expected = expected_pass_flops()
+    assert (flops["old"], flops["update"]) == (
+        pytest.approx(expected["old"]),
+        pytest.approx(expected["update"]),
+    )
     assert [r["variant"] for r in report["rows"]] == ["none2", "ac4", "none2-nft"]
     _check_nft_row(report["rows"][2], report["flops_nft"], report["nft_times_per_sample"], world, used)
     for row in report["rows"][:2]:
