@@ -99,18 +99,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         else:
             config = load_config(main_module.CONFIG, args.config, args.overrides)
     except (ConfigError, OSError) as error:
-        print(f"flowgrpo serve {args.role}: {error}", file=sys.stderr)
-        return 2
+        raise UsageError(str(error)) from error
     if args.print_config:
         _print_config(config)
         return 0
-    from flowgrpo.runtime.security import InsecureBindError
-
-    try:
-        main_module.run(config)
-    except InsecureBindError as error:
-        print(f"flowgrpo serve {args.role}: {error}", file=sys.stderr)
-        return 2
+    main_module.run(config)  # a bind, plug-in or checkpoint error: one line at main()'s boundary
     return 0
 
 
@@ -135,22 +128,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
     import logging
 
     from flowgrpo.config import ConfigError
-    from flowgrpo.data import DatasetError
-    from flowgrpo.runtime.security import InsecureBindError
     from flowgrpo.services.coordinator.config import load_run_config
-    from flowgrpo.services.coordinator.lifecycle import RunFolderBusy, RunInterrupted
-    from flowgrpo.services.coordinator.pool import RunError
-    from flowgrpo.services.coordinator.train import train
 
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
+    try:  # before the run's heavy modules: a bad recipe fails small and fast
         config = load_run_config(args.recipe, args.overrides)
     except (ConfigError, OSError) as error:
-        print(f"flowgrpo train: {error}", file=sys.stderr)
-        return 2
+        raise UsageError(str(error)) from error
     if args.print_config:
         _print_config(config)
         return 0
+    from flowgrpo.services.coordinator.lifecycle import RunInterrupted
+    from flowgrpo.services.coordinator.train import train
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         train(config)
     except RunInterrupted as stop:  # SIGTERM / SIGINT: saved and drained (a second one: forced)
@@ -159,13 +149,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # before the run's own handlers were installed
         print("flowgrpo train: interrupted before the run started; nothing was trained", file=sys.stderr)
         return 130
-    except (RunError, RunFolderBusy, DatasetError, TimeoutError) as error:
-        print(f"flowgrpo train: {error}", file=sys.stderr)
-        return 1
-    except InsecureBindError as error:
-        print(f"flowgrpo train: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return 0  # any other error: one line at main()'s boundary
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -411,6 +395,7 @@ def _add_data_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     prep.set_defaults(fn=_cmd_data_prepare)
+    _add_debug(prep)
     prep.add_argument("kind", choices=["pickscore", "ocr"], help="what the reward compares with (see kinds)")
     prep.add_argument(
         "--model-path", required=True, metavar="DIR",
@@ -539,6 +524,15 @@ def _add_serve(add: Callable[..., argparse.ArgumentParser]) -> None:
     serve.set_defaults(takes_overrides=True)
 
 
+DEBUG_HELP = "on an error, print its traceback before the one-line message"
+
+
+def _add_debug(parser: argparse.ArgumentParser) -> None:
+    """``--debug`` after the subcommand too (``flowgrpo train R --debug``); SUPPRESS keeps the
+    main parser's value when it is not given here."""
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flowgrpo",
@@ -547,11 +541,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"flowgrpo {__version__}")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def add(name: str, help_: str, fn: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=help_)
         p.set_defaults(fn=fn)
+        _add_debug(p)
         return p
 
     add("version", "print the version and the wire protocol version", _cmd_version)
@@ -628,6 +624,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    import os
+
+    # gRPC core writes to stderr on its own, INFO lines too ("Got goaway" when a start-up is
+    # abandoned): only its errors here; GRPC_VERBOSITY=INFO or DEBUG shows the rest
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # dotted overrides (section.key=value) may come anywhere after the subcommand
@@ -635,8 +636,55 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [a for a in extra if a not in args.overrides]
     if unknown or (args.overrides and not getattr(args, "takes_overrides", False)):
         parser.error(f"unrecognized arguments: {' '.join(unknown or args.overrides)}")
-    result: int = args.fn(args)
+    return _at_the_boundary(args)
+
+
+class UsageError(Exception):
+    """What the user gave (a recipe, an override, a file) cannot be used: exit status 2."""
+
+
+# Errors whose message is written for the user (the input, a file, a port, a replica, the run):
+# printed as they are. Named, not imported: some live in modules that import torch, which the
+# coordinator's image does not have. Anything else is a bug: its type and the --debug hint.
+USER_ERRORS = frozenset({
+    "UsageError", "ConfigError", "YamlError", "FieldError", "InsecureBindError", "InsecureBusError",
+    "PluginError", "ResumeRefused",
+})  # fmt: skip
+RUN_ERRORS = frozenset({
+    "OSError", "TimeoutError", "CheckpointError", "DatasetError", "RunError", "RunFolderBusy",
+    "ServiceStartError", "ReplicaError", "HandshakeError", "PipelineError", "GenerateError",
+    "PolicyUpdateError", "BusError", "ServiceError",
+})  # fmt: skip
+
+
+def _at_the_boundary(args: argparse.Namespace) -> int:
+    """Run the command; an error becomes one line on stderr and an exit status (2: the input,
+    1: the run). ``--debug`` prints the traceback before that line."""
+    try:
+        result: int = args.fn(args)
+    except Exception as error:
+        if args.debug:
+            import traceback
+
+            traceback.print_exc()
+        command = " ".join(str(getattr(args, k)) for k in ("command", "role") if getattr(args, k, None))
+        print(f"flowgrpo {command}: {error_line(error)}", file=sys.stderr)
+        return 2 if _kinds(error) & USER_ERRORS else 1
     return result
+
+
+def error_line(error: BaseException, most: int = 2000) -> str:
+    """``error`` as one line of at most ``most`` characters; an unexpected kind with its type."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    if len(text) > most:
+        text = f"{text[: most - 30]}... ({len(text):,} characters)"
+    if not _kinds(error) & (USER_ERRORS | RUN_ERRORS):
+        return f"{type(error).__name__}: {text} (an unexpected error: --debug shows the traceback)"
+    return text
+
+
+def _kinds(error: BaseException) -> set[str]:
+    return {cls.__name__ for cls in type(error).__mro__}
 
 
 if __name__ == "__main__":

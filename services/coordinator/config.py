@@ -16,8 +16,6 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal
 
-import yaml
-
 from flowgrpo.bus.config import BusConfig
 from flowgrpo.config import ConfigError, from_dict, load_config
 from flowgrpo.fields import check_int
@@ -29,6 +27,7 @@ from flowgrpo.services.coordinator.relay import PublicationConfig
 from flowgrpo.services.reward.config import StreamConfig
 from flowgrpo.services.rollout.config import EngineConfig
 from flowgrpo.services.trainer.config import TrainerConfig
+from flowgrpo.yamlfile import YamlError, read_yaml_file
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")  # a torch device string as the services take it
 
@@ -364,9 +363,12 @@ def read_recipe_sections(recipe: str | Path) -> RunConfig:
     """A recipe without the run-level checks (``flowgrpo serve ROLE --recipe``: a service takes
     only its own section, validated as that service's config)."""
     try:
-        data = yaml.safe_load(Path(recipe).read_text()) or {}
+        data = read_yaml_file(recipe) or {}
+    except YamlError as error:
+        raise ConfigError(str(error)) from None
+    try:
         cfg = from_dict(RunConfig, data)
-    except (yaml.YAMLError, ConfigError) as error:
+    except ConfigError as error:
         raise ConfigError(f"{recipe}: {error}") from None
     return cfg if cfg.run_dir else replace(cfg, run_dir=str(Path("runs") / cfg.name))
 

@@ -49,6 +49,12 @@ from flowgrpo.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
+
+class ServiceStartError(RuntimeError):
+    """A launched service process exited before it answered the READY handshake; the message
+    quotes the last line of its log (the service's own one-line error)."""
+
+
 # What the coordinator itself puts in (prompt ids) and produces (advantages), around the services.
 COORDINATOR_INPUTS = ("prompt_ids",)
 COORDINATOR_STAGE = StageSpec("coordinator", consumes=("images",), produces=("advantages",))
@@ -208,13 +214,15 @@ async def _launch_local(cfg: RunConfig, coordinator: str) -> Services:
             procs[rid] = _spawn(rid, config, run_dir, nproc, lifeline)
         waits = [_ready_address(rid, procs[rid], config, run_dir, timeout) for rid, config in configs.items()]
         by_id = dict(zip(procs, await asyncio.gather(*waits), strict=True))
+        rollouts = [a for r, a in by_id.items() if r.startswith("rollout")]
+        rewards = [a for r, a in by_id.items() if r.startswith("reward")]
+        # the ready file comes once the port is bound, before the service loads its model and
+        # plug-ins: a process that dies after it is named at once, not by the handshake's timeout
+        services = await _unless_one_exits(_connect(cfg, rollouts, rewards, by_id["trainer"]), procs, run_dir)
     except BaseException:
         terminate_groups(procs.values(), grace_s=10)
         lifeline.close()
         raise
-    rollouts = [a for r, a in by_id.items() if r.startswith("rollout")]
-    rewards = [a for r, a in by_id.items() if r.startswith("reward")]
-    services = await _connect(cfg, rollouts, rewards, by_id["trainer"])
     supervisor = asyncio.create_task(_supervise(procs, configs, run_dir, cfg.launch.restarts, lifeline))
 
     async def stop_processes() -> None:
@@ -270,7 +278,8 @@ def _spawn(rid: str, config: Any, run_dir: Path, nproc: int, lifeline: _Lifeline
     dump_yaml(config, path)
     Path(config.server.ready_file).unlink(missing_ok=True)
     role = rid.split("-", maxsplit=1)[0]
-    serve = ["-m", "flowgrpo.services.cli", "serve", role, "--config", str(path)]
+    # --debug: the log keeps the traceback, then the one-line error the coordinator quotes
+    serve = ["-m", "flowgrpo.services.cli", "--debug", "serve", role, "--config", str(path)]
     if nproc > 1:
         launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
         cmd = [sys.executable, *launcher, *serve]
@@ -303,10 +312,7 @@ async def _ready_address(
     deadline = time.monotonic() + timeout_s
     while not ready.exists():
         if proc.poll() is not None:
-            tail = _tail(run_dir / "logs" / f"{rid}.log")
-            raise RuntimeError(
-                f"{rid} exited with status {proc.returncode} while starting; its log ends:\n{tail}"
-            )
+            raise _start_failure(rid, proc, run_dir)
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"{rid} wrote no ready file ({ready}) within launch.start_timeout_s={timeout_s:.0f} s; "
@@ -340,9 +346,41 @@ def _kill(procs: Any) -> None:
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _tail(path: Path, lines: int = 30) -> str:
-    text = path.read_text(errors="replace") if path.is_file() else "(no log)"
-    return "\n".join(text.splitlines()[-lines:])
+async def _unless_one_exits(
+    connect: Any, procs: dict[str, subprocess.Popen[bytes]], run_dir: Path
+) -> Services:
+    """``connect``'s result, or :class:`ServiceStartError` as soon as one of ``procs`` exits."""
+    connecting = asyncio.ensure_future(connect)
+    while not connecting.done():
+        exited = next((rid for rid, proc in procs.items() if proc.poll() is not None), None)
+        if exited is not None:
+            connecting.cancel()
+            await asyncio.gather(connecting, return_exceptions=True)
+            raise _start_failure(exited, procs[exited], run_dir)
+        await asyncio.wait({connecting}, timeout=0.1)
+    services: Services = connecting.result()
+    return services
+
+
+def _start_failure(rid: str, proc: subprocess.Popen[bytes], run_dir: Path) -> ServiceStartError:
+    log_path = run_dir / "logs" / f"{rid}.log"
+    return ServiceStartError(
+        f"{rid} exited with status {proc.returncode} while starting; its log ends: "
+        f"{last_line(log_path)} (all of it: {log_path})"
+    )
+
+
+def last_line(path: Path, most: int = 500) -> str:
+    """The last non-empty line of a log file, at most ``most`` characters (read from its end: a
+    log may be large)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+            lines = [line.strip() for line in f.read().decode(errors="replace").splitlines()]
+    except OSError:
+        return "(no log)"
+    line = next((line for line in reversed(lines) if line), "(an empty log)")
+    return line if len(line) <= most else line[:most] + "..."
 
 
 # --- already running ----------------------------------------------------------------------------

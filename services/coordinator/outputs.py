@@ -6,6 +6,7 @@ checkpoint: step, dataset cursor, policy version, the trainer checkpoint it matc
 ``checkpoints/`` (the trainer's), ``tensorboard/`` (event files: every metric, image grids),
 ``images/`` (a PNG grid of sampled images per step and per validation), ``traces/``
 (every process's spans in OTLP/JSON), ``logs/``, ``run.lock`` (who runs in the folder);
+``resumes.jsonl`` (each resume that changed the config: its step and the changes, ``resume.py``);
 ``wandb/`` with ``logger.wandb=true``.
 
 Progress goes to the terminal as a bar with the key metrics (``logger.progress=auto`` on a

@@ -23,7 +23,7 @@ from typing import Any
 
 from flowgrpo.bus import serve_store
 from flowgrpo.bus.config import SECRET_ENV
-from flowgrpo.data import PromptSplit, load_split
+from flowgrpo.data import DatasetError, PromptSplit, load_split
 from flowgrpo.data.prepare import PrepareOptions, prepare_dataset
 from flowgrpo.runtime import Service, ServiceServer
 from flowgrpo.runtime.security import TOKEN_ENV, resolve_token
@@ -32,6 +32,14 @@ from flowgrpo.services.coordinator.launch import Services, launch
 from flowgrpo.services.coordinator.lifecycle import RunInterrupted, RunLock, StopSignals, stop_leftovers
 from flowgrpo.services.coordinator.outputs import RunOutputs
 from flowgrpo.services.coordinator.registry import CoordinatorService, server_concurrency
+from flowgrpo.services.coordinator.resume import (
+    ResumePlan,
+    ResumeRefused,
+    plan_resume,
+    prepared_data_folder,
+    record_resume,
+    tiny_model_folder,
+)
 from flowgrpo.services.coordinator.run import Coordinator, reward_summary
 from flowgrpo.telemetry import setup_tracing, shutdown_tracing
 from flowgrpo.v1 import coordinator_pb2_grpc
@@ -43,7 +51,7 @@ def prepare_model(cfg: RunConfig) -> RunConfig:
     """``cfg`` with a checkpoint: the recipe's, or a tiny random BAGEL made once per run folder."""
     if cfg.model.checkpoint:
         return with_checkpoint(cfg, cfg.model.checkpoint)
-    folder = Path(cfg.run_dir).resolve() / "model"
+    folder = tiny_model_folder(cfg)
     if not (folder / "ema.safetensors").is_file():
         cmd = [
             sys.executable,
@@ -69,15 +77,32 @@ def prepare_data(cfg: RunConfig) -> RunConfig:
     folder with the run's tokenizer."""
     if cfg.data.dataset:
         return cfg
-    folder = Path(cfg.run_dir).resolve() / "data"
+    folder = prepared_data_folder(cfg)
     if not (folder / "meta.json").is_file():
         options = PrepareOptions(kind=cfg.data.kind, progress=False)
+        prompts = Path(cfg.data.prompts)
+        missing = [name for name in ("train.txt", "test.txt") if not (prompts / name).is_file()]
+        if missing:  # named by the key the user set (prepare_dataset speaks of its own options)
+            raise DatasetError(
+                f"data.prompts={cfg.data.prompts}: no {' and no '.join(missing)} there; the folder needs "
+                "train.txt and test.txt, one prompt per line"
+            )
         prepare_dataset(cfg.model.checkpoint, cfg.data.prompts, folder, options)
     return replace(cfg, data=replace(cfg.data, dataset=str(folder), prompts=""))
 
 
 async def train_async(cfg: RunConfig, progress: Any = sys.stderr) -> list[dict[str, float]]:
-    """The run, holding its folder's lock throughout (a second run there is refused)."""
+    """The run, holding its folder's lock throughout (a second run there is refused). A folder
+    that holds a run is checked first, before anything is written (:mod:`.resume`): a config it
+    cannot resume is refused (:class:`ResumeRefused`), a finished run returns no steps at once."""
+    plan = plan_resume(cfg)
+    if plan is not None and plan.refused:
+        raise ResumeRefused(plan.refusal())
+    if plan is not None and plan.finished(cfg.schedule.steps):
+        _say(progress, plan.finished_line(cfg.schedule.steps))
+        return []
+    for line in plan.report() if plan is not None else []:
+        _say(progress, line)
     lock = RunLock(cfg.run_dir)
     note = lock.acquire()
     try:
@@ -91,7 +116,7 @@ async def train_async(cfg: RunConfig, progress: Any = sys.stderr) -> list[dict[s
         if stopped:
             log.warning("stopped %s, left running by an earlier run of %s", ", ".join(stopped), cfg.run_dir)
         with run_credentials(cfg):
-            return await _train_holding_lock(cfg, progress)
+            return await _train_holding_lock(cfg, progress, plan)
     finally:
         lock.release()
 
@@ -125,7 +150,14 @@ def secrets_in_environment(names: Sequence[str]) -> Iterator[None]:
             os.environ.pop(name, None)
 
 
-async def _train_holding_lock(cfg: RunConfig, progress: Any) -> list[dict[str, float]]:
+def _say(progress: Any, line: str) -> None:
+    if progress is not None:
+        print(line, file=progress, flush=True)
+
+
+async def _train_holding_lock(
+    cfg: RunConfig, progress: Any, plan: ResumePlan | None
+) -> list[dict[str, float]]:
     task = asyncio.current_task()
     assert task is not None
     coordinator: Coordinator | None = None
@@ -146,7 +178,7 @@ async def _train_holding_lock(cfg: RunConfig, progress: Any) -> list[dict[str, f
         signals.remove()
         raise _interrupted(cfg, None, signals) from None
     outputs = RunOutputs(cfg.run_dir, progress, cfg.logger)
-    outputs.write_config(cfg, cfg.name)
+    _write_config(outputs, cfg, plan)
     # spans to <run_dir>/traces (and an OTLP collector if set); the services write theirs there too
     setup_tracing("coordinator", replica_id="coordinator", run_dir=str(Path(cfg.run_dir).resolve()))
     outputs.say(
@@ -195,6 +227,14 @@ async def _train_holding_lock(cfg: RunConfig, progress: Any) -> list[dict[str, f
         store.close()
         outputs.close()
         shutdown_tracing()
+
+
+def _write_config(outputs: RunOutputs, cfg: RunConfig, plan: ResumePlan | None) -> None:
+    """config.yaml (the run as it goes on) and, on a resume with changes, what changed at which
+    step (resumes.jsonl)."""
+    outputs.write_config(cfg, cfg.name)
+    if plan is not None:
+        record_resume(plan)
 
 
 def _prepare(cfg: RunConfig) -> tuple[RunConfig, PromptSplit, PromptSplit | None]:

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import yaml
 
 from flowgrpo.fileio import atomic_write
+from flowgrpo.yamlfile import YamlError, brief, parse_yaml, read_yaml_file
 
 T = TypeVar("T")
 
@@ -43,7 +44,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
     fields = _fields(cls)
     for key in data:
         if key not in fields:
-            raise ConfigError(_unknown_key(cls, str(key), path))
+            raise ConfigError(_unknown_key(cls, _key_name(key), path))
     hints = typing.get_type_hints(cls)
     kwargs = {key: _coerce(hints[key], value, _join(path, key)) for key, value in data.items()}
     try:
@@ -93,20 +94,20 @@ def apply_overrides(cfg: T, overrides: Sequence[str]) -> T:
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"override {item!r} is not of the form section.key=value")
-        _set_path(type(cfg), data, key.strip().split("."), _parse_value(raw), item)
+            raise ConfigError(f"override {brief(item)} is not of the form section.key=value")
+        _set_path(type(cfg), data, key.strip().split("."), _parse_value(raw, item), item)
     return validate(from_dict(type(cfg), data))
 
 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
-    """Build ``cls`` from an optional YAML recipe plus overrides, validated."""
+    """Build ``cls`` from an optional YAML recipe plus overrides, validated. The file is read
+    within the bounds of :mod:`flowgrpo.yamlfile` (size, aliases, depth)."""
     data: Mapping[str, Any] = {}
     if path is not None:
-        text = Path(path).read_text()
         try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+            data = read_yaml_file(path) or {}
+        except YamlError as exc:
+            raise ConfigError(str(exc)) from None
     try:
         cfg = from_dict(cls, data)
     except ConfigError as exc:
@@ -129,7 +130,7 @@ def validate(cfg: T) -> T:
         except ConfigError:
             raise
         except ValueError as exc:
-            raise ConfigError(f"{type(cfg).__name__}: {exc}") from None
+            raise ConfigError(f"{type(cfg).__name__}: {bounded_message(str(exc))}") from None
     return cfg
 
 
@@ -146,6 +147,11 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
+def _key_name(key: Any) -> str:
+    """A recipe's key as an error names it: a long or odd key shortened, never quoted twice."""
+    return brief(key)[1:-1] if isinstance(key, str) else brief(key)
+
+
 def _fields(cls: type) -> dict[str, dataclasses.Field[Any]]:
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"{cls!r} is not a dataclass")
@@ -160,11 +166,22 @@ def _unknown_key(cls: type, key: str, path: str) -> str:
     return f"unknown key {_join(path, key)!r}{hint} (valid keys {where}: {', '.join(names)})"
 
 
-def _parse_value(raw: str) -> Any:
+def bounded_message(message: str, most: int = 1000) -> str:
+    """``message`` on one line and at most ``most`` characters: a rule's message that quotes a
+    value the recipe chose (the key comes first, so it stays)."""
+    line = " ".join(message.split())
+    return line if len(line) <= most else f"{line[: most - 30]}... ({len(line):,} characters)"
+
+
+def _parse_value(raw: str, item: str) -> Any:
+    if not raw.strip():
+        return ""
     try:
-        return yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        return raw
+        return parse_yaml(raw, f"override {brief(item)}")
+    except YamlError as exc:
+        if "not valid YAML" in str(exc):
+            return raw  # a plain string the YAML reader cannot take, such as `name=a: b`
+        raise ConfigError(str(exc)) from None
 
 
 def _set_path(cls: type, data: dict[str, Any], keys: list[str], value: Any, item: str) -> None:
@@ -172,7 +189,7 @@ def _set_path(cls: type, data: dict[str, Any], keys: list[str], value: Any, item
     for depth, key in enumerate(keys):
         fields = _fields(cls)
         if key not in fields:
-            raise ConfigError(f"override {item!r}: {_unknown_key(cls, key, path)}")
+            raise ConfigError(f"override {brief(item)}: {_unknown_key(cls, _key_name(key), path)}")
         path = _join(path, key)
         if depth == len(keys) - 1:
             data[key] = value
@@ -180,7 +197,7 @@ def _set_path(cls: type, data: dict[str, Any], keys: list[str], value: Any, item
         sub = typing.get_type_hints(cls)[key]
         sub = _strip_optional(sub)
         if not (isinstance(sub, type) and dataclasses.is_dataclass(sub)):
-            raise ConfigError(f"override {item!r}: {path!r} is a {_type_name(sub)}, not a section")
+            raise ConfigError(f"override {brief(item)}: {path!r} is a {_type_name(sub)}, not a section")
         if data.get(key) is None:
             data[key] = to_dict(sub())
         cls, data = sub, data[key]
@@ -210,21 +227,21 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         return _coerce_union(tp, args, value, path)
     if origin is typing.Literal:
         if value not in args:
-            raise ConfigError(f"{path}: {value!r} is not one of {', '.join(map(repr, args))}")
+            raise ConfigError(f"{path}: {brief(value)} is not one of {', '.join(map(repr, args))}")
         return value
     if origin in (list, tuple, Sequence):
         return _coerce_sequence(origin, args, value, path)
     if origin in (dict, Mapping):
         if not isinstance(value, Mapping):
             raise _wrong(path, tp, value)
-        return {str(k): _coerce(args[1], v, f"{path}.{k}") for k, v in value.items()}
+        return {str(k): _coerce(args[1], v, f"{path}.{brief(k)}") for k, v in value.items()}
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return from_dict(tp, value if value is not None else {}, path)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         try:
             return tp(value)
         except ValueError:
-            raise ConfigError(f"{path}: {value!r} is not one of {[m.value for m in tp]}") from None
+            raise ConfigError(f"{path}: {brief(value)} is not one of {[m.value for m in tp]}") from None
     return _coerce_scalar(tp, value, path)
 
 
@@ -241,15 +258,15 @@ def _coerce_union(tp: Any, args: tuple[Any, ...], value: Any, path: str) -> Any:
             return _coerce(arg, value, path)
         except ConfigError as exc:
             errors.append(str(exc))
-    raise ConfigError(f"{path}: {value!r} does not match {_type_name(tp)} ({'; '.join(errors)})")
+    raise ConfigError(f"{path}: {brief(value)} does not match {_type_name(tp)} ({'; '.join(errors)})")
 
 
 def _coerce_sequence(origin: Any, args: tuple[Any, ...], value: Any, path: str) -> Any:
     if not isinstance(value, list | tuple):
-        raise ConfigError(f"{path}: expected a list, got {value!r}")
+        raise ConfigError(f"{path}: expected a list, got {brief(value)}")
     if origin is tuple and args and args[-1] is not Ellipsis:
         if len(value) != len(args):
-            raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}: {value!r}")
+            raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}: {brief(value)}")
         return tuple(_coerce(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True)))
     item = args[0] if args else Any
     items = [_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
@@ -278,4 +295,4 @@ def _coerce_scalar(tp: Any, value: Any, path: str) -> Any:
 
 
 def _wrong(path: str, tp: Any, value: Any) -> ConfigError:
-    return ConfigError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    return ConfigError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {brief(value)}")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from flowgrpo.yamlfile import brief
+
 MAX_ID_CHARS = 256  # prompt uids, release tags, weight names
 
 
@@ -23,23 +25,21 @@ def check_int(field: str, value: int, lo: int, hi: int) -> int:
 def check_float(field: str, value: float, lo: float, hi: float) -> float:
     if not (math.isfinite(value) and lo <= value <= hi):
         raise FieldError(
-            f"{field}={value!r} is out of range: need a finite {lo:g} <= {_leaf(field)} <= {hi:g}"
+            f"{field}={brief(value)} is out of range: need a finite {lo:g} <= {_leaf(field)} <= {hi:g}"
         )
     return value
 
 
 def check_choice(field: str, value: str, choices: Sequence[str]) -> str:
     if value not in choices:
-        raise FieldError(f"{field}={value!r} is not one of {', '.join(choices)}")
+        raise FieldError(f"{field}={brief(value)} is not one of {', '.join(choices)}")
     return value
 
 
 def check_id(field: str, value: str, most: int = MAX_ID_CHARS) -> str:
     """A non-empty printable name of at most ``most`` characters (uids, tags, tensor names)."""
     if not value or len(value) > most or not value.isprintable():
-        raise FieldError(
-            f"{field}={value[:64]!r}{'...' if len(value) > 64 else ''}: need 1 to {most} printable characters"
-        )
+        raise FieldError(f"{field}={brief(value)}: need 1 to {most} printable characters")
     return value
 
 

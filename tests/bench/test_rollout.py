@@ -58,6 +58,10 @@ def test_the_rollout_benchmark_reports_consistent_figures(tmp_path: Path) -> Non
     assert median(row["images_per_s"]) * median(e2e) == pytest.approx(row["batch"])
     assert all(inside < whole for inside, whole in zip(loop["values"], e2e["values"], strict=True))
     flops = row["step_tflop"] * 1e12
+    # the FLOPs the MFU divides, from the shapes and not from the report: 2 samples of one
+    # 48-token prompt (--prompt-len's default), each a conditional and an empty-context row, at
+    # 32 px (4 latent tokens); spec_step_flops is pinned to SPEC's figures above
+    assert flops == pytest.approx(spec_step_flops(tiny(), 4, [48, 48, 0, 0]), rel=1e-12)
     assert median(row["mfu_step"]) == pytest.approx(flops / median(step) / used)
     assert median(row["mfu_loop"]) == pytest.approx(7 * flops / median(loop) / used)  # 8 points: 7 steps
     variants = {v["variant"]: v for v in report["variants"]}

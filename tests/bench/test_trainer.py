@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from flowgrpo.models.bagel.config import tiny
 from flowgrpo.services.bench import trainer
 
 from .figures import check_figures, median
@@ -17,6 +18,37 @@ from .figures import check_figures, median
 MODEL = ["--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--lora-rank", "4"]
 SIZES = ["--resolution", "32", "--num-points", "8", "--batch", "4", "--group", "2", "--prompt-len", "6"]
 TINY = MODEL + SIZES
+
+
+def expected_pass_flops() -> dict[str, float]:
+    """The logp_old and update passes of TINY, written out from the shapes rather than taken from
+    the report: 4 trajectories of two prompts (6 and 14 tokens: --prompt-len 6, the next + 8),
+    each a conditional and an empty-context row, at each of the 2 window steps, T = 4 latent
+    tokens + 2 markers, rank-4 LoRA on all seven gen-path linears. Per row: forward = the gen
+    matmuls 2 P T + attention 4 T K d H L + LoRA 2 T r S L; the update adds the activation
+    gradients (every matmul again but layer 0's q/k/v, whose input needs none; attention twice)
+    and the LoRA weight gradients (the LoRA matmuls again)."""
+    cfg = tiny()
+    q, kv, h, i, layers = (
+        cfg.heads * cfg.head_dim,
+        cfg.kv_heads * cfg.head_dim,
+        cfg.hidden,
+        cfg.intermediate,
+        cfg.layers,
+    )
+    gen_params = layers * (2 * h * q + 2 * h * kv + 3 * h * i)  # q, o; k, v; gate, up, down
+    layer0_qkv = h * q + 2 * h * kv
+    in_plus_out = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)
+    tokens, rank, window = 4 + 2, 4, 2
+    lora = 2 * tokens * rank * in_plus_out * layers
+    old = update = 0.0
+    for context in [6, 0, 6, 0, 14, 0, 14, 0]:
+        attention = 4 * tokens * (context + tokens) * cfg.head_dim * cfg.heads * layers
+        forward = 2 * gen_params * tokens + attention + lora
+        act_grads = 2 * tokens * (gen_params - layer0_qkv) + 2 * attention + lora - 2 * tokens * rank * 3 * h
+        old += window * forward
+        update += window * (forward + act_grads + lora)
+    return {"old": old, "update": update}
 
 
 def test_the_trainer_benchmark_reports_consistent_figures(
@@ -30,6 +62,11 @@ def test_the_trainer_benchmark_reports_consistent_figures(
     assert peak["used_tflops"] == max(median(peak["before"]), median(peak["after"]))
     assert peak["before"]["n"] == peak["after"]["n"] == 10
     flops, world, used = report["flops"], report["world"], peak["used_tflops"] * 1e12
+    expected = expected_pass_flops()
+    assert (flops["old"], flops["update"]) == (
+        pytest.approx(expected["old"]),
+        pytest.approx(expected["update"]),
+    )
     assert [r["variant"] for r in report["rows"]] == ["none2", "ac4", "none2-nft"]
     _check_nft_row(report["rows"][2], report["flops_nft"], report["nft_times_per_sample"], world, used)
     for row in report["rows"][:2]:

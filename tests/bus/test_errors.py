@@ -10,6 +10,7 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from flowgrpo.bus import (
     BusClient,
@@ -104,7 +105,13 @@ def test_malformed_requests_get_a_named_error(
 
 def test_frames_beyond_the_size_cap_drop_only_that_peer(small_headers: Producer, raw: Any) -> None:
     rogue, good = raw(small_headers.endpoint), raw(small_headers.endpoint)
+    _assert_still_serving(rogue)  # connected, and a request within the cap is answered
+    dropped = rogue.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    rogue.send_multipart([wire.FETCH, b"x" * 4000])  # the control: malformed, within the cap
+    assert rogue.recv_multipart()[0] == wire.ERROR and not dropped.poll(300)  # answered, still connected
     rogue.send_multipart([wire.FETCH, b"x" * 100_000])  # > MAXMSGSIZE: zmq drops the connection
+    assert dropped.poll(5000), "the server kept a peer that sent a frame beyond its cap"
+    assert recv_monitor_message(dropped)["event"] == zmq.EVENT_DISCONNECTED
     _assert_still_serving(good)
 
 

@@ -5,6 +5,7 @@ Each test says whether it expects bitwise equality or a tolerance."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -301,19 +302,43 @@ def test_one_pass_backward_reaches_both_experts_not_the_table() -> None:
     model = BagelModel(tiny())
     ids, mask = prompts([3, 5])
     x, t = latents(2)
-    model(ids, mask, x, t, pos_ids(), **MARKERS).square().mean().backward()
+
+    def loss() -> torch.Tensor:
+        return model(ids, mask, x, t, pos_ids(), **MARKERS).square().mean()
+
+    loss().backward()
     layer = model.language_model.model.layers[0]
     assert isinstance(layer, MoTDecoderLayer)
-    assert layer.self_attn.q_proj_moe_gen.weight.grad is not None
-    assert layer.self_attn.k_proj.weight.grad is not None
+    for weight in (layer.self_attn.q_proj_moe_gen.weight, layer.self_attn.k_proj.weight):
+        assert_gradient_matches_finite_difference(weight, loss)
     assert model.latent_pos_embed.pos_embed.grad is None
 
     model.zero_grad(set_to_none=True)
     for name, param in model.named_parameters():
         param.requires_grad_("moe_gen" in name)
-    model(ids, mask, x, t, pos_ids(), **MARKERS).square().mean().backward()
-    assert layer.mlp_moe_gen.down_proj.weight.grad is not None
+    loss().backward()
+    assert_gradient_matches_finite_difference(layer.mlp_moe_gen.down_proj.weight, loss)
     assert layer.mlp.down_proj.weight.grad is None
+
+
+def assert_gradient_matches_finite_difference(
+    weight: torch.nn.Parameter, loss: Callable[[], torch.Tensor], eps: float = 1e-2
+) -> None:
+    """The autograd gradient of the entry where it is largest equals the central difference
+    (L(w + eps) - L(w - eps)) / 2 eps, and is not zero: a gradient that exists but is zero, or
+    reaches the wrong weights, fails here."""
+    assert weight.grad is not None
+    index = int(weight.grad.abs().argmax())
+    analytic = float(weight.grad.flatten()[index])
+    assert analytic != 0.0
+    with torch.no_grad():
+        flat = weight.view(-1)
+        flat[index] += eps
+        up = float(loss())
+        flat[index] -= 2 * eps
+        down = float(loss())
+        flat[index] += eps
+    assert (up - down) / (2 * eps) == pytest.approx(analytic, rel=1e-2)
 
 
 @torch.no_grad()

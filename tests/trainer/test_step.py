@@ -126,9 +126,16 @@ def test_off_policy_samples_get_importance_weights(tiny: Path) -> None:
     with torch.no_grad():  # the proximal policy: the v1 weights the step starts from
         prox = [float(lp) for t in stale for lp in step._window_log_probs([t], PARAMS).log_prob.flatten()]
     behaviour = [float(lp) for t in stale for lp in t.log_probs]
+    # the recompute checked against another path: at v0 (a trainer with the same start, never
+    # updated) it gives the rollout sampler's own log-probs, bitwise; at v1 the update moved them
+    control = trainer(tiny)
+    with torch.no_grad():
+        at_v0 = [float(lp) for t in stale for lp in control._window_log_probs([t], PARAMS).log_prob.flatten()]
+    assert at_v0 == behaviour
     metrics = step.run(stale, PARAMS)
     assert metrics["trainer/lag/max"] == 1.0
     gaps = [abs(p - b) for p, b in zip(prox, behaviour, strict=True)]  # v0 behaviour vs v1 proximal
+    assert max(gaps) > 1e-6  # a recompute that ignored the weights would give 0 and pass below
     assert metrics["actor/rollout_logp_gap/max"] == pytest.approx(max(gaps), rel=1e-6)
     # Kish's effective sample size n_eff / n of the truncated weights w = min(p_prox / p_behaviour, cap),
     # compared as 1 - ESS: the weights are close to 1, and all-equal weights would give exactly 1

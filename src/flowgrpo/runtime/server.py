@@ -13,6 +13,7 @@ handler raises comes back as a status whose details say where and what went wron
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import json
 import logging
@@ -204,6 +205,8 @@ class ServiceServer:
 
     def _bind(self, server: grpc.aio.Server) -> int:
         address = f"{self.config.host}:{self.config.port}"
+        if self.config.port:
+            check_port_free(self.config.host, self.config.port, f"cannot bind {self.actor.role} to {address}")
         credentials = server_credentials(self.config.tls)
         try:
             if credentials is None:
@@ -296,6 +299,24 @@ def call_policy(where: str) -> MethodGuard:
             )
 
     return guard
+
+
+def check_port_free(host: str, port: int, what: str) -> None:
+    """Raise ``OSError`` naming ``what`` and the cause when ``host:port`` cannot be bound (in use,
+    an address not of this machine). Tried with a plain socket first because gRPC only says
+    "Failed to bind" (and logs a native error line to stderr); it binds with SO_REUSEADDR too, so
+    a port in TIME_WAIT passes here as there."""
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(sockaddr)
+    except OSError as error:
+        cause = error.strerror or str(error)
+        hint = " (another process holds it: choose another server.port, or 0 for a free one)"
+        raise OSError(f"{what}: {cause}{hint if error.errno == errno.EADDRINUSE else ''}") from error
 
 
 async def serve(
