@@ -55,7 +55,7 @@ class CudaIpcError(RuntimeError):
 
 def check_handles(bucket: common_pb2.CudaIpcBucket) -> None:
     """The two CUDA handles of ``bucket`` in the layouts torch's opener parses, else ValueError
-    naming the field. Without torch or a GPU: the rollout checks a request before it touches CUDA.
+    naming the field. Needs no GPU: the rollout checks a request before it touches CUDA.
 
     The memory handle (``handle``), as ``_share_cuda_`` writes it (``shareIpcHandle`` in torch's
     caching allocator) and ``_new_shared_cuda`` reads it (``getIpcDevPtr``):
@@ -69,8 +69,9 @@ def check_handles(bucket: common_pb2.CudaIpcBucket) -> None:
     Refused: any other length (the opener reads 64 bytes after the header whatever the length,
     past the end of a shorter one), a version of 0, and type ``'e'``, an expandable segment: its
     payload names a process and file descriptors the opener takes from that process, and a count
-    of them, which no check here can bound (and the torch versions we support do not export such
-    blocks by ``_share_cuda_``).
+    of them, which no check here can bound. (torch 2.11 exports such handles for a block of an
+    expandable segment, ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: the trainer refuses
+    its own, :meth:`BucketWriter.finish`.)
 
     The event handle: a ``cudaIpcEventHandle_t`` (64 bytes) when ``event_sync_required``, else
     64 bytes that are not read, or none."""
@@ -144,7 +145,7 @@ class BucketWriter:
             (_, handle, size, storage_offset, counter, counter_offset, event, event_sync) = (
                 self.buffer.untyped_storage()._share_cuda_()  # type: ignore[no-untyped-call]
             )
-        except RuntimeError as error:  # e.g. a block of an expandable segment, which torch does not share
+        except RuntimeError as error:  # an allocation torch cannot export (stays a one-line error)
             raise CudaIpcError(
                 f"torch cannot export the bucket by CUDA IPC ({str(error).splitlines()[0]}): run the "
                 "trainer without PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or publish over the "
