@@ -46,7 +46,8 @@ def write(path: Path, lines: list[str]) -> Path:
 @dataclass
 class Outcome:
     code: int
-    seconds: float
+    seconds: float  # wall time
+    cpu_seconds: float  # the process's own (user + system): what the bound is about on a busy host
     peak_kib: int
     stderr: str
 
@@ -63,7 +64,8 @@ def run_cli(args: list[str], tmp_path: Path) -> Outcome:
         finally:
             proc.returncode = 0  # reaped by wait4: Popen must not wait for it again
     seconds = time.monotonic() - start
-    return Outcome(os.waitstatus_to_exitcode(status), seconds, usage.ru_maxrss, err.read_text())
+    cpu = usage.ru_utime + usage.ru_stime
+    return Outcome(os.waitstatus_to_exitcode(status), seconds, cpu, usage.ru_maxrss, err.read_text())
 
 
 def assert_refused_small_and_fast(outcome: Outcome, *words: str) -> str:
@@ -72,7 +74,9 @@ def assert_refused_small_and_fast(outcome: Outcome, *words: str) -> str:
     assert "\n" not in line, line
     for word in words:
         assert word in line, f"{word!r} not in {line!r}"
-    assert outcome.seconds < MOST_SECONDS, outcome
+    # CPU time for the bound (wall time also counts what else the host runs: the suite's own
+    # neighbours on 2 cores pushed it past 2 s); the wall time only has to stay bounded
+    assert outcome.cpu_seconds < MOST_SECONDS and outcome.seconds < 15 * MOST_SECONDS, outcome
     assert outcome.peak_kib < MOST_RSS_KIB, outcome
     return line
 
