@@ -104,14 +104,35 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.print_config:
         _print_config(config)
         return 0
+    from flowgrpo.runtime.credentials import CredentialsFileError
     from flowgrpo.runtime.security import InsecureBindError
 
+    try:
+        if names := _join_credentials(config):
+            print(f"flowgrpo serve {args.role}: {' and '.join(names)} from the run's credentials file "
+                  f"{config.run_dir}/credentials.json", file=sys.stderr)  # fmt: skip
+    except (CredentialsFileError, ValueError) as error:
+        print(f"flowgrpo serve {args.role}: {error}", file=sys.stderr)
+        return 2
     try:
         main_module.run(config)
     except InsecureBindError as error:
         print(f"flowgrpo serve {args.role}: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def _join_credentials(config: Any) -> list[str]:
+    """A replica that joins a local run on this host (``run_dir=RUN_DIR``) and was given no
+    credentials takes the run's own from ``RUN_DIR/credentials.json`` (the environment and the
+    config win)."""
+    from flowgrpo.runtime.credentials import use_run_credentials
+
+    if not config.run_dir:
+        return []
+    need_token = not config.server.token
+    need_secret = config.bus.resolve_secret() is None  # also reads the environment
+    return use_run_credentials(config.run_dir, need_token, need_secret)
 
 
 def _print_config(config: Any) -> None:
