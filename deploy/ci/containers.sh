@@ -133,6 +133,19 @@ start=$SECONDS
 "$COMPOSE" "${COMPOSE_ARGS[@]}" up -d --no-build --quiet-pull >"$WORK/up.log" 2>&1 \
     || fail "compose up: $(tail -20 "$WORK/up.log")"
 say "stack up in $((SECONDS - start)) s: $("$COMPOSE" "${COMPOSE_ARGS[@]}" ps -a --format '{{.Service}}' | sort | xargs)"
+# the run's secrets reach the containers as files (compose secrets), never in what inspect shows
+ids=$("$COMPOSE" "${COMPOSE_ARGS[@]}" ps -a -q)
+[[ $(wc -w <<<"$ids") == 6 ]] || fail "expected 6 containers to inspect, got: $ids"
+for id in $ids; do
+    inspected=$(podman inspect "$id")
+    for file in token bus-secret; do
+        grep -qF -- "$(cat "$WORK/secrets/$file")" <<<"$inspected" && fail "the $file is visible in podman inspect $id"
+    done
+done
+podman exec "$("$COMPOSE" "${COMPOSE_ARGS[@]}" ps -q trainer)" sh -c \
+    'test -r "$FLOWGRPO_TOKEN_FILE" && test -r "$FLOWGRPO_BUS_SECRET_FILE" && test -z "${FLOWGRPO_TOKEN:-}"' \
+    || fail "the trainer has no secret files at FLOWGRPO_*_FILE (or a token in its environment)"
+say "the run's secrets: files in /run/secrets, in no container's environment or inspect output (6 inspected)"
 coordinator=$("$COMPOSE" "${COMPOSE_ARGS[@]}" ps -a -q coordinator)
 code=$(timeout "${TRAIN_TIMEOUT:-900}" podman wait "$coordinator") || code=timeout
 "$COMPOSE" "${COMPOSE_ARGS[@]}" logs --no-color >"$WORK/train.log" 2>&1
