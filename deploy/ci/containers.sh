@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The container smoke test: build both images, run the CPU compose stack (setup, coordinator, two
-# rollout replicas, a reward replica, the trainer, each its own container) for a few steps of the
-# tiny demo, check its metrics against the same run in one process on this host (bitwise), stop it
+# The container smoke test: build both images, run the service image as a restricted Kubernetes pod
+# would (non-root, read-only root filesystem, no capabilities: a rollout and a trainer serve and
+# drain), run the CPU compose stack (setup, coordinator, two rollout replicas, a reward replica, the
+# trainer, each its own container; the run's secrets as compose secret files, absent from every
+# container's inspect output) for a few steps of the tiny demo, check its metrics against the same run in one process on this host (bitwise), stop it
 # (every service drains on SIGTERM within the grace period), and remove every container, image,
 # network, file and process this script made.
 #
@@ -110,6 +112,26 @@ build coordinator.Dockerfile "$COORDINATOR_IMAGE"
 build service.Dockerfile "$CPU_IMAGE" --build-arg TORCH="/wheels/$torch_wheel"
 podman run --rm "$COORDINATOR_IMAGE" python -c "import torch" >/dev/null 2>&1 \
     && fail "the coordinator's image has torch"
+
+# --- the service image under the Kubernetes pods' restrictions ----------------------------------
+# user 10001, read-only root filesystem (only /tmp and /dev/shm writable, as the pods' emptyDirs),
+# every capability dropped, no new privileges: a rollout and a trainer start, serve, and drain
+restricted=$(podman run --rm --no-healthcheck --read-only --read-only-tmpfs=false --user 10001:10001 --cap-drop ALL \
+    --security-opt no-new-privileges --tmpfs /tmp:rw,size=1g,mode=1777 --shm-size 1g \
+    -e HOME=/tmp -e USER=flowgrpo "$CPU_IMAGE" sh -ec '
+    touch /opt/flowgrpo/x 2>/dev/null && echo "the root filesystem is writable" && exit 1
+    flowgrpo make-tiny-bagel /tmp/tiny --seed 0 >/dev/null
+    flowgrpo serve rollout rollout.checkpoint=/tmp/tiny rollout.device=cpu server.port=50051 >/tmp/r.log 2>&1 &
+    r=$!
+    flowgrpo serve trainer trainer.checkpoint=/tmp/tiny trainer.device=cpu trainer.checkpoint_dir=/tmp/ckpt \
+        server.port=50052 >/tmp/t.log 2>&1 &
+    t=$!
+    for port in 50051 50052; do
+        for _ in $(seq 180); do flowgrpo probe localhost:$port >/dev/null 2>&1 && break; sleep 1; done
+        flowgrpo probe localhost:$port || { tail -5 /tmp/r.log /tmp/t.log; exit 1; }
+    done
+    kill -TERM $r $t; wait $r; wait $t; echo "drained"' 2>&1) || fail "the service image as a restricted pod: $restricted"
+say "the service image as a restricted pod (uid 10001, read-only root, no capabilities): $(xargs <<<"$restricted")"
 
 # --- the compose stack over podman's Docker API --------------------------------------------------
 podman system service --time=0 "unix://$WORK/podman.sock" >"$WORK/podman-service.log" 2>&1 &
