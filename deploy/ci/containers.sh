@@ -3,9 +3,9 @@
 # would (non-root, read-only root filesystem, no capabilities: a rollout and a trainer serve and
 # drain), run the CPU compose stack (setup, coordinator, two rollout replicas, a reward replica, the
 # trainer, each its own container; the run's secrets as compose secret files, absent from every
-# container's inspect output) for a few steps of the tiny demo, check its metrics against the same run in one process on this host (bitwise), stop it
-# (every service drains on SIGTERM within the grace period), and remove every container, image,
-# network, file and process this script made.
+# container's inspect output) for a few steps of the tiny demo, check its metrics against the same
+# run in one process on this host (bitwise), stop it (every service drains on SIGTERM within the
+# grace period), and remove every container, image, network, file and process this script made.
 #
 #   bash deploy/ci/containers.sh          # podman (installed with apt-get when missing), as root
 #   STEPS=5 KEEP=1 bash deploy/ci/containers.sh   # more steps; keep the work folder and the images
