@@ -103,8 +103,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.print_config:
         _print_config(config)
         return 0
+    if names := _join_credentials(config):  # a credentials file refused: one line at the boundary
+        print(f"flowgrpo serve {args.role}: {' and '.join(names)} from the run's credentials file "
+              f"{config.run_dir}/credentials.json", file=sys.stderr)  # fmt: skip
     main_module.run(config)  # a bind, plug-in or checkpoint error: one line at main()'s boundary
     return 0
+
+
+def _join_credentials(config: Any) -> list[str]:
+    """A replica that joins a local run on this host (``run_dir=RUN_DIR``) and was given no
+    credentials takes the run's own from ``RUN_DIR/credentials.json`` (the environment and the
+    config win)."""
+    from flowgrpo.runtime.credentials import use_run_credentials
+
+    if not config.run_dir:
+        return []
+    need_token = not config.server.token
+    need_secret = config.bus.resolve_secret() is None  # also reads the environment
+    return use_run_credentials(config.run_dir, need_token, need_secret)
 
 
 def _print_config(config: Any) -> None:
@@ -648,7 +664,7 @@ class UsageError(Exception):
 # coordinator's image does not have. Anything else is a bug: its type and the --debug hint.
 USER_ERRORS = frozenset({
     "UsageError", "ConfigError", "YamlError", "FieldError", "InsecureBindError", "InsecureBusError",
-    "PluginError", "ResumeRefused",
+    "PluginError", "ResumeRefused", "CredentialsFileError",
 })  # fmt: skip
 RUN_ERRORS = frozenset({
     "OSError", "TimeoutError", "CheckpointError", "DatasetError", "RunError", "RunFolderBusy",

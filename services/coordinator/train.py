@@ -26,6 +26,7 @@ from flowgrpo.bus.config import SECRET_ENV
 from flowgrpo.data import DatasetError, PromptSplit, load_split
 from flowgrpo.data.prepare import PrepareOptions, prepare_dataset
 from flowgrpo.runtime import Service, ServiceServer
+from flowgrpo.runtime.credentials import RunCredentials, remove_run_credentials, write_run_credentials
 from flowgrpo.runtime.security import TOKEN_ENV, resolve_token
 from flowgrpo.services.coordinator.config import RunConfig, with_checkpoint
 from flowgrpo.services.coordinator.launch import Services, launch
@@ -126,15 +127,25 @@ def run_credentials(cfg: RunConfig) -> Iterator[None]:
     """The services this coordinator starts itself (``local``, ``inprocess``) share a token and a
     bus secret of this run's own, made here unless the environment gives them: in the
     environment of this process, so its servers, its clients and the children it starts all have
-    them, and nowhere on disk (the config files the children read hold no secret). Restored after
-    the run. ``remote``: the operator distributes them (docs/security.md)."""
+    them, and on disk only in ``<run_dir>/credentials.json`` (0600, removed when the run ends), for
+    ``flowgrpo status`` and ``flowgrpo serve`` of the same user on this host; the config files the
+    children read hold no secret. Restored after the run. ``remote``: the operator distributes
+    them (docs/security.md)."""
     if cfg.launch.launcher == "remote":
         yield
         return
     missing = [TOKEN_ENV] if not resolve_token(cfg.server.token) else []
     missing += [SECRET_ENV] if cfg.bus.resolve_secret() is None else []
+    run_dir = Path(cfg.run_dir)
+    remove_run_credentials(run_dir)  # an earlier run's, left by a kill: never read as this run's
     with secrets_in_environment(missing):
-        yield
+        if missing:  # what this run made, for status and serve on this host (0600, removed at the end)
+            made = {name: os.environ[name] if name in missing else "" for name in (TOKEN_ENV, SECRET_ENV)}
+            write_run_credentials(run_dir, RunCredentials(token=made[TOKEN_ENV], bus_secret=made[SECRET_ENV]))
+        try:
+            yield
+        finally:
+            remove_run_credentials(run_dir)
 
 
 @contextlib.contextmanager

@@ -55,12 +55,16 @@ def on_this_host(argv: list[str], values: dict[str, str]) -> list[str]:
 
 @pytest.mark.timeout(600)
 def test_the_compose_topology_trains_as_processes_with_otlp_traces_and_probes(  # noqa: PLR0915
-    tmp_path: Path,
+    tmp_path: Path, secrets_dir: Path
 ) -> None:
     compose_file = tmp_path / "docker-compose.yml"
     compose_file.write_text(load_generator().render(2, 1))
     (tmp_path / "otel-collector.yaml").write_text((COMPOSE_DIR / "otel-collector.yaml").read_text())
-    services: dict[str, Any] = compose_config(compose_file, [])["services"]
+    config = compose_config(compose_file, [], secrets_dir)
+    services: dict[str, Any] = config["services"]
+    # the compose secrets, where compose mounts them -> their files here (the services read them
+    # through FLOWGRPO_TOKEN_FILE and FLOWGRPO_BUS_SECRET_FILE, as in the containers)
+    secret_files = {f"/run/secrets/{name}": secret["file"] for name, secret in config["secrets"].items()}
     assert set(services) == {"coordinator", "rollout-0", "rollout-1", "reward", "trainer"}
 
     tiny = make_tiny_bagel(tmp_path / "model")
@@ -87,11 +91,14 @@ def test_the_compose_topology_trains_as_processes_with_otlp_traces_and_probes(  
                 "trainer.checkpoint_dir": str(tmp_path / "run" / "checkpoints"),
             }  # fmt: skip
             env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-            env |= {k: str(v) for k, v in (service.get("environment") or {}).items()}
+            env = {k: v for k, v in env.items() if not k.startswith("FLOWGRPO_")}
             env |= {
-                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
-                "FLOWGRPO_TOKEN": "rehearsal",
+                k: secret_files.get(str(v), str(v)) for k, v in (service.get("environment") or {}).items()
             }
+            env |= {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}"}
+            assert (
+                Path(env["FLOWGRPO_TOKEN_FILE"]).is_file() and Path(env["FLOWGRPO_BUS_SECRET_FILE"]).is_file()
+            )
             log = (tmp_path / f"{name}.log").open("wb")
             procs[name] = subprocess.Popen([*on_this_host(service["command"], values), *extra], env=env,
                                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)  # fmt: skip
