@@ -111,7 +111,7 @@ def test_a_full_disk_stops_the_run_at_once_naming_the_folder(tiny: Path, tmp_pat
     assert "the previous checkpoint step_00000001 is intact" in last
     assert "step 2/4" in done.stderr and "step 3/4" not in done.stderr  # stopped at the failed save
     assert left == {"steps": [1], "entries": ["step_00000001"]}  # verified; no partial folder
-    assert wall < 15, f"{wall:.1f} s from the last step to the exit"
+    assert wall < 30, f"{wall:.1f} s from the last step to the exit"
     print(f"{policy}: {wall:.1f} s from the last step to the exit; {last}")
 
 
@@ -123,5 +123,5 @@ def test_a_read_only_folder_stops_the_run_before_its_first_step_is_lost(tiny: Pa
     assert f"cannot write the checkpoint of step 1 in {folder}: read-only file system" in last, last
     assert "no earlier checkpoint exists" in last
     assert left == {"steps": [], "entries": []}
-    assert wall < 15, f"{wall:.1f} s from the last step to the exit"
+    assert wall < 30, f"{wall:.1f} s from the last step to the exit"
     print(f"read-only: {wall:.1f} s from the last step to the exit; {last}")
