@@ -76,6 +76,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, corrupt, truncated or does not fit this trainer."""
 
 
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint's files do not match its manifest (corrupt, truncated, missing, unlisted) or
+    it has no manifest: found before anything was loaded, so an earlier one may be taken."""
+
+
 class CheckpointWriteError(CheckpointError):
     """The storage refused a checkpoint (no space, permission denied, a read-only or failing
     filesystem); nothing was renamed into place, the earlier checkpoints are untouched."""
@@ -556,22 +561,22 @@ def _hashes(folder: Path, names: list[str], dist: Dist) -> dict[str, str]:
 
 def _verify(path: Path, dist: Dist) -> None:
     if not (path / MANIFEST).is_file():
-        raise CheckpointError(f"{path} is not a complete checkpoint: {MANIFEST} is missing")
+        raise CheckpointDamaged(f"{path} is not a complete checkpoint: {MANIFEST} is missing")
     try:
         expected = json.loads((path / MANIFEST).read_text())
     except json.JSONDecodeError as error:
-        raise CheckpointError(f"{path / MANIFEST} is corrupt: {error}") from None
+        raise CheckpointDamaged(f"{path / MANIFEST} is corrupt: {error}") from None
     unlisted = sorted(set(_files(path)) - set(expected))
     if unlisted:  # DCP reads every safetensors file of its folder
-        raise CheckpointError(f"{path / unlisted[0]} is not in {MANIFEST}; nothing was loaded")
+        raise CheckpointDamaged(f"{path / unlisted[0]} is not in {MANIFEST}; nothing was loaded")
     actual = _hashes(path, sorted(expected), dist)
     for name, digest in sorted(expected.items()):
         if not actual[name]:
-            raise CheckpointError(
+            raise CheckpointDamaged(
                 f"{path / name} is missing: the checkpoint is incomplete; nothing was loaded"
             )
         if actual[name] != digest:
-            raise CheckpointError(
+            raise CheckpointDamaged(
                 f"{path / name} is corrupt or truncated (SHA-256 mismatch); nothing was loaded"
             )
 
