@@ -18,11 +18,11 @@ from typing import Literal
 
 from flowgrpo.bus.config import BusConfig
 from flowgrpo.config import ConfigError, from_dict, load_config
-from flowgrpo.fields import check_int
+from flowgrpo.fields import SEED_MAX, check_int, knob
 from flowgrpo.models.bagel.config import GEN_PATH_LINEARS
 from flowgrpo.rewards.config import RewardConfig
 from flowgrpo.runtime.config import ServerConfig
-from flowgrpo.sampler_params import MAX_NUM_POINTS, SamplerParams, SamplerSettings
+from flowgrpo.sampler_params import MAX_NUM_POINTS, MAX_SIDE, SamplerParams, SamplerSettings
 from flowgrpo.services.coordinator.relay import PublicationConfig
 from flowgrpo.services.reward.config import StreamConfig
 from flowgrpo.services.rollout.config import EngineConfig
@@ -36,7 +36,7 @@ _DEVICE = re.compile(r"cpu|cuda(:\d+)?")  # a torch device string as the service
 class ModelConfig:
     # BAGEL folder in the published layout; empty: a tiny random BAGEL is made in <run_dir>/model
     checkpoint: str = ""
-    tiny_seed: int = 0  # the tiny model's weights
+    tiny_seed: int = knob(0, 0, SEED_MAX)  # the tiny model's weights
 
 
 @dataclass
@@ -45,9 +45,9 @@ class DataConfig:
     # or: a folder of train.txt / test.txt, prepared into <run_dir>/data with the run's tokenizer
     prompts: str = ""
     kind: Literal["pickscore", "ocr"] = "pickscore"  # how `prompts` are prepared (ocr: quoted targets)
-    prompts_per_step: int = 48  # prompt groups per training step
-    group_size: int = 16  # G: samples per prompt
-    val_prompts: int = 16  # a fixed subset of the test split, scored at every validation
+    prompts_per_step: int = knob(48, 1, 1_000_000)  # prompt groups per training step
+    group_size: int = knob(16, 1, 100_000)  # G: samples per prompt
+    val_prompts: int = knob(16, 0, 1_000_000)  # a fixed subset of the test split, scored at every validation
 
     def validate(self) -> None:
         if bool(self.dataset) == bool(self.prompts):
@@ -71,8 +71,8 @@ class SamplingConfig(SamplerSettings):
     """The sampler settings of training rollouts (every knob is :class:`SamplerSettings`'s),
     their image size, and the schedule of validation, which samples with the ODE (noise 0)."""
 
-    resolution: int = 512  # pixels, square; a multiple of 16
-    eval_num_points: int = 50
+    resolution: int = knob(512, 16, MAX_SIDE)  # pixels, square; a multiple of 16
+    eval_num_points: int = knob(50, 2, MAX_NUM_POINTS)
 
     def validate(self) -> None:
         self.check("sampling")
@@ -96,8 +96,8 @@ class AdvantageConfig:
     """Group advantages A = (r - mean_group) / (std_group + eps), clipped."""
 
     std_ddof: Literal[0, 1] = 1  # 1: torch.std as verl-omni; 0: np.std as flow_grpo
-    eps: float = 1e-4
-    clip: float = 5.0
+    eps: float = knob(1e-4, 1e-12, 1.0)
+    clip: float = knob(5.0, 0.0, 1e6)
     global_std: bool = False  # the std of the whole step's rewards instead of each group's
 
     def validate(self) -> None:
@@ -108,11 +108,11 @@ class AdvantageConfig:
 @dataclass
 class ScheduleConfig:
     mode: Literal["sync", "async"] = "sync"
-    staleness: int = 1  # async: eta, the largest policy lag a trained sample may have
-    steps: int = 300
-    save_every: int = 30  # trainer + run-state checkpoints; 0: only at the end
-    eval_every: int = 30  # validation on the fixed subset; 0: never
-    seed: int = 0  # the run seed: noise, windows and the dataset order are functions of it
+    staleness: int = knob(1, 0, 1_000_000)  # async: eta, the largest policy lag a trained sample may have
+    steps: int = knob(300, 1, 10**9)
+    save_every: int = knob(30, 0, 10**9)  # trainer + run-state checkpoints; 0: only at the end
+    eval_every: int = knob(30, 0, 10**9)  # validation on the fixed subset; 0: never
+    seed: int = knob(0, 0, SEED_MAX)  # the run seed: noise, windows and the dataset order are functions of it
 
     def validate(self) -> None:
         if self.steps < 1:
@@ -131,21 +131,25 @@ class LaunchConfig:
     as they register with this coordinator (``coordinator=HOST:PORT`` in their configs)."""
 
     launcher: Literal["local", "inprocess", "remote"] = "local"
-    rollout_replicas: int = 1
-    reward_replicas: int = 1
-    trainer_nproc: int = 1  # local: > 1 starts the trainer under torchrun (FSDP2)
+    rollout_replicas: int = knob(1, 1, 100_000)
+    reward_replicas: int = knob(1, 1, 100_000)
+    trainer_nproc: int = knob(1, 1, 100_000)  # local: > 1 starts the trainer under torchrun (FSDP2)
     rollout_devices: list[str] = field(default_factory=list)  # local: one per replica ("cuda:0", ...)
     rollout_addresses: list[str] = field(default_factory=list)  # remote; empty: wait for registrations
     reward_addresses: list[str] = field(default_factory=list)  # remote
     trainer_address: str = ""  # remote
-    restarts: int = 3  # local: times a rollout or reward replica process that died is started again
-    heartbeat_interval_s: float = 2.0  # how often registered replicas send a heartbeat
-    lost_after_s: float = 20.0  # no heartbeat for this long: the replica is lost, its work goes elsewhere
+    # local: times a rollout or reward replica process that died is started again
+    restarts: int = knob(3, 0, 1000)
+    heartbeat_interval_s: float = knob(2.0, 0.001, 3600.0)  # how often registered replicas send a heartbeat
+    # no heartbeat for this long: the replica is lost, its work goes elsewhere
+    lost_after_s: float = knob(20.0, 0.001, 86_400.0)
     # beyond this many members x 1/heartbeat_interval_s the period grows (lost_after_s with it)
-    max_heartbeats_per_s: float = 50.0
-    start_timeout_s: float = 300.0  # how long a service may take to answer READY (or to register)
-    request_timeout_s: float = 600.0  # one Generate / TrainStep / LoadWeights call
-    reward_timeout_s: float = 120.0  # one image's score; a timed-out image is retried elsewhere
+    max_heartbeats_per_s: float = knob(50.0, 0.001, 1e6)
+    # how long a service may take to answer READY (or to register)
+    start_timeout_s: float = knob(300.0, 0.1, 86_400.0)
+    request_timeout_s: float = knob(600.0, 0.1, 7 * 86_400.0)  # one Generate / TrainStep / LoadWeights call
+    # one image's score; a timed-out image is retried elsewhere
+    reward_timeout_s: float = knob(120.0, 0.1, 86_400.0)
 
     def validate(self) -> None:
         if self.rollout_replicas < 1 or self.reward_replicas < 1 or self.trainer_nproc < 1:

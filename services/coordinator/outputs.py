@@ -2,7 +2,8 @@
 
 ``<run_dir>/``: ``config.yaml`` (the resolved config), ``metrics.jsonl`` (one JSON object per
 training step, and one per validation), ``run_state.json`` (written atomically after each
-checkpoint: step, dataset cursor, policy version, the trainer checkpoint it matches),
+checkpoint: step, dataset cursor, policy version, the trainer checkpoint it matches; a copy per
+step under ``states/``),
 ``checkpoints/`` (the trainer's), ``tensorboard/`` (event files: every metric, image grids),
 ``images/`` (a PNG grid of sampled images per step and per validation), ``traces/``
 (every process's spans in OTLP/JSON), ``logs/``, ``run.lock`` (who runs in the folder);
@@ -36,6 +37,7 @@ from flowgrpo.fileio import atomic_write
 from flowgrpo.services.coordinator.config import LoggerConfig
 
 STATE_FILE = "run_state.json"
+STATES_DIR = "states"  # the run state saved at each checkpoint, by step
 GRID_COLUMNS = 4
 GRID_CELL_PX = 256  # smaller images are enlarged (nearest neighbour) towards this: 64 px is a stamp
 METRICS_FILE = "metrics.jsonl"
@@ -138,7 +140,11 @@ class RunOutputs:
             print(line, file=self.progress, flush=True)
 
     def save_state(self, state: RunState) -> None:
-        atomic_write(self.dir / STATE_FILE, json.dumps(asdict(state), indent=2) + "\n")
+        """The run state, and a copy under ``states/`` by step: what a resume takes when the
+        trainer had to fall back to an earlier checkpoint (the latest one was damaged)."""
+        text = json.dumps(asdict(state), indent=2) + "\n"
+        atomic_write(self.dir / STATES_DIR / f"step_{state.step:08d}.json", text)
+        atomic_write(self.dir / STATE_FILE, text)
 
     def rewind(self, step: int) -> None:
         """Drop the metrics records after ``step`` (the run resumes there and logs them again),
@@ -158,8 +164,10 @@ class RunOutputs:
         path = Path(run_dir) / STATE_FILE
         return int(json.loads(path.read_text())["step"]) if path.is_file() else 0
 
-    def load_state(self) -> RunState | None:
-        path = self.dir / STATE_FILE
+    def load_state(self, step: int | None = None) -> RunState | None:
+        """The run state on disk (None when none was saved); with ``step``, the one saved at that
+        step (None when that step's was not kept)."""
+        path = self.dir / (STATE_FILE if step is None else f"{STATES_DIR}/step_{step:08d}.json")
         if not path.is_file():
             return None
         return RunState(**json.loads(path.read_text()))

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from flowgrpo.fields import knob
 from flowgrpo.v1 import rollout_pb2
 
 MAX_SOURCES = 8  # ancestors sent as fallbacks (the rollout's own limit); the trainer is implicit
@@ -38,8 +39,10 @@ class PublicationConfig:
     """
 
     mode: Literal["relay", "star"] = "relay"
-    relay_fanout: int = 4  # children per holder; k log_k(N) is flat from 2 to 4, 4 is shallower
-    relay_stall_s: float = 10.0  # a holder that sends nothing this long is given up for the next
+    # children per holder; k log_k(N) is flat from 2 to 4, 4 is shallower
+    relay_fanout: int = knob(4, 1, 1024)
+    # a holder that sends nothing this long is given up for the next
+    relay_stall_s: float = knob(10.0, 0.001, 3600.0)
 
     def validate(self) -> None:
         if self.mode not in ("relay", "star"):

@@ -449,15 +449,29 @@ class Coordinator:
             self.outputs.rewind(0)  # what a run that saved nothing logged is trained again
             return
         if trainer.step != state.step:
-            raise RunError(
-                f"run state at step {state.step} but the trainer resumed at step {trainer.step}: "
-                f"both must come from the same save (see {state.trainer_checkpoint})"
-            )
+            state = self._fallen_back_state(state, trainer.step)
         self.state, self._saved_step = state, state.step
         self.outputs.rewind(state.step)  # the steps after the checkpoint are trained again: logged once
         if trainer.current.policy_version or trainer.current.HasField("base"):  # base: trainer.share_base
             await self.pool.load_weights(trainer.current)
         self.outputs.say(f"resumed at step {state.step} (policy version {state.policy_version})")
+
+    def _fallen_back_state(self, state: RunState, trainer_step: int) -> RunState:
+        """The run state saved with the trainer's checkpoint, when the trainer resumed from an
+        earlier one than the latest run state's (it skips a damaged checkpoint, saying so in its
+        log); a trainer ahead of the run state, or a step whose state was not kept, is refused."""
+        earlier = self.outputs.load_state(trainer_step) if 0 < trainer_step < state.step else None
+        if earlier is None:
+            raise RunError(
+                f"run state at step {state.step} but the trainer resumed at step {trainer_step}: "
+                f"both must come from the same save (see {state.trainer_checkpoint})"
+            )
+        self.outputs.say(
+            f"the trainer could not load its checkpoint of step {state.step} ({state.trainer_checkpoint}: "
+            f"damaged: its log names the file) and took the previous intact one, "
+            f"{earlier.trainer_checkpoint}: {_steps(trainer_step + 1, state.step)} trained again"
+        )
+        return earlier
 
     # --- bookkeeping ---------------------------------------------------------------------------
 
@@ -565,3 +579,7 @@ def reward_summary(history: list[dict[str, float]], window: int = 4) -> str:
         f"mean reward of the first {window} steps {first:+.6f}, "
         f"of the last {window} {last:+.6f} ({change:+.1f}%)"
     )
+
+
+def _steps(first: int, last: int) -> str:
+    return f"step {first} is" if first == last else f"steps {first}-{last} are"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from flowgrpo.fields import knob
 from flowgrpo.rewards.config import RewardConfig
 from flowgrpo.runtime.config import ServiceProcessConfig
 
@@ -13,9 +14,10 @@ class StreamConfig:
     """How a Score stream is cut into batches: whatever is waiting when the scorers are free,
     at most ``max_batch_samples``; ``max_wait_s`` > 0 waits that long for a batch to fill."""
 
-    max_batch_samples: int = 32
-    max_wait_s: float = 0.0
-    read_ahead: int = 256  # requests read from a stream before scoring catches up (back-pressure)
+    max_batch_samples: int = knob(32, 1, 65_536)
+    max_wait_s: float = knob(0.0, 0.0, 3600.0)
+    # requests read from a stream before scoring catches up (back-pressure)
+    read_ahead: int = knob(256, 1, 1_000_000)
 
     def validate(self) -> None:
         if self.max_batch_samples < 1 or self.read_ahead < 1:

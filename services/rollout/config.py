@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from flowgrpo.fields import knob
 from flowgrpo.runtime.config import ServiceProcessConfig
 
 BaseWeights = Literal["checkpoint", "trainer"]
@@ -24,7 +25,7 @@ class VllmOmniConfig:
 class SyntheticConfig:
     """``rollout.engine=synthetic`` only: the load-test engine (services/rollout/synthetic.py)."""
 
-    step_delay_s: float = 0.0  # simulated compute per denoising step of each batch
+    step_delay_s: float = knob(0.0, 0.0, 3600.0)  # simulated compute per denoising step of each batch
 
     def validate(self) -> None:
         if not 0 <= self.step_delay_s <= 60:
@@ -40,10 +41,11 @@ class EngineConfig:
     checkpoint: str = ""  # BAGEL folder in the published layout (ema.safetensors, ae.safetensors, ...)
     device: str = "cpu"  # "cuda", "cuda:1", "cpu"
     dtype: Literal["bfloat16", "float32"] = "float32"  # weights; sampler math always runs in fp32
-    max_batch_samples: int = 32  # samples per forward batch; a request is split into such batches
+    # samples per forward batch; a request is split into such batches
+    max_batch_samples: int = knob(32, 1, 65_536)
     # a Generate asking for more is refused (INVALID_ARGUMENT): bounded work per request, so a
     # deadline means something (the coordinator splits its draws into requests this size)
-    max_request_samples: int = 512
+    max_request_samples: int = knob(512, 1, 1_000_000)
     # LoRA updates: "merge" into the weights (fast sampling) or run them unmerged through peft,
     # the trainer's own computation (behaviour == recomputed log-probs bitwise on CPU; slower)
     lora_mode: Literal["merge", "peft"] = "merge"

@@ -36,9 +36,11 @@ the policy update a rollout applies.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import warnings
 import zlib
@@ -51,6 +53,7 @@ import torch
 import torch.distributed as torch_dist
 from safetensors.torch import load_file, save_file
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -71,6 +74,64 @@ FILE_BYTES = 1 << 30  # of one rank's shards per DCP file: DCP copies a whole fi
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, corrupt, truncated or does not fit this trainer."""
+
+
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint's files do not match its manifest (corrupt, truncated, missing, unlisted) or
+    it has no manifest: found before anything was loaded, so an earlier one may be taken."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """The storage refused a checkpoint (no space, permission denied, a read-only or failing
+    filesystem); nothing was renamed into place, the earlier checkpoints are untouched."""
+
+
+# errno -> what a user reads; other errnos: os.strerror, lower-cased
+_STORAGE_CAUSES = {
+    errno.ENOSPC: "no space left on device (ENOSPC)",
+    errno.EDQUOT: "disk quota exceeded (EDQUOT)",
+    errno.EACCES: "permission denied (EACCES)",
+    errno.EPERM: "operation not permitted (EPERM)",
+    errno.EROFS: "read-only file system (EROFS)",
+    errno.EFBIG: "file too large (EFBIG)",
+    errno.EIO: "input/output error (EIO)",
+}
+_OS_ERROR_IN_TEXT = re.compile(r"\(os error (\d+)\)")  # how Rust (safetensors) quotes an errno
+
+
+def storage_cause(error: BaseException) -> str | None:
+    """What the filesystem refused, when ``error`` (or one it wraps: its cause, its context, a
+    DCP rank's failure) is a storage error; None otherwise. safetensors raises its own error
+    type with the errno only in its text, DCP a ``CheckpointException`` holding each rank's."""
+    seen: set[int] = set()
+    pending = [error]
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        number = _errno_of(current)
+        if number is not None:
+            return _STORAGE_CAUSES.get(number, f"{os.strerror(number).lower()} (errno {number})")
+        pending += [e for e in (current.__cause__, current.__context__) if e is not None]
+        if isinstance(current, CheckpointException):
+            pending += [failure for failure, _ in current.failures.values()]
+    return None
+
+
+def _errno_of(error: BaseException) -> int | None:
+    if isinstance(error, OSError) and error.errno is not None:
+        return error.errno
+    found = _OS_ERROR_IN_TEXT.search(str(error)) if type(error).__name__ == "SafetensorError" else None
+    return int(found.group(1)) if found else None
+
+
+def _previous(folder: Path) -> str:
+    """What a failed save left to resume from, as the error says it."""
+    latest = latest_checkpoint(folder)
+    if latest is None:
+        return "no earlier checkpoint exists"
+    return f"the previous checkpoint {latest.name} is intact"
 
 
 def checkpoint_name(step: int) -> str:
@@ -124,43 +185,61 @@ def save_checkpoint(
     the trainer loaded, named in a LoRA adapter's ``adapter_config.json``."""
     dist, folder = trainer.dist, Path(folder)
     final = folder / checkpoint_name(step)
-    tmp = folder / f".{final.name}{PARTIAL}"  # the same name on every rank
-    if dist.rank == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
-        tmp.mkdir()
-    _barrier(dist)
+    tmp = _partial(final)
     try:
-        _write_weights(tmp, trainer, base_model)
-        _write_old_policy(tmp, trainer)
-        _write_optimizer(tmp, trainer)
-        _write_rng(tmp / "rng" / _rng_name(dist.rank))
-        if dist.rank == 0:
-            counters = {"format": FORMAT, "step": step, "version": trainer.version,
-                        "steps_done": trainer.steps_done, "last_gap": trainer.last_gap,
-                        "kind": trainer.policy.kind, "ranks": dist.world}  # fmt: skip
-            (tmp / "trainer.json").write_text(json.dumps(counters, indent=2))
-        _barrier(dist)
-        names = _files(tmp)
-        _check_shared(tmp, names, dist)
-        digests = _hashes(tmp, names, dist)  # every rank hashes its share
-        if dist.rank != 0:
-            return None
-        (tmp / MANIFEST).write_text(json.dumps(digests, indent=2, sort_keys=True))
-        _fsync_tree(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(folder)
-    except BaseException:
+        _write_checkpoint(final, trainer, step, base_model)
+    except BaseException as error:
         if dist.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        cause = storage_cause(error)
+        if cause is None:
+            raise
+        raise CheckpointWriteError(
+            f"cannot write the checkpoint of step {step} in {folder}: {cause}; {_previous(folder)}"
+        ) from error
+    if dist.rank != 0:
+        return None
     for old in sorted(p for p in folder.glob(f"{PREFIX}*") if p.is_dir())[:-keep_last]:
         shutil.rmtree(old)
     for stale in folder.glob(f".{PREFIX}*{PARTIAL}"):  # of saves that crashed
         shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def _partial(final: Path) -> Path:
+    """The hidden folder a checkpoint is written into: the same name on every rank."""
+    return final.parent / f".{final.name}{PARTIAL}"
+
+
+def _write_checkpoint(final: Path, trainer: FlowGRPOStep, step: int, base_model: str) -> None:
+    """Every file into the partial folder, hashed, then (rank 0) renamed to ``final``, synced."""
+    dist, folder, tmp = trainer.dist, final.parent, _partial(final)
+    if dist.rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
+        tmp.mkdir()
+    _barrier(dist)
+    _write_weights(tmp, trainer, base_model)
+    _write_old_policy(tmp, trainer)
+    _write_optimizer(tmp, trainer)
+    _write_rng(tmp / "rng" / _rng_name(dist.rank))
+    if dist.rank == 0:
+        counters = {"format": FORMAT, "step": step, "version": trainer.version,
+                    "steps_done": trainer.steps_done, "last_gap": trainer.last_gap,
+                    "kind": trainer.policy.kind, "ranks": dist.world}  # fmt: skip
+        (tmp / "trainer.json").write_text(json.dumps(counters, indent=2))
+    _barrier(dist)
+    names = _files(tmp)
+    _check_shared(tmp, names, dist)
+    digests = _hashes(tmp, names, dist)  # every rank hashes its share
+    if dist.rank != 0:
+        return
+    (tmp / MANIFEST).write_text(json.dumps(digests, indent=2, sort_keys=True))
+    _fsync_tree(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(folder)
 
 
 def load_checkpoint(path: str | Path, trainer: FlowGRPOStep) -> int:
@@ -385,7 +464,7 @@ def _dcp_save(folder: Path, tensors: dict[str, Tensor], dist: Dist) -> None:
             index, size = index + 1, 0
         files[name], size = index, size + share
     writer = HuggingFaceStorageWriter(str(folder), fqn_to_index_mapping=files, save_distributed=True)
-    with _one_process_quietly():
+    with _one_process_quietly(), _dcp_errors(f"writing {folder}"):
         dcp_save(tensors, storage_writer=writer, no_dist=not dist.enabled)
 
 
@@ -408,8 +487,21 @@ def _fitting_reader(folder: Path, tensors: dict[str, Tensor]) -> HuggingFaceStor
 
 def _dcp_load(reader: HuggingFaceStorageReader, tensors: dict[str, Tensor], dist: Dist) -> None:
     """Read into ``tensors`` in place, each rank its own shards (from whichever files hold them)."""
-    with torch.no_grad(), _one_process_quietly():
+    with torch.no_grad(), _one_process_quietly(), _dcp_errors(f"reading {reader.path}"):
         dcp_load(tensors, storage_reader=reader, no_dist=not dist.enabled)
+
+
+@contextlib.contextmanager
+def _dcp_errors(doing: str) -> Iterator[None]:
+    """DCP's ``CheckpointException`` derives from BaseException, not Exception: a handler that
+    catches Exception (a gRPC service's error boundary) lets it through, and the call then never
+    answers. Re-raised as a CheckpointError naming the first failing rank and its error."""
+    try:
+        yield
+    except CheckpointException as error:
+        rank, (first, _) = min(error.failures.items(), key=lambda item: item[0])
+        cause = storage_cause(first) or f"{type(first).__name__}: {first}"
+        raise CheckpointError(f"{doing} failed on rank {rank}: {cause}") from first
 
 
 @contextlib.contextmanager
@@ -469,22 +561,22 @@ def _hashes(folder: Path, names: list[str], dist: Dist) -> dict[str, str]:
 
 def _verify(path: Path, dist: Dist) -> None:
     if not (path / MANIFEST).is_file():
-        raise CheckpointError(f"{path} is not a complete checkpoint: {MANIFEST} is missing")
+        raise CheckpointDamaged(f"{path} is not a complete checkpoint: {MANIFEST} is missing")
     try:
         expected = json.loads((path / MANIFEST).read_text())
     except json.JSONDecodeError as error:
-        raise CheckpointError(f"{path / MANIFEST} is corrupt: {error}") from None
+        raise CheckpointDamaged(f"{path / MANIFEST} is corrupt: {error}") from None
     unlisted = sorted(set(_files(path)) - set(expected))
     if unlisted:  # DCP reads every safetensors file of its folder
-        raise CheckpointError(f"{path / unlisted[0]} is not in {MANIFEST}; nothing was loaded")
+        raise CheckpointDamaged(f"{path / unlisted[0]} is not in {MANIFEST}; nothing was loaded")
     actual = _hashes(path, sorted(expected), dist)
     for name, digest in sorted(expected.items()):
         if not actual[name]:
-            raise CheckpointError(
+            raise CheckpointDamaged(
                 f"{path / name} is missing: the checkpoint is incomplete; nothing was loaded"
             )
         if actual[name] != digest:
-            raise CheckpointError(
+            raise CheckpointDamaged(
                 f"{path / name} is corrupt or truncated (SHA-256 mismatch); nothing was loaded"
             )
 

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from flowgrpo.fields import SEED_MAX, knob
 from flowgrpo.models.bagel.config import GEN_PATH_LINEARS, is_gen_path
 from flowgrpo.runtime.config import ServiceProcessConfig
 
@@ -15,11 +16,11 @@ DEFAULT_LORA_TARGETS = list(GEN_PATH_LINEARS)  # q/k/v/o and the MLP of the gen 
 @dataclass
 class PolicyConfig:
     kind: Literal["lora", "full"] = "lora"
-    lora_rank: int = 64
-    lora_alpha: float = 128.0
+    lora_rank: int = knob(64, 1, 65_536)
+    lora_alpha: float = knob(128.0, 0.0, 1e6)
     lora_targets: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
     lora_init: Literal["gaussian", "zero_b"] = "gaussian"  # both start with B = 0: the base policy
-    init_seed: int = 0  # the LoRA A initialisation is a function of this seed alone
+    init_seed: int = knob(0, 0, SEED_MAX)  # the LoRA A initialisation is a function of this seed alone
 
     def validate(self) -> None:
         if self.kind == "lora" and (self.lora_rank < 1 or self.lora_alpha <= 0):
@@ -35,11 +36,12 @@ class PolicyConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-4
-    weight_decay: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8  # tiny LoRA gradients are comparable to AdamW's eps: make it small if needed
-    grad_clip: float = 1.0
+    lr: float = knob(1e-4, 0.0, 1e3)
+    weight_decay: float = knob(1e-4, 0.0, 1e3)
+    betas: tuple[float, float] = knob((0.9, 0.999), 0.0, 1.0)
+    # tiny LoRA gradients are comparable to AdamW's eps: make it small if needed
+    eps: float = knob(1e-8, 0.0, 1.0)
+    grad_clip: float = knob(1.0, 0.0, 1e6)
 
 
 @dataclass
@@ -47,20 +49,21 @@ class LossConfig:
     # FlowGRPO's clipped ratio ("flow_grpo"), or GRPO-Guard's re-normalised one against
     # over-optimisation ("grpo_guard": docs/algorithms.md; needs sde steps and logp_old=recompute)
     mode: Literal["flow_grpo", "grpo_guard"] = "flow_grpo"
-    clip_eps: float = 1e-5  # BAGEL recipes; 1e-4 in flow_grpo. Choose it per sde_type
-    kl_beta: float = 0.0
-    is_cap: float = 2.0  # truncation of the off-policy importance weight
+    clip_eps: float = knob(1e-5, 0.0, 1.0)  # BAGEL recipes; 1e-4 in flow_grpo. Choose it per sde_type
+    kl_beta: float = knob(0.0, 0.0, 1e6)
+    is_cap: float = knob(2.0, 0.0, 1e6)  # truncation of the off-policy importance weight
     logp_old: Literal["recompute", "bypass"] = "recompute"
-    bypass_check_every: int = 10  # bypass: recompute (and measure the gap) every this many steps
+    # bypass: recompute (and measure the gap) every this many steps
+    bypass_check_every: int = knob(10, 1, 10**9)
     # the alarm for a broken weight sync: the largest |trainer - rollout| log-prob allowed on samples
     # of the trainer's current version, measured free on the update's first forward (before any
     # update: a larger gap stops the step with nothing changed). 0 for exact numerics (rollout and
     # trainer computing the same function: deterministic CPU, peft LoRA); on a GPU the training
     # forward parts from the rollout by up to 3e-4 (docs/algorithms.md): 1e-3; .inf: off. Needed by
     # logp_old=bypass, whose ratios are only right when the rollout's log-probs are the trainer's
-    max_logp_gap: float = math.inf
-    mini_batches: int = 2  # optimizer steps per training step
-    micro_batch_size: int = 4  # samples per forward; 1 in deterministic mode
+    max_logp_gap: float = knob(math.inf, 0.0, math.inf, infinite=True)
+    mini_batches: int = knob(2, 1, 1_000_000)  # optimizer steps per training step
+    micro_batch_size: int = knob(4, 1, 65_536)  # samples per forward; 1 in deterministic mode
 
     def validate(self) -> None:
         if self.mini_batches < 1 or self.micro_batch_size < 1:
@@ -87,14 +90,18 @@ class NftConfig:
     """``trainer.algorithm=diffusion_nft`` (docs/algorithms.md has the equations). Defaults: the
     reference code's (NVlabs/DiffusionNFT, SD3.5-M PickScore)."""
 
-    beta: float = 1.0  # strength of the implicit policies v+- = v_old +- beta (v - v_old); 0.1 for OCR
-    adv_clip: float = 5.0  # advantages clipped to +-adv_clip, r = A / (2 adv_clip) + 1/2; scales the loss
-    timestep_fraction: float = 0.99  # times trained per sample: int(fraction x steps) of the schedule's
+    # strength of the implicit policies v+- = v_old +- beta (v - v_old); 0.1 for OCR
+
+    beta: float = knob(1.0, 0.0, 1e3)
+    # advantages clipped to +-adv_clip, r = A / (2 adv_clip) + 1/2; scales the loss
+    adv_clip: float = knob(5.0, 0.0, 1e6)
+    # times trained per sample: int(fraction x steps) of the schedule's
+    timestep_fraction: float = knob(0.99, 0.0, 1.0)
     # the old (sampling) policy after step k: old <- d old + (1 - d) current, d = min(rate (k - after), max)
     # (0 before ``after``); the reference's default: after 0, rate 0.001, max 0.5; OCR: 75, 0.0075, 0.999
-    old_decay_after: int = 0
-    old_decay_rate: float = 0.001
-    old_decay_max: float = 0.5
+    old_decay_after: int = knob(0, 0, 10**9)
+    old_decay_rate: float = knob(0.001, 0.0, 1.0)
+    old_decay_max: float = knob(0.5, 0.0, 1.0)
 
     def validate(self) -> None:
         if self.beta <= 0 or self.adv_clip <= 0:
@@ -139,7 +146,7 @@ class TrainerConfig:
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile each decoder layer's image-query work (a GPU speed-up)
     checkpoint_dir: str = ""  # where trainer checkpoints go; empty: no checkpoints
-    keep_last: int = 3
+    keep_last: int = knob(3, 1, 1_000_000)
     resume: bool = True  # start from the newest checkpoint in checkpoint_dir when there is one
     publish_dtype: Literal["", "bfloat16", "float32"] = ""  # dtype of published tensors; "" = as trained
     publish_bus: bool = True  # put each version on this replica's bus store (any rollout, any host)

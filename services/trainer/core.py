@@ -29,7 +29,12 @@ from flowgrpo.models.bagel.wire import (
 from flowgrpo.runtime import InvalidArgument
 from flowgrpo.runtime.data import fetch_inputs
 from flowgrpo.sampler_params import SamplerParams
-from flowgrpo.services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from flowgrpo.services.trainer.checkpoint import (
+    CheckpointDamaged,
+    checkpoint_steps,
+    load_checkpoint,
+    save_checkpoint,
+)
 from flowgrpo.services.trainer.config import TrainerServiceConfig
 from flowgrpo.services.trainer.distributed import Dist
 from flowgrpo.services.trainer.load import load_policy
@@ -79,13 +84,24 @@ class TrainerCore:
         )
 
     def resume(self) -> int | None:
+        """Load the newest intact checkpoint: a damaged one (corrupt, truncated, incomplete) is
+        named in the log and the one before it is taken; when none is intact, the newest one's
+        error is raised. Nothing is loaded from a damaged checkpoint (they are verified first)."""
         cfg = self.config.trainer
-        path = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint_dir and cfg.resume else None
-        if path is None:
-            return None
-        step = load_checkpoint(path, self.trainer)
-        log.info("resumed from %s: step %d, policy version %d", path, step, self.trainer.version)
-        return step
+        found = checkpoint_steps(cfg.checkpoint_dir) if cfg.checkpoint_dir and cfg.resume else {}
+        damaged: CheckpointDamaged | None = None
+        for path in reversed(found.values()):
+            try:
+                step = load_checkpoint(path, self.trainer)
+            except CheckpointDamaged as error:
+                log.warning("%s; trying the checkpoint before it", error)
+                damaged = damaged or error
+                continue
+            log.info("resumed from %s: step %d, policy version %d", path, step, self.trainer.version)
+            return step
+        if damaged is not None:
+            raise damaged
+        return None
 
     def check(self, request: trainer_pb2.TrainStepRequest) -> SamplerParams:
         """Refuse a malformed request (before any rank starts on it); return its sampler settings.

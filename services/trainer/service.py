@@ -22,7 +22,7 @@ from flowgrpo.bus import BusServer, serve_store
 from flowgrpo.columns import TRAIN_INPUT_COLUMNS
 from flowgrpo.devices import release_cached_memory
 from flowgrpo.runtime import Actor, InvalidArgument, ServiceError, message, raise_if_abandoned
-from flowgrpo.services.trainer.checkpoint import confined_folder
+from flowgrpo.services.trainer.checkpoint import CheckpointWriteError, confined_folder
 from flowgrpo.services.trainer.config import TrainerServiceConfig
 from flowgrpo.services.trainer.core import TrainerCore
 from flowgrpo.services.trainer.distributed import Dist
@@ -118,7 +118,11 @@ class TrainerService(Actor, trainer_pb2_grpc.TrainerServicer):
         resolved = trainer_pb2.SaveCheckpointRequest(step=self.step, path=folder)
         self._announce(SAVE, resolved.SerializeToString())
         started = time.perf_counter()
-        path = await self.compute(self._core().save, folder, resolved.step)
+        try:
+            path = await self.compute(self._core().save, folder, resolved.step)
+        except CheckpointWriteError as error:  # the storage's answer, not a failure of this
+            # trainer: FAILED_PRECONDITION, which no caller retries (a full disk stays full)
+            raise ServiceError(str(error)) from error
         return trainer_pb2.SaveCheckpointResponse(path=str(path), save_s=time.perf_counter() - started)
 
     @message

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from flowgrpo.fields import FieldError, check_ranges
 from flowgrpo.fileio import atomic_write
 from flowgrpo.yamlfile import YamlError, brief, parse_yaml, read_yaml_file
 
@@ -51,6 +52,8 @@ def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
         return cls(**kwargs)
     except TypeError as exc:  # a field without default that the recipe did not set
         raise ConfigError(f"{path or cls.__name__}: {exc}") from None
+    except ValueError as exc:  # a check the class runs as it is built (__post_init__)
+        raise ConfigError(bounded_message(str(exc))) from None
 
 
 def to_dict(obj: Any) -> Any:
@@ -117,12 +120,22 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequenc
     return apply_overrides(cfg, overrides)  # validates the result, with or without overrides
 
 
-def validate(cfg: T) -> T:
-    """Run every ``validate()`` method of ``cfg`` and its nested dataclasses, deepest first."""
+def validate(cfg: T, path: str = "") -> T:
+    """Check ``cfg`` and its nested dataclasses (in lists too), deepest first: the range of every
+    numeric field declared with :func:`flowgrpo.fields.knob` (the error names its dotted key),
+    then the class's own ``validate()`` method, if any (its cross-field rules)."""
     for f in dataclasses.fields(cfg):  # type: ignore[arg-type]
         value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            validate(value)
+        if _is_config(value):
+            validate(value, _join(path, f.name))
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if _is_config(item):
+                    validate(item, f"{_join(path, f.name)}[{i}]")
+    try:
+        check_ranges(cfg, path)
+    except FieldError as exc:
+        raise ConfigError(str(exc)) from None
     check = getattr(cfg, "validate", None)
     if callable(check):
         try:
@@ -132,6 +145,10 @@ def validate(cfg: T) -> T:
         except ValueError as exc:
             raise ConfigError(f"{type(cfg).__name__}: {bounded_message(str(exc))}") from None
     return cfg
+
+
+def _is_config(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
 
 
 def dump_yaml(cfg: Any, path: str | Path) -> None:

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Self
 
-from flowgrpo.fields import FieldError, check_choice, check_float, check_int
+from flowgrpo.fields import FieldError, check_choice, check_float, check_int, knob
 from flowgrpo.v1 import common_pb2
 
 RenormType = Literal["global", "channel", "text_channel"]
@@ -34,11 +34,6 @@ MAX_NUM_POINTS = 1000  # schedule points (the recipes use 10-50)
 MAX_CFG_SCALE = 100.0  # the recipes use 1-8
 MAX_NOISE_LEVEL = 10.0  # SDE; CPS: sin(noise_level pi / 2) is defined up to 1
 MAX_SIDE = 2**15  # pixels; a checkpoint's own limit is far lower (ModelLimits)
-
-
-def knob(default: Any, lo: float, hi: float) -> Any:
-    """A setting and its range (each end of a pair is in [lo, hi] too)."""
-    return field(default=default, metadata={"range": (lo, hi)})
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,8 @@ class ProbeActor(Actor, coordinator_pb2_grpc.CoordinatorServicer, reward_pb2_grp
                     await self.compute(_sleep, float(argument))
                 elif command == "fail":
                     raise RuntimeError("probe failure")
+                elif command == "fail-base":  # in the worker thread, as DCP raises its own
+                    await self.compute(_raise_base)
                 elif command == "invalid":
                     raise InvalidArgument("probe refuses this request")
         finally:
@@ -250,3 +252,11 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+class ProbeBaseError(BaseException):
+    """Like DCP's CheckpointException: derives from BaseException, not Exception."""
+
+
+def _raise_base() -> None:
+    raise ProbeBaseError("a library's BaseException")

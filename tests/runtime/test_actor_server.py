@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Awaitable
 
 import grpc
@@ -151,6 +152,24 @@ def test_a_failing_message_returns_a_typed_error_and_the_server_keeps_serving(
         asyncio.run(body())
     [record] = [r for r in caplog.records if r.exc_info]
     assert "Heartbeat failed" in record.getMessage() and "probe failure" in caplog.text
+
+
+def test_a_base_exception_is_answered_at_once_not_left_to_the_deadline() -> None:
+    """A library error that derives from BaseException (DCP's CheckpointException does) once
+    passed the error boundary, which caught Exception, and left the call unanswered."""
+
+    async def body() -> None:
+        async with running(ProbeActor()) as server, open_channel(server.address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            started = time.perf_counter()
+            failed = await rpc_error(stub.Heartbeat(heartbeat("fail-base"), timeout=30))
+            waited = time.perf_counter() - started
+            assert (await stub.Heartbeat(heartbeat("ok"))).known  # and it keeps serving
+        assert failed.code() == grpc.StatusCode.INTERNAL, failed.details()
+        assert "ProbeBaseError: a library's BaseException" in failed.details()
+        assert waited < 5, f"{waited:.1f} s"
+
+    asyncio.run(body())
 
 
 def test_a_stream_runs_each_item_as_a_message_and_fails_typed_mid_stream() -> None:

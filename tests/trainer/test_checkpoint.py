@@ -3,6 +3,7 @@ exported adapter loads in peft; read outside a trainer, a checkpoint gives the p
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import shutil
@@ -23,6 +24,7 @@ from flowgrpo.services.trainer.checkpoint import (
     load_checkpoint,
     read_policy_update,
     save_checkpoint,
+    storage_cause,
 )
 from flowgrpo.services.trainer.config import DEFAULT_LORA_TARGETS, PolicyConfig
 
@@ -154,3 +156,30 @@ def test_read_policy_update_gives_what_the_trainer_publishes(
     (path / "trainer.json").write_text("{}")  # verified first: a changed file is refused
     with pytest.raises(CheckpointError, match=r"trainer\.json is corrupt"):
         read_policy_update(path)
+
+
+def test_storage_causes_are_named_from_every_writer_that_reports_them() -> None:
+    """What the save's error says, whichever writer met the storage's refusal: Python's own
+    OSError, safetensors' error (the errno only in its text), DCP's CheckpointException (a
+    BaseException holding each rank's error), an errno wrapped as the cause of another error.
+    (EACCES cannot be provoked for real by a chmod when the tests run as root.)"""
+    from safetensors import SafetensorError
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    def raised(error: BaseException) -> BaseException:
+        try:
+            raise error
+        except BaseException as caught:
+            return caught
+
+    denied = raised(PermissionError(errno.EACCES, "Permission denied", "/ckpt/x"))
+    full = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    dcp = CheckpointException("save failed", {0: _wrap_exception(raised(full))})
+    wrapped = RuntimeError("writing failed")
+    wrapped.__cause__ = OSError(errno.EROFS, "Read-only file system")
+    assert storage_cause(denied) == "permission denied (EACCES)"
+    assert storage_cause(full) == "no space left on device (ENOSPC)"
+    assert storage_cause(dcp) == "no space left on device (ENOSPC)"
+    assert storage_cause(wrapped) == "read-only file system (EROFS)"
+    assert storage_cause(OSError(errno.ENAMETOOLONG, "x")) == "file name too long (errno 36)"
+    assert storage_cause(ValueError("not storage")) is None  # a bug is not called a full disk

@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+from flowgrpo.fields import check_ranges, knob
+
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
@@ -28,28 +30,31 @@ class BusConfig:
     # is a little faster on one host.
     transport: Literal["tcp", "ipc"] = "tcp"
     host: str = "127.0.0.1"  # tcp bind address; "0.0.0.0" listens on every interface
-    port: int = 0  # tcp port; 0 binds a free port and the endpoint reports the real one
+    port: int = knob(0, 0, 65_535)  # tcp port; 0 binds a free port and the endpoint reports the real one
     # Host name put in TensorRefs for consumers to connect to; None: `host`, or this machine's
     # host name when `host` is a wildcard address.
     advertise_host: str | None = None
     ipc_dir: str = ""  # folder of the ipc socket file; "" = the system's temporary folder
 
     # The bounded store.
-    max_bytes: int = 8 * GiB  # capacity of one store (shared memory included)
+    max_bytes: int = knob(8 * GiB, 1, 2**50)  # capacity of one store (shared memory included)
     # "wait": put blocks up to put_timeout_s for releases, then fails naming the oldest keys;
     # "evict_oldest": put drops the oldest tensors (their fetch answers EVICTED).
     when_full: Literal["wait", "evict_oldest"] = "wait"
-    put_timeout_s: float = 60.0
-    max_tombstones: int = 65536  # released/evicted keys remembered to answer RELEASED/EVICTED
+    put_timeout_s: float = knob(60.0, 0.0, 86_400.0)
+    # released/evicted keys remembered to answer RELEASED/EVICTED
+    max_tombstones: int = knob(65536, 0, 2**31 - 1)
 
     # The wire.
-    chunk_bytes: int = 16 * MiB  # largest data frame; tensors are split into frames this size
-    max_header_bytes: int = 1 * MiB  # larger msgpack headers are refused
-    socket_buffer_bytes: int = 4 * MiB  # kernel SNDBUF/RCVBUF (Unix sockets default: 208 KiB); 0 = OS
+    # largest data frame; tensors are split into frames this size
+    chunk_bytes: int = knob(16 * MiB, 1, 2**31 - 1)
+    max_header_bytes: int = knob(1 * MiB, 1, 2**31 - 1)  # larger msgpack headers are refused
+    # kernel SNDBUF/RCVBUF (Unix sockets default: 208 KiB); 0 = OS
+    socket_buffer_bytes: int = knob(4 * MiB, 0, 2**31 - 1)
 
     # Shared memory between processes of one host (same /dev/shm, proven by a probe file).
     shm: bool = True
-    shm_min_bytes: int = 1 * MiB  # smaller tensors travel in socket frames (faster for them)
+    shm_min_bytes: int = knob(1 * MiB, 0, 2**50)  # smaller tensors travel in socket frames (faster for them)
     shm_dir: str = "/dev/shm"
 
     # The run's shared secret: with one, every bus socket speaks CURVE with keys derived from it
@@ -63,28 +68,31 @@ class BusConfig:
     insecure: bool = False
 
     # What a peer can make a store hold before a request is read. A request is [type, header].
-    max_request_header_bytes: int = 64 * KiB  # larger request headers are refused
+    max_request_header_bytes: int = knob(64 * KiB, 1, 2**31 - 1)  # larger request headers are refused
     # Bytes one connection may have sent that the store has not read as whole requests yet
     # (queued requests and an unfinished one); a connection past it is cut. TCP only: an ipc
     # socket file is private to the store's user.
-    max_connection_bytes: int = 1 * MiB
-    max_buffered_bytes: int = 4 * MiB  # the same over all connections; the largest is cut first
+    max_connection_bytes: int = knob(1 * MiB, 1, 2**50)
+    # the same over all connections; the largest is cut first
+    max_buffered_bytes: int = knob(4 * MiB, 1, 2**50)
 
     # The client.
-    fetch_timeout_s: float = 60.0  # deadline of one fetch call, all keys together
-    max_request_bytes: int = 8 * MiB  # bytes asked for by one request (large tensors are split)
-    pipeline_depth: int = 4  # requests in flight per producer
+    fetch_timeout_s: float = knob(60.0, 0.001, 86_400.0)  # deadline of one fetch call, all keys together
+    # bytes asked for by one request (large tensors are split)
+    max_request_bytes: int = knob(8 * MiB, 1, 2**50)
+    pipeline_depth: int = knob(4, 1, 1024)  # requests in flight per producer
     # Sockets one client keeps open (one per producer; the least recently used are closed past
     # it). A fetch from more producers goes to them in waves of this many: a trainer or a reward
     # replica fed by a thousand rollouts would otherwise hold a thousand sockets, past libzmq's
     # 1,023 per process (EMFILE, "Too many open files"), docs/scaling.md.
-    max_peers: int = 128
+    max_peers: int = knob(128, 1, 2**20)
     # Busy-check this long for a reply before sleeping: a thread wake-up costs 50-300 us on
     # virtual machines, so small round trips get faster for at most this much CPU (and GIL)
     # per wait. 0 sleeps at once.
-    spin_us: int = 300
+    spin_us: int = knob(300, 0, 1_000_000)
 
     def __post_init__(self) -> None:
+        check_ranges(self, "bus")  # built in code too, not only from a recipe: ranges first
         self.validate()
 
     def validate(self) -> None:

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from flowgrpo.fields import knob
 from flowgrpo.rewards.judge import JudgeConfig
 from flowgrpo.rewards.offline_ocr import OfflineOcrConfig
 
@@ -33,7 +34,7 @@ class ScorerSpec:
     plug-in given as ``plugin`` (``path/to/file.py:function`` or ``package.module:function``)."""
 
     name: str = "jpeg_compressibility"
-    weight: float = 1.0
+    weight: float = knob(1.0, -1e6, 1e6)
     plugin: str = ""
 
     def validate(self) -> None:
@@ -54,7 +55,7 @@ class PickScoreConfig:
     processor: str = ""  # folder with the CLIP-ViT-H-14 tokenizer + preprocessor_config.json; "" = model
     device: str = "cpu"  # "cuda", "cuda:1", "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    batch_size: int = 32
+    batch_size: int = knob(32, 1, 65_536)
 
     def validate(self) -> None:
         if self.batch_size < 1:
@@ -73,8 +74,9 @@ class RewardConfig:
     scorers: list[ScorerSpec] = field(default_factory=lambda: [ScorerSpec()])
     pickscore: PickScoreConfig = field(default_factory=PickScoreConfig)
     ocr: OcrConfig = field(default_factory=OcrConfig)
-    jpeg_quality: int = 95
-    synthetic_delay_s: float = 0.0  # scorer "synthetic": simulated seconds of work per image
+    jpeg_quality: int = knob(95, 1, 100)
+    # scorer "synthetic": simulated seconds of work per image
+    synthetic_delay_s: float = knob(0.0, 0.0, 3600.0)
 
     def validate(self) -> None:
         names = [s.name for s in self.scorers]

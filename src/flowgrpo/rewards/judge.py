@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 from PIL import Image
 
+from flowgrpo.fields import knob
 from flowgrpo.rewards.base import ErrorKind, SampleError
 
 log = logging.getLogger(__name__)
@@ -46,13 +47,13 @@ class JudgeConfig:
     base_url: str = "http://127.0.0.1:8000/v1"  # the server's OpenAI API root (vLLM: http://HOST:PORT/v1)
     model: str = "Qwen/Qwen3-VL-8B-Instruct"  # the served model name
     api_key: str = ""  # bearer token; empty: FLOWGRPO_JUDGE_API_KEY (preferred: configs are written out)
-    temperature: float = 0.0  # 0 = greedy decoding
-    max_tokens: int = 256
-    timeout_s: float = 60.0  # socket timeout of one attempt (connect, and each read)
-    max_concurrency: int = 16  # requests in flight at once
-    max_retries: int = 3  # attempts after the first one
-    backoff_s: float = 0.5  # first pause; doubles per retry, with jitter
-    max_backoff_s: float = 8.0
+    temperature: float = knob(0.0, 0.0, 10.0)  # 0 = greedy decoding
+    max_tokens: int = knob(256, 1, 1_000_000)
+    timeout_s: float = knob(60.0, 0.001, 86_400.0)  # socket timeout of one attempt (connect, and each read)
+    max_concurrency: int = knob(16, 1, 4096)  # requests in flight at once
+    max_retries: int = knob(3, 0, 100)  # attempts after the first one
+    backoff_s: float = knob(0.5, 0.0, 3600.0)  # first pause; doubles per retry, with jitter
+    max_backoff_s: float = knob(8.0, 0.0, 86_400.0)
     image_format: Literal["png", "jpeg"] = "png"  # png: lossless (compression level 1, fast)
 
     def validate(self) -> None:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from flowgrpo.fields import knob
 from flowgrpo.rewards.base import SampleError
 
 log = logging.getLogger(__name__)
@@ -23,9 +24,9 @@ class OfflineOcrConfig:
     # leaves 512 px images alone; rapidocr's own default ("min", 736) enlarges every image so
     # its shorter side is 736, ~10x slower on small images.
     limit_type: Literal["max", "min"] = "max"
-    limit_side_len: int = 960
-    text_score: float = 0.5  # recognised boxes below this confidence are dropped
-    threads: int = 0  # onnxruntime intra-op threads; 0: onnxruntime's default (all cores)
+    limit_side_len: int = knob(960, 1, 2**15)
+    text_score: float = knob(0.5, 0.0, 1.0)  # recognised boxes below this confidence are dropped
+    threads: int = knob(0, 0, 4096)  # onnxruntime intra-op threads; 0: onnxruntime's default (all cores)
 
     def validate(self) -> None:
         if self.limit_type not in ("max", "min"):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from flowgrpo.bus.config import BusConfig
+from flowgrpo.fields import knob
 
 
 @dataclass
@@ -28,12 +29,16 @@ class TLSConfig:
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"  # "0.0.0.0" in containers
-    port: int = 0  # 0: a free port, reported in the ready file and the logs
+    port: int = knob(0, 0, 65_535)  # 0: a free port, reported in the ready file and the logs
     advertise_host: str = ""  # host peers dial; default: host, or the hostname when host is a wildcard
-    concurrency: int = 64  # RPCs served at once (health and handshakes included); more are refused
-    drain_grace_s: float = 30.0  # how long in-flight messages may finish after SIGTERM or Drain
-    max_message_bytes: int = 16 * 1024 * 1024  # control plane only: bulk data goes on the bus
-    min_ping_interval_s: float = 10.0  # client keepalive pings more frequent than this are refused
+    # RPCs served at once (health and handshakes included); more are refused
+    concurrency: int = knob(64, 1, 1_000_000)
+    # how long in-flight messages may finish after SIGTERM or Drain
+    drain_grace_s: float = knob(30.0, 0.0, 86_400.0)
+    # control plane only: bulk data goes on the bus
+    max_message_bytes: int = knob(16 * 1024 * 1024, 1024, 2**31 - 1)
+    # client keepalive pings more frequent than this are refused
+    min_ping_interval_s: float = knob(10.0, 0.0, 86_400.0)
     ready_file: str = ""  # JSON {grpc_address, pid, role, replica_id} written once the port is bound
     tls: TLSConfig = field(default_factory=TLSConfig)
     token: str = ""  # shared token callers must send; empty: FLOWGRPO_TOKEN(_FILE), or no check when unset
@@ -45,10 +50,12 @@ class ServerConfig:
 class ClientConfig:
     tls: TLSConfig = field(default_factory=TLSConfig)
     token: str = ""  # shared token sent as "authorization: Bearer ..."; empty: FLOWGRPO_TOKEN
-    default_deadline_s: float = 60.0  # deadline of any call made without one
-    connect_timeout_s: float = 120.0  # how long wait_ready waits for a READY handshake by default
-    keepalive_s: float = 30.0  # ping an idle connection this often to notice a dead peer
-    max_message_bytes: int = 16 * 1024 * 1024
+    default_deadline_s: float = knob(60.0, 0.001, 7 * 86_400.0)  # deadline of any call made without one
+    # how long wait_ready waits for a READY handshake by default
+    connect_timeout_s: float = knob(120.0, 0.001, 7 * 86_400.0)
+    # ping an idle connection this often to notice a dead peer
+    keepalive_s: float = knob(30.0, 0.001, 86_400.0)
+    max_message_bytes: int = knob(16 * 1024 * 1024, 1024, 2**31 - 1)
 
 
 @dataclass
@@ -66,7 +73,7 @@ class ServiceProcessConfig:
     # > 0: this replica was launched by its coordinator (the local launcher), not deployed: after
     # this long without an answer from the coordinator it drains and exits, so a coordinator that
     # died leaves nothing running. 0 (deployed): it waits for a coordinator however long it takes.
-    orphan_after_s: float = 0.0
+    orphan_after_s: float = knob(0.0, 0.0, 365 * 86_400.0)
     log_format: Literal["json", "text"] = "json"
 
     def validate(self) -> None:

@@ -291,7 +291,10 @@ def call_policy(where: str) -> MethodGuard:
             raise
         except ServiceError as error:
             await context.abort(error.code, f"{where}: {error}")
-        except Exception as error:
+        except (asyncio.CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit):
+            raise
+        except BaseException as error:  # not only Exception: a library's BaseException (DCP's
+            # CheckpointException) would escape and leave the call unanswered until its deadline
             log.exception("%s: %s failed", where, method)
             await context.abort(
                 grpc.StatusCode.INTERNAL,
