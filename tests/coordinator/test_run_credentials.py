@@ -98,8 +98,9 @@ def test_serve_takes_only_what_the_environment_does_not_give(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     write_run_credentials(tmp_path, RunCredentials(token=TOKEN, bus_secret=SECRET))
-    for name in SECRET_NAMES:
-        monkeypatch.delenv(name, raising=False)
+    for name in SECRET_NAMES:  # set, then removed: monkeypatch restores only what it saw change
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("FLOWGRPO_BUS_SECRET_FILE", str(tmp_path / "mine"))  # the operator's own
     assert use_run_credentials(tmp_path, need_token=True, need_bus_secret=True) == ["FLOWGRPO_TOKEN"]
     assert os.environ["FLOWGRPO_TOKEN"] == TOKEN and "FLOWGRPO_BUS_SECRET" not in os.environ
