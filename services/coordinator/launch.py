@@ -220,7 +220,7 @@ async def _launch_local(cfg: RunConfig, coordinator: str) -> Services:
         # plug-ins: a process that dies after it is named at once, not by the handshake's timeout
         services = await _unless_one_exits(_connect(cfg, rollouts, rewards, by_id["trainer"]), procs, run_dir)
     except BaseException:
-        terminate_groups(procs.values(), grace_s=10)
+        await stop_groups(procs.values(), grace_s=10)
         lifeline.close()
         raise
     supervisor = asyncio.create_task(_supervise(procs, configs, run_dir, cfg.launch.restarts, lifeline))
@@ -228,7 +228,7 @@ async def _launch_local(cfg: RunConfig, coordinator: str) -> Services:
     async def stop_processes() -> None:
         supervisor.cancel()
         await asyncio.gather(supervisor, return_exceptions=True)
-        await asyncio.to_thread(terminate_groups, list(procs.values()), 60.0)
+        await stop_groups(procs.values(), grace_s=60)
         lifeline.close()
 
     services._stop.insert(0, stop_processes)
@@ -336,6 +336,19 @@ def terminate_groups(procs: Sequence[subprocess.Popen[bytes]] | Any, grace_s: fl
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+async def stop_groups(procs: Any, grace_s: float) -> None:
+    """:func:`terminate_groups` off the event loop: while the services drain, their goodbyes
+    (``Leave``) reach the coordinator's server, which a blocked loop would leave unanswered until
+    its stop cancels them (a CancelledError traceback on the user's terminal). Cancelled, it kills
+    at once rather than leave the processes running."""
+    procs = list(procs)
+    try:
+        await asyncio.to_thread(terminate_groups, procs, grace_s)
+    except asyncio.CancelledError:
+        _kill(procs)
+        raise
 
 
 def _kill(procs: Any) -> None:

@@ -26,6 +26,7 @@ from flowgrpo.bus.config import SECRET_ENV
 from flowgrpo.data import DatasetError, PromptSplit, load_split
 from flowgrpo.data.prepare import PrepareOptions, prepare_dataset
 from flowgrpo.runtime import Service, ServiceServer
+from flowgrpo.runtime.server import REPLY_FLUSH_S
 from flowgrpo.runtime.credentials import RunCredentials, remove_run_credentials, write_run_credentials
 from flowgrpo.runtime.security import TOKEN_ENV, resolve_token
 from flowgrpo.services.coordinator.config import RunConfig, with_checkpoint
@@ -234,7 +235,7 @@ async def _train_holding_lock(
     finally:
         signals.remove()
         if server.address:
-            await server.stop(0)
+            await server.stop(REPLY_FLUSH_S)  # a goodbye in flight is answered, not cancelled
         store.close()
         outputs.close()
         shutdown_tracing()
