@@ -26,9 +26,9 @@ from flowgrpo.bus.config import SECRET_ENV
 from flowgrpo.data import DatasetError, PromptSplit, load_split
 from flowgrpo.data.prepare import PrepareOptions, prepare_dataset
 from flowgrpo.runtime import Service, ServiceServer
-from flowgrpo.runtime.server import REPLY_FLUSH_S
 from flowgrpo.runtime.credentials import RunCredentials, remove_run_credentials, write_run_credentials
 from flowgrpo.runtime.security import TOKEN_ENV, resolve_token
+from flowgrpo.runtime.server import REPLY_FLUSH_S
 from flowgrpo.services.coordinator.config import RunConfig, with_checkpoint
 from flowgrpo.services.coordinator.launch import Services, launch
 from flowgrpo.services.coordinator.lifecycle import RunInterrupted, RunLock, StopSignals, stop_leftovers

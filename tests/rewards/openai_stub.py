@@ -54,21 +54,23 @@ def _handler(stub: ChatStub) -> type[BaseHTTPRequestHandler]:
             body = json.loads(self.rfile.read(length))
             stub.enter(body, dict(self.headers))
             try:
-                self._answer(stub.next_behaviour(), body)
+                status, payload = self._answer(stub.next_behaviour(), body)
             finally:
+                # left before the answer is written: once the client reads it, it may send its
+                # next request at once, which must not find this one still counted in flight
                 stub.leave()
+            self._send(status, payload)
 
-        def _answer(self, behaviour: str, body: dict[str, Any]) -> None:
+        def _answer(self, behaviour: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
             time.sleep(stub.hold_s)
             if behaviour == "slow":
                 time.sleep(stub.slow_s)
             if behaviour in ("500", "401"):
-                self._send(int(behaviour), {"error": {"message": f"scripted {behaviour}"}})
-            elif behaviour == "malformed":
-                self._send(200, {"choices": []})
-            else:
-                choice = {"index": 0, "message": {"role": "assistant", "content": stub.text}}
-                self._send(200, {"object": "chat.completion", "model": body["model"], "choices": [choice]})
+                return int(behaviour), {"error": {"message": f"scripted {behaviour}"}}
+            if behaviour == "malformed":
+                return 200, {"choices": []}
+            choice = {"index": 0, "message": {"role": "assistant", "content": stub.text}}
+            return 200, {"object": "chat.completion", "model": body["model"], "choices": [choice]}
 
         def _send(self, status: int, payload: dict[str, Any]) -> None:
             data = json.dumps(payload).encode()
