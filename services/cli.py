@@ -22,6 +22,7 @@ EPILOG = """\
 examples:
   flowgrpo train examples/tiny_demo.yaml        the CPU demo: a tiny BAGEL learns JPEG compressibility
   flowgrpo train examples/bagel_pickscore_lora.yaml model.checkpoint=/ckpt/BAGEL-7B-MoT data.dataset=/data/ps
+  flowgrpo sft examples/sft_compose.yaml   teach a BAGEL to draw from (prompt, image) pairs (flow matching)
   flowgrpo status runs/tiny-demo  the run state, the last metrics, every replica (live while it runs)
   flowgrpo report runs/tiny-demo  runs/tiny-demo/report.html: curves, timings, validation grids
   flowgrpo compare runs/a runs/b  did two runs train the same? (the first step where they part)
@@ -166,6 +167,25 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print("flowgrpo train: interrupted before the run started; nothing was trained", file=sys.stderr)
         return 130
     return 0  # any other error: one line at main()'s boundary
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from flowgrpo.config import ConfigError, load_config
+    from flowgrpo.services.trainer.sft_config import SftConfig
+
+    try:  # before torch: a bad recipe fails small and fast
+        config = load_config(SftConfig, args.recipe, args.overrides)
+    except (ConfigError, OSError) as error:
+        raise UsageError(str(error)) from error
+    if not config.run_dir:
+        config.run_dir = f"runs/{config.name}"
+    if args.print_config:
+        _print_config(config)
+        return 0
+    from flowgrpo.services.trainer.sft import run_sft
+
+    run_sft(config)
+    return 0
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -584,6 +604,20 @@ def build_parser() -> argparse.ArgumentParser:
         "running the same command again resumes from the last checkpoint there."
     )
     train.set_defaults(takes_overrides=True)
+    sft = add(
+        "sft",
+        "supervised fine-tuning of BAGEL's gen path with flow matching on (prompt, image) pairs "
+        "(an image folder); full or LoRA, FSDP2 under torchrun; writes <run_dir>/model",
+        _cmd_sft,
+    )
+    sft.add_argument("recipe", help="an sft recipe, e.g. examples/sft_compose.yaml")
+    sft.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    sft.epilog = (
+        "Any key can be overridden as KEY=VALUE, e.g. steps=2000 policy.kind=lora optim.lr=1e-4 "
+        "data.images=/data/pairs. Several processes: torchrun --nproc-per-node N -m flowgrpo.services.cli "
+        "sft RECIPE device=cuda. Running the same command again resumes from the last checkpoint."
+    )
+    sft.set_defaults(takes_overrides=True)
     st = add(
         "status",
         "where a run stands: run state, last metrics, its service processes, and (while it runs) "
@@ -664,7 +698,7 @@ class UsageError(Exception):
 # coordinator's image does not have. Anything else is a bug: its type and the --debug hint.
 USER_ERRORS = frozenset({
     "UsageError", "ConfigError", "YamlError", "FieldError", "InsecureBindError", "InsecureBusError",
-    "PluginError", "ResumeRefused", "CredentialsFileError",
+    "PluginError", "ResumeRefused", "CredentialsFileError", "ImageFolderError",
 })  # fmt: skip
 RUN_ERRORS = frozenset({
     "OSError", "TimeoutError", "CheckpointError", "DatasetError", "RunError", "RunFolderBusy",

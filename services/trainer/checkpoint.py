@@ -47,7 +47,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as torch_dist
@@ -62,14 +62,29 @@ from flowgrpo.models.bagel.peft_format import load_peft_adapter, save_peft_adapt
 from flowgrpo.models.bagel.policy import PolicyUpdate
 from flowgrpo.services.trainer.distributed import Dist
 from flowgrpo.services.trainer.nft import DiffusionNFTStep
-from flowgrpo.services.trainer.policy import lora_published_name
-from flowgrpo.services.trainer.step import FlowGRPOStep
+from flowgrpo.services.trainer.policy import TrainablePolicy, lora_published_name
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
 PARTIAL = ".partial"
 FORMAT = 2  # 1: one process wrote whole tensors (gen_path.safetensors, optimizer.safetensors)
 FILE_BYTES = 1 << 30  # of one rank's shards per DCP file: DCP copies a whole file to host memory
+
+
+class Checkpointed(Protocol):
+    """What a checkpoint holds of a trainer: its policy, optimizer and counters (a FlowGRPO,
+    DiffusionNFT or supervised fine-tuning step alike)."""
+
+    version: int
+    steps_done: int
+    last_gap: float
+
+    @property
+    def policy(self) -> TrainablePolicy: ...
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+    @property
+    def dist(self) -> Dist: ...
 
 
 class CheckpointError(RuntimeError):
@@ -176,7 +191,7 @@ def checkpoint_steps(folder: str | Path) -> dict[int, Path]:
 
 
 def save_checkpoint(
-    folder: str | Path, trainer: FlowGRPOStep, step: int, keep_last: int = 3, base_model: str = ""
+    folder: str | Path, trainer: Checkpointed, step: int, keep_last: int = 3, base_model: str = ""
 ) -> Path | None:
     """Write the checkpoint of ``step`` atomically; keep the ``keep_last`` newest.
 
@@ -211,7 +226,7 @@ def _partial(final: Path) -> Path:
     return final.parent / f".{final.name}{PARTIAL}"
 
 
-def _write_checkpoint(final: Path, trainer: FlowGRPOStep, step: int, base_model: str) -> None:
+def _write_checkpoint(final: Path, trainer: Checkpointed, step: int, base_model: str) -> None:
     """Every file into the partial folder, hashed, then (rank 0) renamed to ``final``, synced."""
     dist, folder, tmp = trainer.dist, final.parent, _partial(final)
     if dist.rank == 0:
@@ -242,7 +257,7 @@ def _write_checkpoint(final: Path, trainer: FlowGRPOStep, step: int, base_model:
     _fsync_dir(folder)
 
 
-def load_checkpoint(path: str | Path, trainer: FlowGRPOStep) -> int:
+def load_checkpoint(path: str | Path, trainer: Checkpointed) -> int:
     """Verify, then restore ``trainer`` from ``path``; returns the checkpoint's step. Every rank
     calls it (the hashes are shared out, DCP reads collectively)."""
     path, dist = Path(path), trainer.dist
@@ -337,7 +352,7 @@ def read_policy_update(path: str | Path) -> PolicyUpdate:
 # --- weights and optimizer -----------------------------------------------------------------
 
 
-def _write_weights(tmp: Path, trainer: FlowGRPOStep, base_model: str) -> None:
+def _write_weights(tmp: Path, trainer: Checkpointed, base_model: str) -> None:
     if trainer.policy.kind == "full":
         _dcp_save(tmp / "gen_path", dict(trainer.policy.trainable()), trainer.dist)
         return
@@ -348,7 +363,7 @@ def _write_weights(tmp: Path, trainer: FlowGRPOStep, base_model: str) -> None:
         save_peft_adapter(tmp / "adapter", update, str(Path(base_model).resolve()) if base_model else "")
 
 
-def _check_weights(path: Path, trainer: FlowGRPOStep) -> Callable[[], None]:
+def _check_weights(path: Path, trainer: Checkpointed) -> Callable[[], None]:
     """Check that the stored weights fit; returns what applies them."""
     if trainer.policy.kind == "lora":
         tensors = load_peft_adapter(path / "adapter").tensors
@@ -363,14 +378,14 @@ def _check_weights(path: Path, trainer: FlowGRPOStep) -> Callable[[], None]:
     return lambda: _dcp_load(reader, params, trainer.dist)
 
 
-def _write_old_policy(tmp: Path, trainer: FlowGRPOStep) -> None:
+def _write_old_policy(tmp: Path, trainer: Checkpointed) -> None:
     """DiffusionNFT's old (sampling) policy: part of the state a resumed run needs (it is an
     average of every earlier version, not something the weights can give back)."""
     if isinstance(trainer, DiffusionNFTStep):
         _dcp_save(tmp / "old_policy", trainer.policy.old_state(), trainer.dist)
 
 
-def _check_old_policy(path: Path, trainer: FlowGRPOStep) -> Callable[[], None]:
+def _check_old_policy(path: Path, trainer: Checkpointed) -> Callable[[], None]:
     stored = (path / "old_policy").is_dir()
     if stored != isinstance(trainer, DiffusionNFTStep):
         raise CheckpointError(
@@ -385,12 +400,12 @@ def _check_old_policy(path: Path, trainer: FlowGRPOStep) -> Callable[[], None]:
     return lambda: _dcp_load(reader, old, trainer.dist)
 
 
-def _param_names(trainer: FlowGRPOStep) -> list[str]:
+def _param_names(trainer: Checkpointed) -> list[str]:
     """Optimizer parameter index -> name: the order the optimizer was built with."""
     return list(trainer.policy.trainable())
 
 
-def _write_optimizer(tmp: Path, trainer: FlowGRPOStep) -> None:
+def _write_optimizer(tmp: Path, trainer: Checkpointed) -> None:
     state = trainer.optimizer.state_dict()
     names = _param_names(trainer)
     tensors = {
@@ -406,7 +421,7 @@ def _write_optimizer(tmp: Path, trainer: FlowGRPOStep) -> None:
         (tmp / "optimizer.json").write_text(json.dumps(meta, indent=2))
 
 
-def _check_optimizer(path: Path, trainer: FlowGRPOStep) -> Callable[[], None]:
+def _check_optimizer(path: Path, trainer: Checkpointed) -> Callable[[], None]:
     """Check that the stored optimizer state fits; returns what applies it."""
     meta = json.loads((path / "optimizer.json").read_text())
     names = _param_names(trainer)

@@ -21,8 +21,13 @@ class PolicyConfig:
     lora_targets: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
     lora_init: Literal["gaussian", "zero_b"] = "gaussian"  # both start with B = 0: the base policy
     init_seed: int = knob(0, 0, SEED_MAX)  # the LoRA A initialisation is a function of this seed alone
+    # full: also train the generation heads (vae2llm, llm2vae, time_embedder), as a model's own
+    # pre-training does (flowgrpo sft from a random model). FlowGRPO trains the gen path alone
+    heads: bool = False
 
     def validate(self) -> None:
+        if self.heads and self.kind != "full":
+            raise ValueError("trainer.policy.heads=true trains the heads in full: set policy.kind=full")
         if self.kind == "lora" and (self.lora_rank < 1 or self.lora_alpha <= 0):
             raise ValueError(
                 f"trainer.policy.lora_rank={self.lora_rank} / lora_alpha={self.lora_alpha} must be > 0"
@@ -162,6 +167,11 @@ class TrainerConfig:
     release_memory: bool = False
 
     def validate(self) -> None:
+        if self.policy.heads:
+            raise ValueError(
+                "trainer.policy.heads=true is for flowgrpo sft: a FlowGRPO run publishes the gen path "
+                "alone, which is all its rollouts take"
+            )
         if (self.share_base or self.release_memory) and not self.device.startswith("cuda"):
             raise ValueError(
                 f"trainer.share_base and trainer.release_memory are for a GPU trainer "

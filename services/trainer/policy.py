@@ -46,7 +46,9 @@ class TrainablePolicy:
         for p in model.parameters():
             p.requires_grad_(False)
         # LoRA adapters are injected in place: the policy's model stays the BagelModel
-        self.model = _add_lora(model, config) if config.kind == "lora" else _unfreeze_gen_path(model)
+        self.model = (
+            _add_lora(model, config) if config.kind == "lora" else _unfreeze_gen_path(model, config.heads)
+        )
         self._reference: dict[str, Tensor] | None = None
         self._old: dict[str, Tensor] | None = None  # DiffusionNFT's old policy (keep_old)
         # trainer.share_base: the allocation every frozen weight is a view of (load.py)
@@ -218,9 +220,13 @@ def _add_lora(model: BagelModel, config: PolicyConfig) -> BagelModel:
     return model
 
 
-def _unfreeze_gen_path(model: BagelModel) -> BagelModel:
+# the generation heads: what maps latents in and out of the gen path and embeds the time
+HEADS = ("vae2llm.", "llm2vae.", "time_embedder.")
+
+
+def _unfreeze_gen_path(model: BagelModel, heads: bool = False) -> BagelModel:
     for name, param in model.named_parameters():
-        if is_gen_path(name):
+        if is_gen_path(name) or (heads and name.startswith(HEADS)):
             param.data = param.data.float()
             param.requires_grad_(True)
     return model

@@ -27,7 +27,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,12 +38,14 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from flowgrpo.fileio import atomic_output, atomic_write
+from flowgrpo.models.bagel.codec import cell_codec
 from flowgrpo.models.bagel.config import (
     SPECIAL_TOKEN_NAMES,
     BagelConfig,
     SpecialTokens,
     flux_vae,
     tiny,
+    tiny_drawer,
     tiny_vae,
 )
 from flowgrpo.models.bagel.model import BagelModel, sincos_2d_table
@@ -445,9 +447,9 @@ TINY_VIT_CONFIG = {
 COMPLETE_TINY_MAX_LATENT_SIZE = 32
 
 
-def build_tiny_tokenizer(vocab_size: int = 384) -> Tokenizer:
-    """A byte-level BPE (any text encodes, no unknown tokens) trained on a few sentences, with
-    ``<|endoftext|>`` and the four markers added under their Qwen names."""
+def build_tiny_tokenizer(vocab_size: int = 384, corpus: Sequence[str] = TINY_CORPUS) -> Tokenizer:
+    """A byte-level BPE (any text encodes, no unknown tokens) trained on ``corpus`` (a few
+    sentences by default), with ``<|endoftext|>`` and the four markers added under their Qwen names."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -459,7 +461,7 @@ def build_tiny_tokenizer(vocab_size: int = 384) -> Tokenizer:
         special_tokens=["<|endoftext|>"],
         show_progress=False,
     )
-    tokenizer.train_from_iterator(TINY_CORPUS, trainer)
+    tokenizer.train_from_iterator(corpus, trainer)
     tokenizer.add_special_tokens(list(SPECIAL_TOKEN_NAMES.values()))
     return tokenizer
 
@@ -508,6 +510,27 @@ def make_tiny_bagel(
         vit_config=TINY_VIT_CONFIG,
         understanding=understanding,
     )
+
+
+# The drawing model's tokenizer: trained on the task's prompts, large enough that each word of a
+# small grammar is one token (what a real tokenizer does for common words)
+DRAWER_VOCAB = 500
+
+
+def make_tiny_drawer(folder: str | Path, corpus: Sequence[str], seed: int = 0) -> Path:
+    """Write the untrained tiny drawing model to ``folder``: the ``tiny_drawer`` geometry with
+    random weights (``seed``), the cell codec as its VAE (``codec.py``: the latent is an 8x8 colour
+    image of the 64 px picture) and a tokenizer trained on ``corpus`` (the task's prompts). The
+    same arguments give the same bytes. ``flowgrpo sft`` then teaches it to draw."""
+    cfg = tiny_drawer()
+    tokenizer = build_tiny_tokenizer(DRAWER_VOCAB, corpus)
+    ids = {field: tokenizer.token_to_id(name) for field, name in SPECIAL_TOKEN_NAMES.items()}
+    specials = SpecialTokens(**{field: int(i) for field, i in ids.items() if i is not None})
+    if tokenizer.get_vocab_size(with_added_tokens=True) > cfg.vocab:
+        raise RuntimeError(f"the drawer's tokenizer outgrew its vocabulary of {cfg.vocab}")
+    model = BagelModel(cfg)
+    model.init_weights(std=0.02, generator=torch.Generator().manual_seed(seed))
+    return save_bagel_checkpoint(model, cell_codec(), folder, tokenizer=tokenizer, special_tokens=specials)
 
 
 def smooth_tiny_decoder_(vae: AutoEncoder) -> AutoEncoder:

@@ -115,6 +115,23 @@ def tiny() -> BagelConfig:
     )
 
 
+def tiny_drawer() -> BagelConfig:
+    """The tiny model that learns to draw (``make_tiny_drawer``, then ``flowgrpo sft``): wide and
+    deep enough to place, count and colour objects on a 64 px canvas (4x4 latent tokens), small
+    enough to sample and train on two CPU cores."""
+    return BagelConfig(
+        hidden=128,
+        layers=4,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        intermediate=384,
+        vocab=512,
+        max_latent_size=8,
+        max_position_embeddings=1024,
+    )
+
+
 @dataclass(frozen=True)
 class VAEConfig:
     """Geometry of the FLUX.1 autoencoder. Spatial downsampling is 2 ** (len(ch_mult) - 1)."""
