@@ -341,8 +341,17 @@ def _read_prompt_file(path: str | None) -> list[str]:
 
 
 def _cmd_make_tiny_bagel(args: argparse.Namespace) -> int:
-    from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
+    from flowgrpo.models.bagel.checkpoint import make_tiny_bagel, make_tiny_drawer
 
+    if args.drawer:
+        if args.complete or args.flux_ae:
+            raise UsageError("--drawer writes its own VAE and layout: drop --complete and --flux-ae")
+        corpus = _read_prompt_file(args.drawer)
+        if not corpus:
+            raise UsageError(f"--drawer {args.drawer}: the prompt file holds no prompt")
+        path = make_tiny_drawer(args.dir, corpus, seed=args.seed)
+        print(f"wrote an untrained tiny drawing BAGEL (the cell codec, a tokenizer of {args.drawer}) to {path}")
+        return 0
     path = make_tiny_bagel(args.dir, seed=args.seed, complete=args.complete, flux_ae=args.flux_ae)
     layout = "the complete published layout" if args.complete else "published layout"
     print(f"wrote a tiny random BAGEL checkpoint ({layout}) to {path}")
@@ -643,6 +652,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="every file and tensor of the published folder (ViT, connector, full config.json, "
         "preprocessor_config.json) and a 512 px latent grid: what vLLM-Omni's BAGEL loader needs",
+    )
+    tiny.add_argument(
+        "--drawer",
+        metavar="PROMPT_FILE",
+        help="the tiny drawing model instead: 4 layers of 128, the cell codec as its VAE, a tokenizer "
+        "trained on PROMPT_FILE's prompts; untrained (flowgrpo sft teaches it to draw)",
     )
     tiny.add_argument(
         "--flux-ae",

@@ -330,6 +330,9 @@ class SftRun:
         device = cfg.device
         if device == "cuda" and dist.enabled:  # torchrun: this rank's GPU
             device = f"cuda:{torch.cuda.current_device()}"
+        if cfg.dtype == "float32":  # fp32 means fp32: no TF32 matmuls or convs (a GPU run's curve
+            torch.backends.cuda.matmul.allow_tf32 = False  # then matches a CPU run's)
+            torch.backends.cudnn.allow_tf32 = False
         pairs = read_image_folder(cfg.data.images, cfg.data.resolution, cfg.data.max_images)
         self.data = encode_pairs(pairs, cfg.model, device)
         dtype = getattr(torch, cfg.dtype)
