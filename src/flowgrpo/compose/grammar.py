@@ -51,7 +51,13 @@ MAX_PROMPT_CHARS = 200
 
 
 class PromptError(ValueError):
-    """A text outside the grammar; the message names the prompt and the word it could not read."""
+    """A text outside the grammar (or a spec outside it); the message names the prompt and the
+    word it could not read. ``reason`` is the message without the prompt (for reports that show
+    the prompt apart)."""
+
+    def __init__(self, what: str, reason: str) -> None:
+        super().__init__(f"{what}: {reason}")
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -112,17 +118,17 @@ def check_spec(spec: Spec) -> Spec:
     colours = [b.colour for b in blobs_of(spec)]
     unknown = [c for c in colours if c not in COLOURS]
     if unknown:
-        raise PromptError(f"{spec}: unknown colour {unknown[0]!r} (colours: {', '.join(COLOURS)})")
+        raise PromptError(str(spec), f"unknown colour {unknown[0]!r} (colours: {', '.join(COLOURS)})")
     if isinstance(spec, Counting) and spec.count not in COUNTS:
-        raise PromptError(f"{spec}: count {spec.count} is outside {COUNTS[0]}..{COUNTS[-1]}")
+        raise PromptError(str(spec), f"count {spec.count} is outside {COUNTS[0]}..{COUNTS[-1]}")
     if isinstance(spec, TwoObjects | Relation | Attribution) and colours[0] == colours[1]:
-        raise PromptError(f"{spec}: a two-blob prompt names two different colours")
+        raise PromptError(str(spec), "a two-blob prompt names two different colours")
     if isinstance(spec, Position) and spec.side not in SIDES:
-        raise PromptError(f"{spec}: unknown side {spec.side!r}")
+        raise PromptError(str(spec), f"unknown side {spec.side!r}")
     if isinstance(spec, Relation) and spec.direction not in DIRECTIONS:
-        raise PromptError(f"{spec}: unknown direction {spec.direction!r}")
+        raise PromptError(str(spec), f"unknown direction {spec.direction!r}")
     if isinstance(spec, Attribution) and {spec.first.size, spec.second.size} != set(SIZES):
-        raise PromptError(f"{spec}: an attribution prompt names one big and one small blob")
+        raise PromptError(str(spec), "an attribution prompt names one big and one small blob")
     return spec
 
 
@@ -203,17 +209,16 @@ class _Words:
     def error(self, why: str, at: int | None = None) -> PromptError:
         at = self.at if at is None else at
         word = repr(self.words[at]) if at < len(self.words) else "(the end)"
-        return PromptError(f"cannot read prompt {_shown(self.prompt)}: word {at + 1}, {word}: {why}")
+        return PromptError(f"cannot read prompt {_shown(self.prompt)}", f"word {at + 1}, {word}: {why}")
 
 
 def parse(prompt: str) -> Spec:
     """The spec of a prompt of the grammar; :class:`PromptError` for anything else."""
     if not isinstance(prompt, str):
-        raise PromptError(f"a prompt is a string, got {type(prompt).__name__}")
+        raise PromptError("cannot read a prompt", f"a prompt is a string, got {type(prompt).__name__}")
     if len(prompt) > MAX_PROMPT_CHARS:
-        raise PromptError(
-            f"prompt {_shown(prompt)} is {len(prompt)} characters, more than {MAX_PROMPT_CHARS}"
-        )
+        reason = f"{len(prompt)} characters, more than {MAX_PROMPT_CHARS}"
+        raise PromptError(f"cannot read prompt {_shown(prompt)}", reason)
     words = _Words(prompt)
     if words.peek() in NUMBER_WORDS.values():
         return _counting(words)
