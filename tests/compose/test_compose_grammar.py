@@ -3,6 +3,8 @@ combinations counted by hand, and anything outside the grammar is refused naming
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -103,6 +105,13 @@ def test_anything_else_is_refused_naming_the_prompt_and_the_word(prompt: str, wo
     assert "\n" not in message
 
 
+def test_an_errors_reason_leaves_the_prompt_out() -> None:
+    with pytest.raises(PromptError) as error:
+        parse("a red blob in the middle")
+    assert error.value.reason.startswith("word 4, 'in': expected")
+    assert str(error.value) == f"cannot read prompt 'a red blob in the middle': {error.value.reason}"
+
+
 def test_the_parser_reads_a_bounded_text() -> None:
     with pytest.raises(PromptError, match=f"201 characters, more than {MAX_PROMPT_CHARS}"):
         parse("a" * 201)
@@ -132,3 +141,14 @@ def test_blobs_of_lists_what_the_image_must_hold() -> None:
     assert blobs_of(Relation("red", "above", "blue")) == (Blob("red"), Blob("blue"))
     big_red, small_blue = Blob("red", "big"), Blob("blue", "small")
     assert blobs_of(Attribution(small_blue, big_red)) == (small_blue, big_red)
+
+
+def test_the_grammar_and_data_preparation_need_no_scipy() -> None:
+    """The data image prepares compose prompts without the verifier's dependencies."""
+    code = (
+        "import sys; sys.modules['scipy'] = None; sys.modules['torch'] = None\n"
+        "import flowgrpo.compose, flowgrpo.compose.split, flowgrpo.data.prepare\n"
+        "assert flowgrpo.compose.parse('two red blobs').count == 2\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
