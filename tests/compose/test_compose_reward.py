@@ -132,3 +132,16 @@ def test_the_reward_service_scores_compose_images_over_grpc() -> None:
     assert common_pb2.ErrorCode.Name(error.code) == "ERROR_CODE_INVALID_ARGUMENT"
     assert "word 4, 'left': expected" in error.message and "'bad-truth'" in error.where
     assert results["bad-truth"].reward == 0.0 and not results["bad-truth"].scores  # no score, the error
+
+
+def test_a_run_recipe_takes_the_compose_prompts_and_reward() -> None:
+    from flowgrpo.services.coordinator.config import RunConfig
+
+    overrides = [
+        "data.prompts=examples/data/compose",
+        "data.kind=compose",
+        "reward.scorers=[{name: compose}]",
+        "reward.compose.score=strict",
+    ]
+    config = load_config(RunConfig, overrides=overrides)
+    assert config.data.kind == "compose" and config.reward.compose.score == "strict"

@@ -69,7 +69,7 @@ ALPHA_EDGE = 0.10
 # blob through 8 px cells, washed out by 40% (0.25 * 0.6).
 ALPHA_PEAK = 0.15
 # The smallest blob, by mass as the diameter of a full disc of that area: the smallest drawn is
-# 9 px and keeps >= 7 px through 8 px cells; a component of noise is a few pixels (5 px: 20 px^2).
+# 9 px and keeps >= 7.9 px through 8 px cells; a component of noise is a few pixels (5 px: 20 px^2).
 MIN_DIAMETER = 5 * PX
 MAX_DIAMETER = 32 * PX  # above: a region of colour, not a blob (the largest drawn is 22 px)
 # "a big red blob and a small blue blob": the red blob's area is at least 1.33 times the blue
