@@ -486,9 +486,9 @@ with `flowgrpo data prepare compose`.
 COMPOSE_VERIFIER_DESCRIPTION = """\
 Measure the compose verifier: for every prompt of the grammar and SEEDS seeds, the share of
 images judged correct (and the mean partial credit) per category, on the prompt's own images
-(sharp; through 2, 4 and 8 px cells as the 64 px model's codec sees them; washed out), on noise,
-on smooth colour fields and on another prompt's image. Prints a markdown table (the one in
-docs/compose_task.md is --seeds 10, about a minute on one core).
+(sharp; through 2, 4 and 8 px cells averaged and upsampled bilinearly; through the tiny drawing
+model's cell codec, and faded), on noise, on smooth colour fields and on another prompt's image.
+Prints a markdown table (the one in docs/compose_task.md is --seeds 10, about a minute of CPU).
 """
 
 

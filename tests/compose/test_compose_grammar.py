@@ -26,14 +26,14 @@ from flowgrpo.compose.grammar import (
     prompt_of,
 )
 
-# 8 colours; ordered pairs of two different colours: 8 * 7 = 56
+# 7 colours; ordered pairs of two different colours: 7 * 6 = 42
 EXPECTED_SIZES = {
-    "single": 8,
-    "two_object": 56,
-    "counting": 8 * 4,  # counts 1..4
-    "position": 8 * 4,  # left, right, top, bottom
-    "relation": 56 * 4,  # left of, right of, above, below
-    "attribution": 56 * 2,  # the first blob big or small
+    "single": 7,
+    "two_object": 42,
+    "counting": 7 * 4,  # counts 1..4
+    "position": 7 * 4,  # left, right, top, bottom
+    "relation": 42 * 4,  # left of, right of, above, below
+    "attribution": 42 * 2,  # the first blob big or small
 }
 
 
@@ -56,7 +56,7 @@ def test_the_categories_hold_every_combination() -> None:
     [
         ("a red blob", Single("red")),
         ("a red blob and a blue blob", TwoObjects("red", "blue")),
-        ("one black blob", Counting("black", 1)),
+        ("one white blob", Counting("white", 1)),
         ("three green blobs", Counting("green", 3)),
         ("a cyan blob at the bottom", Position("cyan", "bottom")),
         ("a red blob to the left of a blue blob", Relation("red", "left of", "blue")),
@@ -79,6 +79,7 @@ def test_prompts_read_as_written(prompt: str, spec: object) -> None:
         ("a red blob on the top", "word 6, 'top'"),
         ("an orange blob", "word 1, 'an'"),
         ("a orange blob", "word 2, 'orange'"),
+        ("a black blob", "word 2, 'black'"),  # invisible on the dark background: not a colour here
         ("a red square", "word 3, 'square'"),
         ("three green blob", "word 3, 'blob'"),
         ("one green blobs", "word 3, 'blobs'"),

@@ -42,7 +42,7 @@ def test_a_layout_holds_exactly_the_prompts_blobs_inside_the_image_and_apart() -
             assert 9 <= d.diameter <= 22, (spec, d)
         for a, b in itertools.combinations(discs, 2):
             gap = math.hypot(a.x - b.x, a.y - b.y) - a.radius - b.radius
-            assert gap >= (14 if a.colour == b.colour else 6), (spec, a, b)
+            assert gap >= (16 if a.colour == b.colour else 6), (spec, a, b)
 
 
 def test_sizes_sides_and_directions_are_drawn_with_margins() -> None:

@@ -79,7 +79,7 @@ def test_the_builder_makes_it_from_the_recipe_and_metrics_average_per_category()
         _sample(LEFT_OF, LEFT_OF, 1),
         _sample(LEFT_OF, RIGHT_OF, 2),
         _sample(Counting("green", 3), Counting("green", 3), 3),
-        _sample(Position("black", "top"), Position("black", "top"), 4),
+        _sample(Position("white", "top"), Position("white", "top"), 4),
     ]
     results = model.score(samples).results
     assert [r.reward for r in results] == [1.0, 0.0, 1.0, 1.0]

@@ -23,7 +23,7 @@ from flowgrpo.compose.grammar import (
     TwoObjects,
     all_specs,
 )
-from flowgrpo.compose.measure import codec_blur, fade, noise_image, smooth_field
+from flowgrpo.compose.measure import cell_codec, codec_blur, fade, noise_image, smooth_field
 from flowgrpo.compose.palette import BACKGROUND, PALETTE
 from flowgrpo.compose.render import Disc, paint, render
 from flowgrpo.compose.verify import Object, analyse, detect, relations, verify
@@ -34,9 +34,9 @@ def _image(spec: Spec, seed: int) -> np.ndarray:
 
 
 def test_blobs_are_found_where_they_were_painted() -> None:
-    discs = (Disc("red", 15.0, 20.0, 12.0), Disc("cyan", 45.5, 44.0, 20.0), Disc("black", 48.0, 12.0, 9.0))
+    discs = (Disc("red", 15.0, 20.0, 12.0), Disc("cyan", 45.5, 44.0, 20.0), Disc("white", 48.0, 12.0, 9.0))
     found = {b.colour: b for b in detect(paint(discs, 64))}
-    assert sorted(found) == ["black", "cyan", "red"]
+    assert sorted(found) == ["cyan", "red", "white"]
     for disc in discs:
         blob = found[disc.colour]
         assert blob.centroid == pytest.approx((disc.x, disc.y), abs=0.05)
@@ -65,10 +65,12 @@ def test_every_prompts_own_images_pass(cell: int) -> None:
             assert verdict.correct and verdict.score == 1.0, (spec, verdict.reasons())
 
 
-def test_washed_out_blurred_images_still_pass() -> None:
-    for index, spec in enumerate(all_specs()[::4]):
-        verdict = verify(spec, fade(codec_blur(_image(spec, index), 8), 0.3))
-        assert verdict.correct, (spec, verdict.reasons())
+def test_images_through_the_codec_pass_washed_out_too() -> None:
+    for index, spec in enumerate(all_specs()[::2]):
+        through = cell_codec(_image(spec, index))
+        for image in (through, fade(through, 0.3)):
+            verdict = verify(spec, image)
+            assert verdict.correct, (spec, verdict.reasons())
 
 
 def test_noise_and_colour_fields_fail_every_category() -> None:
@@ -146,7 +148,7 @@ def test_regions_and_clutter_are_not_blobs() -> None:
     assert scene.blobs == () and [r.colour for r in scene.regions] == ["red"]
     assert _failed(Single("red"), wash) == ["present", "nothing_else"]
     orange_stripe = paint((Disc("red", 20.0, 20.0, 12.0),), 64)
-    orange_stripe[50:56, :] = (240, 140, 20)  # 27 degrees from yellow, 38 from red: no colour's
+    orange_stripe[50:56, :] = (255, 100, 0)  # 28 degrees from yellow, 30 from red: no colour's
     assert analyse(orange_stripe).clutter == pytest.approx(6 / 64)
     assert _failed(Single("red"), orange_stripe) == ["nothing_else"]
 
@@ -176,5 +178,5 @@ def test_the_palettes_colours_point_far_apart_from_the_background() -> None:
     for a, b in itertools.combinations(COLOURS, 2):
         u, v = vectors[a], vectors[b]
         cosine = sum(x * y for x, y in zip(u, v, strict=True)) / (math.hypot(*u) * math.hypot(*v))
-        assert math.degrees(math.acos(cosine)) >= 59.0, (a, b)
-    assert min(math.hypot(*v) for v in vectors.values()) > 100
+        assert math.degrees(math.acos(cosine)) >= 54.0, (a, b)
+    assert min(math.hypot(*v) for v in vectors.values()) > 150

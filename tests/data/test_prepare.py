@@ -154,7 +154,7 @@ def test_compose_lines_outside_the_grammar_are_bad_and_the_ground_truth_is_canon
         (9, "a cyan blob at the bottom", "a cyan blob at the bottom"),
     ]
     assert [r["ground_truth"] for r in rows["test"]] == [
-        "a white blob below a black blob",
+        "a white blob below a blue blob",
         "four yellow blobs",
     ]
     with pytest.raises(DatasetError, match=r"compose/train.txt: 3 bad lines \(line 2: not in the compose"):
@@ -164,5 +164,5 @@ def test_compose_lines_outside_the_grammar_are_bad_and_the_ground_truth_is_canon
 def test_the_compose_example_prepares_whole(tiny_checkpoint: Path, tmp_path: Path) -> None:
     example = Path(__file__).resolve().parents[2] / "examples" / "data" / "compose"
     rows = _prepare(tiny_checkpoint, example, tmp_path / "out", kind="compose", on_bad_line="fail")
-    assert len(rows["train"]) + len(rows["test"]) == 464  # every prompt of the grammar, once
+    assert len(rows["train"]) + len(rows["test"]) == 357  # every prompt of the grammar, once
     assert all(r["ground_truth"] == r["prompt"] and r["data_source"] == "compose" for r in rows["train"])

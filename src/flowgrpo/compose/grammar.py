@@ -1,6 +1,6 @@
 """The compositional prompt grammar: GenEval's categories in miniature, over coloured blobs.
 
-Objects are soft discs on a plain grey background; what tells them apart is their colour and,
+Objects are soft discs on a plain dark-grey background; what tells them apart is their colour and,
 in ``attribution`` prompts, their size. Every prompt of the grammar is one of (examples)::
 
     single       a red blob
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal, get_args
 
-Colour = Literal["red", "yellow", "green", "cyan", "blue", "purple", "white", "black"]
+Colour = Literal["red", "yellow", "green", "cyan", "blue", "purple", "white"]
 Size = Literal["big", "small"]
 Side = Literal["left", "right", "top", "bottom"]
 Direction = Literal["left of", "right of", "above", "below"]  # where the first blob is, from the second

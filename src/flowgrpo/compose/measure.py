@@ -5,7 +5,9 @@ For every prompt of the grammar and several seeds, the verifier reads:
 - ``rendered``: the prompt's own image (:func:`flowgrpo.compose.render.render`): should pass;
 - ``cells2``, ``cells4``, ``cells8``: that image through :func:`codec_blur` with cells of 2, 4
   and 8 pixels (8: the 64 px model's 8 x 8 latent grid): should still pass;
-- ``faded8``: ``cells8`` faded ``FADE`` of the way to the background (washed-out colours);
+- ``codec``: that image through the tiny drawing model's own autoencoder, the cell codec
+  (:func:`cell_codec`, its maps in numpy; a test checks them against the model's): should pass;
+- ``faded``: ``codec`` faded ``FADE`` of the way to the background (a latent drawn too small);
 - ``noise``: uniform noise; ``field``: a smooth random colour field (bilinear from a random
   4 x 4 grid, what an untrained model draws): should fail;
 - ``mismatched``: the image of another prompt of the grammar drawn at random: passes at the
@@ -28,8 +30,10 @@ from flowgrpo.compose.palette import BACKGROUND
 from flowgrpo.compose.render import render
 from flowgrpo.compose.verify import verify
 
-CONDITIONS = ("rendered", "cells2", "cells4", "cells8", "faded8", "noise", "field", "mismatched")
-FADE = 0.3  # faded8: cells8, then this share of the way to the background (desaturated colours)
+CONDITIONS = ("rendered", "cells2", "cells4", "cells8", "codec", "faded", "noise", "field", "mismatched")
+FADE = 0.3  # faded: the codec's image, then this share of the way to the background
+CODEC_CELL = 8  # pixels per latent cell of the cell codec
+CODEC_ROUNDS = 3  # its decoder's upsamplings: 2x nearest, then a [1, 2, 1] / 4 blur per axis
 Image = npt.NDArray[np.uint8]
 
 
@@ -57,6 +61,34 @@ def _bilinear_weights(cells: int, cell: int) -> npt.NDArray[np.float64]:
     if cells > 1:
         weights[np.arange(cells * cell), low + 1] += frac
     return weights
+
+
+def cell_codec(image: Image) -> Image:
+    """``image`` encoded and decoded by the cell codec (``flowgrpo.models.bagel.codec``), in numpy:
+    each 8 x 8 cell's mean difference from the background, upsampled by three rounds of (repeat
+    2 x 2, then the [1, 2, 1] / 4 blur per axis with background beyond the edges), the
+    background added back, clamped and rounded."""
+    height, width, _ = image.shape
+    if height % CODEC_CELL or width % CODEC_CELL:
+        raise ValueError(f"a {height} x {width} image is not made of {CODEC_CELL}-pixel cells")
+    background = np.array(BACKGROUND, np.float64)
+    shape = (height // CODEC_CELL, CODEC_CELL, width // CODEC_CELL, CODEC_CELL, 3)
+    x: npt.NDArray[np.float64] = (image.astype(np.float64) - background).reshape(shape).mean(axis=(1, 3))
+    for _ in range(CODEC_ROUNDS):
+        x = _blur_121(_blur_121(x.repeat(2, axis=0).repeat(2, axis=1), 0), 1)
+    return np.round(x + background).clip(0, 255).astype(np.uint8)
+
+
+def _blur_121(x: npt.NDArray[np.float64], axis: int) -> npt.NDArray[np.float64]:
+    """The [1, 2, 1] / 4 blur along ``axis``, with 0 (the background) beyond the edges."""
+    padded = np.pad(x, [(1, 1) if a == axis else (0, 0) for a in range(x.ndim)])
+    n = x.shape[axis]
+    out: npt.NDArray[np.float64] = (
+        padded.take(range(n), axis)
+        + 2 * padded.take(range(1, n + 1), axis)
+        + padded.take(range(2, n + 2), axis)
+    ) / 4
+    return out
 
 
 def fade(image: Image, share: float) -> Image:
@@ -120,7 +152,8 @@ def _images(spec: Spec, specs: Sequence[Spec], rng: np.random.Generator, size: i
         "cells2": lambda: codec_blur(own, 2),
         "cells4": lambda: codec_blur(own, 4),
         "cells8": lambda: codec_blur(own, 8),
-        "faded8": lambda: fade(codec_blur(own, 8), FADE),
+        "codec": lambda: cell_codec(own),
+        "faded": lambda: fade(cell_codec(own), FADE),
         "noise": lambda: noise_image(rng, size),
         "field": lambda: smooth_field(rng, size),
         "mismatched": lambda: render(other, rng, size),

@@ -3,12 +3,12 @@
 A test prompt's combination never appears in a training prompt, while each of its parts does:
 
 - two colours together (``two_object``, ``relation``, ``attribution``): the colour pairs
-  ``(COLOURS[i], COLOURS[i + 3 mod 8])`` are test pairs, 8 of the 28, each colour in two of them.
+  ``(COLOURS[i], COLOURS[i + 3 mod 7])`` are test pairs, 7 of the 21, each colour in two of them.
   Every prompt naming a test pair is a test prompt, so no training image holds those two
   colours together, in any category or order;
 - ``counting``: the (colour, count) pairs ``(COLOURS[i], 1 + i mod 4)``: each count for two colours;
 - ``position``: the (colour, side) pairs ``(COLOURS[i], SIDES[i + 1 mod 4])``: each side for two;
-- ``single``: every fourth colour (cyan, black), so that the category is in both splits.
+- ``single``: every third colour from the third (green, purple), so the category is in both.
 
 ``flowgrpo data compose-prompts OUT_DIR`` writes ``train.txt`` and ``test.txt`` (one prompt per
 line, the grammar's order), the layout ``flowgrpo data prepare compose`` reads; the files in
@@ -38,7 +38,7 @@ from flowgrpo.compose.grammar import (
 )
 from flowgrpo.fileio import atomic_write
 
-PAIR_STEP = 3  # test pairs join each colour to the one 3 places on: 8 distinct pairs, 2 per colour
+PAIR_STEP = 3  # test pairs join each colour to the one 3 places on: 7 distinct pairs, 2 per colour
 SPLITS = ("train", "test")
 
 
@@ -61,7 +61,7 @@ def is_test(spec: Spec) -> bool:
     if pair is not None:
         return pair in held_out_pairs()
     if isinstance(spec, Single):
-        return COLOURS.index(spec.colour) % 4 == 3
+        return COLOURS.index(spec.colour) % 3 == 2
     if isinstance(spec, Counting):
         return spec.count == COUNTS[COLOURS.index(spec.colour) % len(COUNTS)]
     assert isinstance(spec, Position)

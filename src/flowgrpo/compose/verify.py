@@ -3,7 +3,7 @@
 Detection (:func:`analyse`, :func:`detect`) reads each pixel as the background plus ``alpha``
 times one palette colour: the colour is the one whose direction from the background is closest
 to the pixel's (within ``COS_MIN``), ``alpha`` how far along it the pixel lies. A blob blurred
-into the background, or desaturated towards mid grey, keeps its direction and only loses
+into the background, or faded towards it (a latent drawn too small), keeps its direction and loses
 ``alpha``, so its skirt still counts as the blob. Pixels of one colour with ``alpha`` of at
 least ``ALPHA_EDGE`` are grouped into connected components (``scipy.ndimage.label``); a
 component is a blob when its peak reaches ``ALPHA_PEAK`` and its size is that of a blob. A
@@ -57,19 +57,19 @@ from flowgrpo.compose.palette import BACKGROUND, PALETTE
 
 PX = 1 / 64  # one pixel of a 64 px image, as a fraction of the side
 # A pixel is of a colour when its direction from the background lies within 25 degrees of the
-# colour's: the closest two colours are 59 degrees apart, so no pixel is near two of them, and
+# colour's: the closest two colours are 54 degrees apart, so no pixel is near two of them, and
 # blur between a blob and the background keeps the direction exactly.
 COS_MIN = math.cos(math.radians(25))
 # A blob's pixels: from 10% of its colour. Seen through 8 px cells (the 64 px model's latent
 # grid) the smallest blob drawn (9 px) becomes a wide, faint bump peaking at 0.25 at worst; its
 # skirt must be counted for its mass to be right, and it must survive colours washed out by 40%
-# (measured: faded8). Two blobs of one colour are drawn 14 px apart, and their skirts stay apart.
+# (measured: faded). Two blobs of one colour are drawn 16 px apart, and their skirts stay apart.
 ALPHA_EDGE = 0.10
 # ... and a component is a blob only where it reaches 15% of the colour somewhere: that 9 px
 # blob through 8 px cells, washed out by 40% (0.25 * 0.6).
 ALPHA_PEAK = 0.15
 # The smallest blob, by mass as the diameter of a full disc of that area: the smallest drawn is
-# 9 px and keeps >= 7.9 px through 8 px cells; a component of noise is a few pixels (5 px: 20 px^2).
+# 9 px and keeps >= 7.6 px through the codec; a component of noise is a few pixels (5 px: 20 px^2).
 MIN_DIAMETER = 5 * PX
 MAX_DIAMETER = 32 * PX  # above: a region of colour, not a blob (the largest drawn is 22 px)
 # "a big red blob and a small blue blob": the red blob's area is at least 1.33 times the blue
@@ -84,9 +84,10 @@ POSITION_MARGIN = 0.05  # "on the left": centre left of 0.5 - 0.05 of the width 
 RELATION_SHRINK = 0.1
 RELATION_SHARE = 0.5
 # Clutter: a pixel this far (RGB distance) from the background, in no blob: something is there.
-# 40 is a quarter of the nearest colour's distance (purple, 108) and far above rounding noise.
-CLUTTER_DISTANCE = 40.0
-MAX_CLUTTER = 0.03  # of the image; a rendered image has none, a blurred one < 1% (blob junctions)
+# 50 is a third of the dimmest colour's distance (yellow, cyan: 156); Gaussian pixel noise of
+# sigma 12 stays below it (at 40, a 3.3 sigma distance, it filled 3% of the image).
+CLUTTER_DISTANCE = 50.0
+MAX_CLUTTER = 0.03  # of the image; a rendered image has none, one through the codec < 0.4%
 MIN_SIDE, MAX_SIDE = 16, 1024  # pixels; larger images are refused, not read slowly
 
 _DIRECTIONS = np.array([PALETTE[c] for c in COLOURS], np.float64) - np.array(BACKGROUND, np.float64)
