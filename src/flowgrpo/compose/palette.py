@@ -2,8 +2,8 @@
 
 The background is the cell codec's (``flowgrpo.models.bagel.codec.BACKGROUND``, -0.6 in [-1, 1]:
 51 of 255), the tiny drawing model's zero latent: a plain background encodes to nothing, and the
-decoder's zero padding at the image border is background too (any other grey would darken the
-border into a frame). A test checks the two agree; this module stays free of torch.
+decoder's zero padding at the image border is background too (on any other grey the codec would
+draw a frame of its own grey along the border). A test checks the two agree; this module stays free of torch.
 
 The colours are chosen so that the verifier can classify a pixel by the *direction* of its
 colour away from the background: a blob blurred into the background, or faded towards it (a
