@@ -46,6 +46,8 @@ examples:
   flowgrpo make-tiny-bagel /tmp/tiny   a tiny random BAGEL checkpoint in the published layout
   flowgrpo data prepare ocr --model-path /tmp/tiny --input-dir examples/data/tiny_ocr --output-dir /tmp/ocr
                                   prompt files -> train/test.parquet + meta.json (see data prepare --help)
+  flowgrpo data compose-prompts examples/data/compose   the compose task's prompts, split by combination
+  flowgrpo data compose-verifier  the compose verifier's accuracy per category (docs/compose_task.md)
   flowgrpo serve rollout rollout.checkpoint=/tmp/tiny server.port=50051
   flowgrpo generate --checkpoint /ckpt/BAGEL-7B-MoT --prompt "a red fox" --out images/
 """
@@ -374,11 +376,14 @@ output: OUTPUT_DIR/train.parquet, OUTPUT_DIR/test.parquet and OUTPUT_DIR/meta.js
 kinds:  pickscore  the ground truth is the prompt itself (the caption PickScore scores against)
         ocr        the ground truth is the text between the first pair of double quotes
                    ("..."), which the image should show
+        compose    a prompt of the compose grammar (coloured blobs: docs/compose_task.md); the
+                   ground truth is its canonical form, which the compose reward verifies
 
 lines:  surrounding whitespace is stripped; empty lines are skipped; a repeated line is dropped
-        (the first one is kept); an ocr line without a double-quoted span, or with an empty one,
-        is reported with its file and line number and dropped (or fails the command with
-        --on-bad-line fail). Each is counted in the summary and in meta.json.
+        (the first one is kept); a bad line (ocr: without a double-quoted span, or with an empty
+        one; compose: outside the grammar, with the word it could not read) is reported with its
+        file and line number and dropped (or fails the command with --on-bad-line fail). Each is
+        counted in the summary and in meta.json.
 
 prompt_uid = <split>-<16 hex digits of sha256(prompt)>: it depends on the text only, so it
 stays the same when lines are added, removed or reordered, and runs compare prompt by prompt.
@@ -397,6 +402,8 @@ examples:
       --output-dir data/ocr --on-bad-line fail
   flowgrpo data prepare ocr --model-path /ckpt/BAGEL-7B-MoT --input-dir ocr/ --splits test \\
       --output-dir data/ocr-test
+  flowgrpo data prepare compose --model-path /tmp/tiny --input-dir examples/data/compose \\
+      --output-dir /tmp/compose-data --on-bad-line fail
 """
 
 
@@ -441,7 +448,9 @@ def _add_data_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     prep.set_defaults(fn=_cmd_data_prepare)
     _add_debug(prep)
-    prep.add_argument("kind", choices=["pickscore", "ocr"], help="what the reward compares with (see kinds)")
+    prep.add_argument(
+        "kind", choices=["pickscore", "ocr", "compose"], help="what the reward compares with (see kinds)"
+    )
     prep.add_argument(
         "--model-path", required=True, metavar="DIR",
         help="the BAGEL checkpoint folder the dataset is for (its tokenizer.json is used)",
@@ -462,7 +471,8 @@ def _add_data_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )  # fmt: skip
     prep.add_argument(
         "--on-bad-line", choices=["drop", "fail"], default="drop",
-        help="an ocr line without a usable quoted span: drop it and report it (default), or fail",
+        help="a bad line (ocr: no usable quoted span; compose: outside the grammar): drop it and "
+        "report it (default), or fail",
     )  # fmt: skip
     prep.add_argument(
         "--data-source", default="", metavar="NAME",
@@ -470,6 +480,77 @@ def _add_data_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )  # fmt: skip
     prep.add_argument(
         "--no-progress", action="store_true", help="no progress bar (it shows only on a terminal)"
+    )
+    _add_compose_commands(actions)
+
+
+COMPOSE_PROMPTS_DESCRIPTION = """\
+Write the compose task's prompt files: OUTPUT_DIR/train.txt and OUTPUT_DIR/test.txt, one prompt
+per line, every prompt of the grammar in one of them. The split is by combination: a test
+prompt's pair of colours, (colour, count) or (colour, side) never appears in a training prompt
+(docs/compose_task.md). examples/data/compose holds this command's output. Prepare the files
+with `flowgrpo data prepare compose`.
+"""
+
+COMPOSE_VERIFIER_DESCRIPTION = """\
+Measure the compose verifier: for every prompt of the grammar and SEEDS seeds, the share of
+images judged correct (and the mean partial credit) per category, on the prompt's own images
+(sharp; through 2, 4 and 8 px cells averaged and upsampled bilinearly; through the tiny drawing
+model's cell codec, and faded), on noise, on smooth colour fields and on another prompt's image.
+Prints a markdown table (the one in docs/compose_task.md is --seeds 10, about a minute of CPU).
+"""
+
+
+def _cmd_data_compose_prompts(args: argparse.Namespace) -> int:
+    from flowgrpo.compose.split import summary, write_prompt_files
+
+    written = write_prompt_files(args.output_dir)
+    print("\n".join(summary()))
+    print("wrote " + " and ".join(str(path) for path in written.values()))
+    return 0
+
+
+def _cmd_data_compose_verifier(args: argparse.Namespace) -> int:
+    if not 1 <= args.seeds <= 1000:
+        raise UsageError(f"--seeds {args.seeds}: give 1 to 1000")
+    try:
+        from flowgrpo.compose.measure import format_table, measure
+    except ImportError as error:
+        if error.name != "scipy":
+            raise
+        print("flowgrpo data compose-verifier: needs scipy: pip install scipy", file=sys.stderr)
+        return 2
+    table = measure(seeds=args.seeds)
+    print(format_table(table))
+    return 0
+
+
+def _add_compose_commands(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    prompts = actions.add_parser(
+        "compose-prompts",
+        help="write the compose task's train.txt / test.txt (split by combination)",
+        description=COMPOSE_PROMPTS_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    prompts.set_defaults(fn=_cmd_data_compose_prompts)
+    _add_debug(prompts)
+    prompts.add_argument(
+        "output_dir", metavar="OUTPUT_DIR", help="folder for train.txt and test.txt (created)"
+    )
+    verifier = actions.add_parser(
+        "compose-verifier",
+        help="measure the compose verifier's accuracy per category (a markdown table)",
+        description=COMPOSE_VERIFIER_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    verifier.set_defaults(fn=_cmd_data_compose_verifier)
+    _add_debug(verifier)
+    verifier.add_argument(
+        "--seeds",
+        type=int,
+        default=10,
+        metavar="N",
+        help="images per prompt and condition (default: %(default)s)",
     )
 
 

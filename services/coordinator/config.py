@@ -44,7 +44,7 @@ class DataConfig:
     dataset: str = ""  # folder written by `flowgrpo data prepare` (train.parquet, test.parquet, meta.json)
     # or: a folder of train.txt / test.txt, prepared into <run_dir>/data with the run's tokenizer
     prompts: str = ""
-    kind: Literal["pickscore", "ocr"] = "pickscore"  # how `prompts` are prepared (ocr: quoted targets)
+    kind: Literal["pickscore", "ocr", "compose"] = "pickscore"  # how `prompts` are prepared (data.md)
     prompts_per_step: int = knob(48, 1, 1_000_000)  # prompt groups per training step
     group_size: int = knob(16, 1, 100_000)  # G: samples per prompt
     val_prompts: int = knob(16, 0, 1_000_000)  # a fixed subset of the test split, scored at every validation

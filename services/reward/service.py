@@ -31,6 +31,7 @@ from flowgrpo.bus import BusClient, BusError, Fetched, TensorRef
 from flowgrpo.bus.refs import endpoint_problem
 from flowgrpo.rewards import RewardModel, Sample, build_reward
 from flowgrpo.rewards.combine import Batch, Scored
+from flowgrpo.rewards.images import MAX_SIDE
 from flowgrpo.runtime import Actor, InvalidArgument, message
 from flowgrpo.services.reward.config import RewardServiceConfig
 from flowgrpo.services.reward.stream import Pump, take_batch
@@ -42,7 +43,7 @@ tracer = trace.get_tracer(__name__)
 
 STAGE = common_pb2.StageSpec(stage="reward", consumes=["images"], produces=[])
 ErrorCode = common_pb2.ErrorCode
-MAX_IMAGE_SIDE = 8192  # pixels
+MAX_IMAGE_SIDE = MAX_SIDE  # pixels: what check_image takes
 MAX_TEXT_CHARS = 65536  # prompt, ground truth
 MAX_ID_CHARS = 1024  # sample id, bus key, store id
 MAX_METADATA = 64  # entries; keys of at most MAX_ID_CHARS, values of at most MAX_TEXT_CHARS

@@ -19,5 +19,5 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def prompts(tmp_path: Path) -> Path:
-    """A writable copy of tests/data/prompts (``pickscore/`` and ``ocr/``)."""
+    """A writable copy of tests/data/prompts (``pickscore/``, ``ocr/`` and ``compose/``)."""
     return Path(shutil.copytree(PROMPTS, tmp_path / "prompts"))

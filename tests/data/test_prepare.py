@@ -1,4 +1,4 @@
-"""Preparation of both kinds from small files: counts, bad lines, truncation, duplicates, uids."""
+"""Preparation of every kind from small files: counts, bad lines, truncation, duplicates, uids."""
 
 from __future__ import annotations
 
@@ -133,3 +133,36 @@ def test_input_errors_name_the_file_and_the_fix(tiny_checkpoint: Path, prompts: 
     with pytest.raises(DatasetError, match=r"max length 2"):
         _prepare(tiny_checkpoint, prompts / "ocr", tmp_path / "out", kind="ocr", max_length=2)
     assert not (tmp_path / "out").exists()
+
+
+def test_compose_lines_outside_the_grammar_are_bad_and_the_ground_truth_is_canonical(
+    tiny_checkpoint: Path, prompts: Path, tmp_path: Path
+) -> None:
+    rows = _prepare(tiny_checkpoint, prompts / "compose", tmp_path / "out", kind="compose")
+    train = json.loads((tmp_path / "out" / "meta.json").read_text())["splits"]["train"]
+    assert train["counts"] == {"read": 9, "empty": 1, "duplicate": 1, "bad": 3, "kept": 4, "truncated": 0}
+    assert [(b["line"], b["reason"]) for b in train["bad_lines"]] == [
+        (2, "not in the compose grammar, word 4, 'in': expected 'and', 'on the', 'at the', 'to the left "
+         "of', 'to the right of', 'above' or 'below'"),
+        (7, "not in the compose grammar, word 9, 'red': the two blobs need different colours"),
+        (8, "not in the compose grammar, word 4, 'at': expected the end of the prompt"),
+    ]  # fmt: skip
+    assert [(r["line"], r["prompt"], r["ground_truth"]) for r in rows["train"]] == [
+        (1, "a red blob", "a red blob"),
+        (3, "three green blobs", "three green blobs"),
+        (5, "A Big Red blob and a  small BLUE blob", "a big red blob and a small blue blob"),
+        (9, "a cyan blob at the bottom", "a cyan blob at the bottom"),
+    ]
+    assert [r["ground_truth"] for r in rows["test"]] == [
+        "a white blob below a blue blob",
+        "four yellow blobs",
+    ]
+    with pytest.raises(DatasetError, match=r"compose/train.txt: 3 bad lines \(line 2: not in the compose"):
+        _prepare(tiny_checkpoint, prompts / "compose", tmp_path / "o", kind="compose", on_bad_line="fail")
+
+
+def test_the_compose_example_prepares_whole(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "data" / "compose"
+    rows = _prepare(tiny_checkpoint, example, tmp_path / "out", kind="compose", on_bad_line="fail")
+    assert len(rows["train"]) + len(rows["test"]) == 357  # every prompt of the grammar, once
+    assert all(r["ground_truth"] == r["prompt"] and r["data_source"] == "compose" for r in rows["train"])

@@ -25,6 +25,11 @@ def test_a_uint8_hwc_image_passes_and_comes_back_contiguous() -> None:
         (np.zeros((8, 8), np.uint8), "shape [8, 8] is not [H, W, 3]"),
         (np.zeros((8, 8, 4), np.uint8), "shape [8, 8, 4] is not [H, W, 3]"),
         (np.zeros((0, 8, 3), np.uint8), "empty image"),
+        (np.zeros((8193, 1, 3), np.uint8), "8193 x 1 pixels; at most 8192 a side"),
+        (
+            np.broadcast_to(np.float32(np.nan), (1, 100_000, 3)),
+            "1 x 100000 pixels; at most 8192",
+        ),  # not scanned
         ([[1, 2, 3]], "expected a numpy array"),
     ],
 )

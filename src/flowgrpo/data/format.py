@@ -31,7 +31,7 @@ FORMAT_NAME = "flowgrpo-prompts"
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
 TOKENIZER_FILE = "tokenizer.json"  # in the checkpoint folder
-KINDS = ("pickscore", "ocr")
+KINDS = ("pickscore", "ocr", "compose")
 SPLITS = ("train", "test")
 
 # column -> (arrow type, meaning); the order is the files' column order
@@ -44,7 +44,10 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "prompt": (pa.string(), "the prompt text (the input line, whitespace-stripped)"),
     "prompt_ids": (pa.list_(pa.int64()), "<|im_start|> + tokens + <|im_end|>, at most max_length"),
     "truncated": (pa.bool_(), "the prompt body was cut to fit max_length"),
-    "ground_truth": (pa.string(), "reward ground truth: the caption (pickscore) or the OCR target"),
+    "ground_truth": (
+        pa.string(),
+        "reward ground truth: the caption (pickscore), the OCR target, or the canonical compose prompt",
+    ),
 }
 
 
@@ -86,7 +89,7 @@ class SplitCounts:
     read: int  # lines in the input file
     empty: int  # blank lines, skipped
     duplicate: int  # repeats of an earlier line (after stripping), dropped; the first is kept
-    bad: int  # lines that cannot be used (an OCR line without a usable quoted span)
+    bad: int  # lines that cannot be used (OCR: no usable quoted span; compose: outside the grammar)
     kept: int  # rows written = read - empty - duplicate - bad
     truncated: int  # kept rows whose body was cut to max_length
 
@@ -112,7 +115,7 @@ class SplitMeta:
 class DatasetMeta:
     format: str
     format_version: int
-    kind: str  # pickscore | ocr
+    kind: str  # pickscore | ocr | compose
     data_source: str
     max_length: int
     tokenizer: TokenizerInfo

@@ -128,7 +128,7 @@ def check_tokenizer(meta: DatasetMeta, folder: str | Path, model_path: str | Pat
 
 
 def _fix(folder: Path, meta: DatasetMeta | None = None, model_path: str | Path | None = None) -> str:
-    kind = meta.kind if meta else "pickscore|ocr"
+    kind = meta.kind if meta else "pickscore|ocr|compose"
     sources = [Path(s.source).parent for s in meta.splits.values()] if meta else []
     input_dir = sources[0] if sources else "PROMPT_DIR"
     return (

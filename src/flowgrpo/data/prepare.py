@@ -1,14 +1,15 @@
 """Data preparation: flow_grpo-style prompt files -> a prepared dataset (:mod:`.format`).
 
 Input: ``<input-dir>/train.txt`` and ``<input-dir>/test.txt``, UTF-8, one prompt per line
-(flow_grpo's ``dataset/pickscore`` and ``dataset/ocr``). Each line is stripped of surrounding
-whitespace, then, in this order:
+(flow_grpo's ``dataset/pickscore`` and ``dataset/ocr``; ``flowgrpo data compose-prompts`` for
+``compose``). Each line is stripped of surrounding whitespace, then, in this order:
 
 1. an empty line is skipped (counted as ``empty``);
-2. for ``ocr``, a line without a double-quoted span, or whose first span is empty or blank, is a
-   bad line: dropped and reported with its line number (``on_bad_line="drop"``, counted as
-   ``bad``) or the whole preparation fails (``"fail"``). It is never kept: its reward would be
-   undefined;
+2. a bad line is dropped and reported with its line number (``on_bad_line="drop"``, counted as
+   ``bad``) or the whole preparation fails (``"fail"``): for ``ocr``, a line without a
+   double-quoted span, or whose first span is empty or blank; for ``compose``, a line the
+   grammar (:func:`flowgrpo.compose.grammar.parse`) cannot read, with the parser's reason. It
+   is never kept: its reward would be undefined;
 3. a line equal to an earlier kept line is dropped (counted as ``duplicate``); the first one is
    kept, so rows follow the file's order;
 4. the rest is tokenised once with the checkpoint's tokenizer as the sampler expects,
@@ -16,7 +17,10 @@ whitespace, then, in this order:
    (counted as ``truncated``).
 
 The ground truth is the prompt itself for ``pickscore`` (the caption PickScore compares the
-image with) and the first double-quoted span for ``ocr`` (the reward's own extractor). Nothing
+image with), the first double-quoted span for ``ocr`` (the reward's own extractor), and for
+``compose`` the canonical prompt of the line's spec, ``prompt_of(parse(line))``: the grammar is
+the one format of a spec (no second, JSON form to keep in step with it), the compose reward
+parses it again, and a line written with other case or spacing scores as its canonical form. Nothing
 is written until every split has been read and checked; then each ``<split>.parquet`` and last
 ``meta.json`` are written atomically (temporary file, fsync, rename).
 """
@@ -35,6 +39,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from flowgrpo import __version__
+from flowgrpo.compose.grammar import PromptError, parse, prompt_of
 from flowgrpo.config import to_dict
 from flowgrpo.data.format import (
     FORMAT_NAME,
@@ -61,7 +66,7 @@ from flowgrpo.rewards.ocr import extract_target
 
 @dataclass(frozen=True)
 class PrepareOptions:
-    kind: Literal["pickscore", "ocr"]
+    kind: Literal["pickscore", "ocr", "compose"]
     max_length: int = MAX_PROMPT_TOKENS  # tokens per prompt, both markers included
     splits: tuple[str, ...] = SPLITS  # which <split>.txt files to read; each must exist
     on_bad_line: Literal["drop", "fail"] = "drop"
@@ -109,6 +114,33 @@ def ocr_problem(text: str) -> str | None:
     if not target.strip():
         return "empty quoted span"
     return None
+
+
+def compose_problem(text: str) -> str | None:
+    """Why ``text`` is not a prompt of the compose grammar, or None when it is."""
+    try:
+        parse(text)
+    except PromptError as error:
+        return f"not in the compose grammar, {error.reason}"
+    return None
+
+
+def line_problem(kind: str, text: str) -> str | None:
+    """Why a (stripped, non-empty) line cannot be a prompt of ``kind``, or None."""
+    if kind == "ocr":
+        return ocr_problem(text)
+    if kind == "compose":
+        return compose_problem(text)
+    return None
+
+
+def ground_truth(kind: str, text: str) -> str:
+    """What the reward compares an image of a usable line with (see the module doc)."""
+    if kind == "ocr":
+        return extract_target(text) or ""
+    if kind == "compose":
+        return prompt_of(parse(text))
+    return text
 
 
 def report(meta: DatasetMeta, output_dir: str | Path, shown: int = 10) -> tuple[list[str], list[str]]:
@@ -189,7 +221,7 @@ def _select(lines: list[str], kind: str) -> tuple[list[_Line], int, int, list[Ba
         if not text:
             empty += 1
             continue
-        problem = ocr_problem(text) if kind == "ocr" else None
+        problem = line_problem(kind, text)
         if problem is not None:
             bad.append(BadLine(number, problem, text if len(text) <= 80 else text[:77] + "..."))
             continue
@@ -197,8 +229,7 @@ def _select(lines: list[str], kind: str) -> tuple[list[_Line], int, int, list[Ba
             duplicate += 1
             continue
         seen.add(text)
-        ground_truth = extract_target(text) if kind == "ocr" else text
-        kept.append(_Line(number, text, ground_truth or ""))
+        kept.append(_Line(number, text, ground_truth(kind, text)))
     return kept, empty, duplicate, bad
 
 

@@ -7,12 +7,13 @@
 - :mod:`~flowgrpo.rewards.judge`: transcription by a VLM behind an OpenAI-compatible server;
 - :mod:`~flowgrpo.rewards.offline_ocr`: transcription by RapidOCR (weights ship in the package);
 - :mod:`~flowgrpo.rewards.pickscore`: PickScore with a local CLIP (torch + transformers);
+- :mod:`~flowgrpo.rewards.compose`: the compose task's verifier (numpy + scipy, no weights);
 - :mod:`~flowgrpo.rewards.plugins`: user rewards ``path/to/file.py:function``;
 - :mod:`~flowgrpo.rewards.combine`: the weighted sum, ``critic/<name>/mean`` metrics;
 - :mod:`~flowgrpo.rewards.config` / :mod:`~flowgrpo.rewards.build`: typed configs and the builder;
 - :mod:`~flowgrpo.rewards.tiny_clip`: a random CLIP in the published layout (tests, demo, bench).
 
-This package imports neither torch nor the OCR engine; the modules that need them import them.
+This package imports neither torch, the OCR engine nor scipy; the modules that need them import them.
 """
 
 from flowgrpo.rewards.base import Outcome, Sample, SampleError, SampleScore, Scorer

@@ -1,5 +1,6 @@
 """Build the reward a :class:`~flowgrpo.rewards.config.RewardConfig` describes. Heavy scorers
-(PickScore: torch + transformers; offline OCR: onnxruntime) are imported only when configured."""
+(PickScore: torch + transformers; offline OCR: onnxruntime; compose: scipy) are imported only
+when configured."""
 
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ def build_scorer(spec: ScorerSpec, config: RewardConfig) -> Scorer:
         return OcrScorer(build_transcriber(config.ocr), name=spec.name)
     if spec.name == "pickscore":
         return _pickscore(config.pickscore)
+    if spec.name == "compose":
+        from flowgrpo.rewards.compose import ComposeScorer
+
+        return ComposeScorer(config.compose.score, name=spec.name)
     raise ValueError(f"unknown scorer {spec.name!r}")  # ScorerSpec.validate names the valid ones
 
 

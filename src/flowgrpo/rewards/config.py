@@ -8,6 +8,7 @@ settings. A recipe's ``reward:`` section::
         - {name: aesthetic, weight: 0.2, plugin: my_pkg.rewards:aesthetic}
       pickscore: {model: /ckpt/PickScore_v1, processor: /ckpt/CLIP-ViT-H-14, device: "cuda:0"}
       ocr: {engine: judge, judge: {base_url: "http://vllm:8000/v1"}}
+      compose: {score: partial}
 
 or on the command line: ``reward.scorers=[{name: jpeg_compressibility, weight: 1.0}]``.
 """
@@ -24,8 +25,9 @@ from flowgrpo.rewards.offline_ocr import OfflineOcrConfig
 
 # the image statistics (rewards/monitor.py) are meant with weight 0: curves to watch, not to optimise
 # "synthetic": the LOAD-TEST scorer (flowgrpo bench scale): a set delay per image, a cheap score
+# "compose": the compose task's verifier (docs/compose_task.md); numpy + scipy, no weights
 BUILTIN_SCORERS = ("pickscore", "ocr", "jpeg_compressibility", "jpeg_incompressibility", "image_brightness",
-                   "image_edge_density", "synthetic")  # fmt: skip
+                   "image_edge_density", "synthetic", "compose")  # fmt: skip
 
 
 @dataclass
@@ -70,10 +72,18 @@ class OcrConfig:
 
 
 @dataclass
+class ComposeConfig:
+    # partial: the share of the prompt's constraints met (denser for RL); strict: GenEval's
+    # all-or-nothing (1 when every constraint is met). Both log accuracy as an extra.
+    score: Literal["partial", "strict"] = "partial"
+
+
+@dataclass
 class RewardConfig:
     scorers: list[ScorerSpec] = field(default_factory=lambda: [ScorerSpec()])
     pickscore: PickScoreConfig = field(default_factory=PickScoreConfig)
     ocr: OcrConfig = field(default_factory=OcrConfig)
+    compose: ComposeConfig = field(default_factory=ComposeConfig)
     jpeg_quality: int = knob(95, 1, 100)
     # scorer "synthetic": simulated seconds of work per image
     synthetic_delay_s: float = knob(0.0, 0.0, 3600.0)

@@ -9,6 +9,7 @@ import numpy as np
 import numpy.typing as npt
 
 FORMAT = "uint8 [H, W, 3] RGB in 0..255"
+MAX_SIDE = 8192  # pixels: no generator here draws more; a larger array is refused before it is read
 
 
 class ImageError(ValueError):
@@ -19,6 +20,8 @@ def check_image(image: object, where: str = "image") -> npt.NDArray[np.uint8]:
     """``image`` as a C-contiguous uint8 [H, W, 3] array; raise :class:`ImageError` otherwise."""
     if not isinstance(image, np.ndarray):
         raise ImageError(f"{where}: expected a numpy array ({FORMAT}), got {type(image).__name__}")
+    if image.ndim == 3 and max(image.shape[:2]) > MAX_SIDE:  # before the dtype check scans it
+        raise ImageError(f"{where}: {image.shape[0]} x {image.shape[1]} pixels; at most {MAX_SIDE} a side")
     _check_dtype(image, where)
     if image.ndim != 3 or image.shape[2] != 3:
         hint = " (channels first? transpose to HWC)" if image.ndim == 3 and image.shape[0] == 3 else ""
