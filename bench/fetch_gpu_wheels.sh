@@ -16,5 +16,6 @@ pip_download \
     opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2 \
     opentelemetry-instrumentation==0.66b2 opentelemetry-instrumentation-grpc==0.66b2 \
     opentelemetry-exporter-otlp-proto-grpc==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 \
-    opentelemetry-proto==1.45.2 googleapis-common-protos==1.76.0 importlib-metadata zipp
+    opentelemetry-proto==1.45.2 googleapis-common-protos==1.76.0 importlib-metadata zipp \
+    scipy==1.16.3  # the compose verifier (connected components)
 ls .whl

@@ -47,6 +47,7 @@ examples:
   flowgrpo data prepare ocr --model-path /tmp/tiny --input-dir examples/data/tiny_ocr --output-dir /tmp/ocr
                                   prompt files -> train/test.parquet + meta.json (see data prepare --help)
   flowgrpo data compose-prompts examples/data/compose   the compose task's prompts, split by combination
+  flowgrpo data compose-images /tmp/pairs   rendered (prompt, image) pairs of the training prompts, for sft
   flowgrpo data compose-verifier  the compose verifier's accuracy per category (docs/compose_task.md)
   flowgrpo serve rollout rollout.checkpoint=/tmp/tiny server.port=50051
   flowgrpo generate --checkpoint /ckpt/BAGEL-7B-MoT --prompt "a red fox" --out images/
@@ -352,7 +353,9 @@ def _cmd_make_tiny_bagel(args: argparse.Namespace) -> int:
         if not corpus:
             raise UsageError(f"--drawer {args.drawer}: the prompt file holds no prompt")
         path = make_tiny_drawer(args.dir, corpus, seed=args.seed)
-        print(f"wrote an untrained tiny drawing BAGEL (the cell codec, a tokenizer of {args.drawer}) to {path}")
+        print(
+            f"wrote an untrained tiny drawing BAGEL (the cell codec, a tokenizer of {args.drawer}) to {path}"
+        )
         return 0
     path = make_tiny_bagel(args.dir, seed=args.seed, complete=args.complete, flux_ae=args.flux_ae)
     layout = "the complete published layout" if args.complete else "published layout"
@@ -510,6 +513,17 @@ def _cmd_data_compose_prompts(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_data_compose_images(args: argparse.Namespace) -> int:
+    from flowgrpo.compose.images import write_rendered_folder
+
+    prompts = _read_prompt_file(args.prompts)
+    if not prompts:
+        raise UsageError(f"--prompts {args.prompts}: the file holds no prompt")
+    count = write_rendered_folder(args.output_dir, prompts, args.layouts, seed=args.seed, size=args.size)
+    print(f"wrote {count} images ({args.layouts} layouts of {len(prompts)} prompts) to {args.output_dir}")
+    return 0
+
+
 def _cmd_data_compose_verifier(args: argparse.Namespace) -> int:
     if not 1 <= args.seeds <= 1000:
         raise UsageError(f"--seeds {args.seeds}: give 1 to 1000")
@@ -537,6 +551,18 @@ def _add_compose_commands(actions: argparse._SubParsersAction[argparse.ArgumentP
     prompts.add_argument(
         "output_dir", metavar="OUTPUT_DIR", help="folder for train.txt and test.txt (created)"
     )
+    images = actions.add_parser(
+        "compose-images",
+        help="render LAYOUTS images of every prompt of a compose prompt file as an image folder "
+        "(metadata.jsonl + PNGs): the data of flowgrpo sft",
+    )
+    images.set_defaults(fn=_cmd_data_compose_images)
+    _add_debug(images)
+    images.add_argument("output_dir", metavar="OUTPUT_DIR", help="the image folder (replaced atomically)")
+    images.add_argument("--prompts", default="examples/data/compose/train.txt", help="(default: %(default)s)")
+    images.add_argument("--layouts", type=int, default=32, help="images per prompt (default: %(default)s)")
+    images.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    images.add_argument("--size", type=int, default=64, help="image side in px (default: %(default)s)")
     verifier = actions.add_parser(
         "compose-verifier",
         help="measure the compose verifier's accuracy per category (a markdown table)",
@@ -794,7 +820,7 @@ class UsageError(Exception):
 # coordinator's image does not have. Anything else is a bug: its type and the --debug hint.
 USER_ERRORS = frozenset({
     "UsageError", "ConfigError", "YamlError", "FieldError", "InsecureBindError", "InsecureBusError",
-    "PluginError", "ResumeRefused", "CredentialsFileError", "ImageFolderError",
+    "PluginError", "ResumeRefused", "CredentialsFileError", "ImageFolderError", "PromptError",
 })  # fmt: skip
 RUN_ERRORS = frozenset({
     "OSError", "TimeoutError", "CheckpointError", "DatasetError", "RunError", "RunFolderBusy",

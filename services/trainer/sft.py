@@ -51,7 +51,13 @@ from flowgrpo.rewards.base import Sample
 from flowgrpo.rewards.build import build_reward
 from flowgrpo.rewards.combine import reward_metrics
 from flowgrpo.sampler_math import coordinate_seed
-from flowgrpo.services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from flowgrpo.services.trainer.checkpoint import (
+    CheckpointError,
+    checkpoint_steps,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from flowgrpo.services.trainer.config import OptimConfig
 from flowgrpo.services.trainer.distributed import Dist, close_distributed, full_tensor, init_distributed
 from flowgrpo.services.trainer.load import load_policy
@@ -345,14 +351,15 @@ class SftRun:
     def run(self) -> Path:
         cfg, checkpoints = self.cfg, self.run_dir / "checkpoints"
         step = 0
-        if (latest := latest_checkpoint(checkpoints)) is not None:
-            step = load_checkpoint(latest, self.trainer)
-            self.say(f"resumed from {latest} (step {step})")
+        if (start := self._start(checkpoints)) is not None:
+            step = load_checkpoint(start, self.trainer)
+            self.say(f"resumed from {start} (step {step})")
         else:
             self.log_eval(step, base=True)
         self.say(
             f"sft {cfg.name}: {len(self.data)} pairs, {cfg.steps} steps of {cfg.batch_size}, {self.run_dir}"
         )
+        trained_here = step < cfg.steps
         while step < cfg.steps:
             metrics = self.trainer.run(self.data, step)
             step += 1
@@ -364,12 +371,27 @@ class SftRun:
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
                 save_checkpoint(checkpoints, self.trainer, step, cfg.keep_last, base_model=cfg.model)
         update = self.trainer.update()
-        self.log_eval(step, update=update)
+        if trained_here:  # else this step's evaluation is in metrics.jsonl already
+            self.log_eval(step, update=update)
         out = self.run_dir / "model"
         if self.dist.rank == 0:
             export_model(cfg.model, update, out)
             self.say(f"wrote the fine-tuned model to {out}")
         return out
+
+    def _start(self, checkpoints: Path) -> Path | None:
+        """The checkpoint to go on from: the newest, or, when the run went past ``steps`` (the
+        same recipe run shorter), the one of step ``steps``: every draw and the learning rate
+        depend on the step alone, so it is the model a run of ``steps`` steps ends with."""
+        saved = checkpoint_steps(checkpoints)
+        if not saved or max(saved) <= self.cfg.steps:
+            return latest_checkpoint(checkpoints)
+        if self.cfg.steps not in saved:
+            raise CheckpointError(
+                f"{checkpoints} holds steps {sorted(saved)}, past steps={self.cfg.steps} and without it: "
+                "set steps to one of them, or another run_dir"
+            )
+        return saved[self.cfg.steps]
 
     def log_eval(self, step: int, *, base: bool = False, update: PolicyUpdate | None = None) -> None:
         """Evaluate the base (``base``) or the current weights; every rank calls it (the update
