@@ -243,7 +243,7 @@ class FlowMatchingStep:
 
 
 def _cache_dtype(model: BagelModel) -> torch.dtype:
-    """The dtype of a prefilled cache: the und path's, or bf16 under autocast."""
+    """The dtype of a prefilled cache: the und path's weights', or the autocast's."""
     autocast = compute_autocast(model)
     if isinstance(autocast, torch.autocast):
         return autocast.fast_dtype

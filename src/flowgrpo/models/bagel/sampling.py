@@ -144,13 +144,12 @@ def guided_velocity(
 
 def compute_autocast(model: BagelModel) -> contextlib.AbstractContextManager[object]:
     """bf16 (or fp16) autocast when the model's frozen weights are that dtype on a GPU, else a
-    no-op. The text embedding table tells the load dtype: the und path is never trained (the
-    generation heads are, by ``flowgrpo sft`` with ``policy.heads``).
+    no-op. The frozen ``vae2llm`` weight tells the load dtype (it is never trained).
 
     The rollout's forwards (prefill and :func:`guided_velocity`) and the trainer's run inside it
     alike: autocast runs some ops in fp32 (exp, pow, rsqrt, sums, softmax), so a rollout without
     it computes another bf16 function than the trainer (issue #23 measured 2.5e-2 relative)."""
-    weight = model.decoder.embed_tokens.weight
+    weight = model.vae2llm.weight
     if weight.device.type == "cuda" and weight.dtype in (torch.bfloat16, torch.float16):
         return torch.autocast("cuda", dtype=weight.dtype)
     return contextlib.nullcontext()
