@@ -4,7 +4,8 @@
 training step, and one per validation), ``run_state.json`` (written atomically after each
 checkpoint: step, dataset cursor, policy version, the trainer checkpoint it matches; a copy per
 step under ``states/``),
-``checkpoints/`` (the trainer's), ``tensorboard/`` (event files: every metric, image grids),
+``checkpoints/`` (the trainer's), ``tensorboard/`` (event files: every metric, image grids, the
+config as text, the main settings as hparams with the final validation metrics),
 ``images/`` (a PNG grid of sampled images per step and per validation), ``traces/``
 (every process's spans in OTLP/JSON), ``logs/``, ``run.lock`` (who runs in the folder);
 ``resumes.jsonl`` (each resume that changed the config: its step and the changes, ``resume.py``);
@@ -22,6 +23,7 @@ import math
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -30,6 +32,9 @@ import numpy as np
 import numpy.typing as npt
 from PIL import Image
 from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
+from tensorboard.plugins.hparams import summary_v2 as hparams_summary
+from tensorboard.plugins.text.summary_v2 import text_pb
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 from flowgrpo.config import dump_yaml, redacted, to_dict
@@ -41,6 +46,22 @@ STATES_DIR = "states"  # the run state saved at each checkpoint, by step
 GRID_COLUMNS = 4
 GRID_CELL_PX = 256  # smaller images are enlarged (nearest neighbour) towards this: 64 px is a stamp
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+# the run's main settings (dotted config keys), TensorBoard's hparams: the HPARAMS tab shows them
+# beside the metrics the coordinator names (the final validation); what a run's settings differ by
+HPARAMS = (
+    "model.checkpoint", "data.dataset", "data.prompts_per_step", "data.group_size",
+    "sampling.resolution", "sampling.num_points", "sampling.noise_level", "sampling.cfg_text_scale",
+    "sampling.window_size", "sampling.branch", "sampling.deterministic", "advantages.global_std",
+    "schedule.mode", "schedule.staleness", "schedule.steps", "schedule.seed", "rollout.engine",
+    "trainer.algorithm", "trainer.loss.mode", "trainer.policy.kind", "trainer.optim.lr",
+    "trainer.loss.clip_eps", "trainer.loss.kl_beta", "trainer.loss.mini_batches", "trainer.loss.logp_old",
+    "trainer.dtype",
+)  # fmt: skip
+LORA_HPARAMS = ("trainer.policy.lora_rank", "trainer.policy.lora_alpha")  # with trainer.policy.kind=lora
+# hparams has no "stopped" status: an interrupted run's session stays RUNNING (it resumes)
+SESSION_STATUS = {"success": api_pb2.STATUS_SUCCESS, "interrupted": api_pb2.STATUS_RUNNING,
+                  "failed": api_pb2.STATUS_FAILURE}  # fmt: skip
 
 
 @dataclass
@@ -60,14 +81,38 @@ class RunOutputs:
         self.logger = logger or LoggerConfig()
         self.progress = None if self.logger.progress == "none" else progress
         self._metrics = open(self.dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115 (run-long)
-        self._events = EventFileWriter(str(self.dir / "tensorboard"), flush_secs=10)
+        self._events = EventFileWriter(str(self.dir / TENSORBOARD_DIR), flush_secs=10)
         self._bar: Any = None  # a tqdm bar, once the run knows its length
         self._wandb: WandbSink | None = None
+        self._last_step = 0  # the highest step written to TensorBoard
 
-    def write_config(self, config: Any, name: str = "run") -> None:
+    def write_config(self, config: Any, name: str = "run", metrics: Sequence[str] = ()) -> None:
+        """``config.yaml``, and in TensorBoard the same text (the TEXT tab) and the main settings
+        as hparams (the HPARAMS tab) with ``metrics``, the tags it shows beside them (their last
+        values: the final validation's)."""
         dump_yaml(config, self.dir / "config.yaml")  # secrets emptied, as in W&B
+        plain = to_dict(redacted(config))
+        text = (self.dir / "config.yaml").read_text(encoding="utf-8")
+        config_text = text_pb("config", "".join(f"    {line}" for line in text.splitlines(keepends=True)))
+        self._event(0, list(config_text.value))  # indented: a code block in TensorBoard's markdown
+        values = hparams(plain)
+        experiment = hparams_summary.hparams_config_pb(
+            [hparams_summary.HParam(k) for k in values], [hparams_summary.Metric(m) for m in metrics]
+        )
+        # one session per run folder (a resume continues it); the name would merge runs of one recipe
+        session = hparams_summary.hparams_pb(values, trial_id=str(self.dir.resolve()))
+        self._event(0, [*experiment.value, *session.value])
         if self.logger.wandb:
-            self._wandb = WandbSink(self.dir, name, to_dict(redacted(config)), self.logger)
+            self._wandb = WandbSink(self.dir, name, plain, self.logger)
+
+    def end_session(self, status: str) -> None:
+        """How the run's process ended (``success``, ``interrupted``, ``failed``): the hparams
+        session's status in TensorBoard."""
+        end = plugin_data_pb2.SessionEndInfo(status=SESSION_STATUS[status], end_time_secs=time.time())
+        content = plugin_data_pb2.HParamsPluginData(session_end_info=end)
+        value = summary_pb2.Summary.Value(tag=metadata.SESSION_END_INFO_TAG, tensor=metadata.NULL_TENSOR,
+                                          metadata=metadata.create_summary_metadata(content))  # fmt: skip
+        self._event(self._last_step, [value])
 
     def start_progress(self, done: int, total: int) -> None:
         """A bar from ``done`` to ``total`` steps when ``logger.progress`` asks for one (``auto``:
@@ -130,6 +175,7 @@ class RunOutputs:
             self._wandb.image(f"images/{tag}", step, grid)
 
     def _event(self, step: int, values: list[summary_pb2.Summary.Value]) -> None:
+        self._last_step = max(self._last_step, step)
         event = event_pb2.Event(wall_time=time.time(), step=step, summary=summary_pb2.Summary(value=values))
         self._events.add_event(event)
 
@@ -212,6 +258,29 @@ class WandbSink:
 
     def finish(self) -> None:
         self.run.finish()
+
+
+def hparams(config: dict[str, Any]) -> dict[str, bool | int | float | str]:
+    """The run's main settings from its plain config (:data:`HPARAMS`, the LoRA ones with a LoRA
+    policy, and the reward as ``name*weight`` terms) as TensorBoard hparams."""
+    keys = list(HPARAMS)
+    if _at(config, "trainer.policy.kind") == "lora":
+        keys += LORA_HPARAMS
+    values: dict[str, bool | int | float | str] = {}
+    for key in keys:
+        value = _at(config, key)
+        if isinstance(value, bool | int | float | str):
+            values[key] = value
+    scorers = _at(config, "reward.scorers") or []
+    values["reward.scorers"] = " + ".join(f"{s['name']}*{s['weight']:g}" for s in scorers)
+    return values
+
+
+def _at(config: dict[str, Any], key: str) -> Any:
+    value: Any = config
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
 
 
 def _is_terminal(stream: TextIO | None) -> bool:

@@ -533,10 +533,22 @@ def validation_metrics(groups: list[Group], scorers: Sequence[ScorerSpec]) -> di
         values = [s[key] for s in scores if key in s]
         name = f"val-core/{key}/reward/mean@1" if "/" not in key else f"val-aux/{key}/mean@1"
         metrics[name] = float(np.mean(values)) if values else math.nan
-    if len(scorers) > 1 or any(spec.weight != 1.0 for spec in scorers):
+    if _weighted(scorers):
         totals = [r for g in groups for r in g.rewards]
         metrics["val-core/total/reward/mean@1"] = float(np.mean(totals)) if totals else math.nan
     return metrics
+
+
+def validation_keys(scorers: Sequence[ScorerSpec]) -> list[str]:
+    """The ``val-core`` keys every validation logs (:func:`validation_metrics`), known before it."""
+    return [f"val-core/{s.name}/reward/mean@1" for s in scorers] + (
+        ["val-core/total/reward/mean@1"] if _weighted(scorers) else []
+    )
+
+
+def _weighted(scorers: Sequence[ScorerSpec]) -> bool:
+    """Whether the reward trained on differs from the one scorer's own score."""
+    return len(scorers) > 1 or any(spec.weight != 1.0 for spec in scorers)
 
 
 def _requests(groups: list[Group], replicas: int, most: int) -> list[list[Group]]:

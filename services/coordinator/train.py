@@ -42,7 +42,7 @@ from flowgrpo.services.coordinator.resume import (
     record_resume,
     tiny_model_folder,
 )
-from flowgrpo.services.coordinator.run import Coordinator, reward_summary
+from flowgrpo.services.coordinator.run import Coordinator, reward_summary, validation_keys
 from flowgrpo.telemetry import setup_tracing, shutdown_tracing
 from flowgrpo.v1 import coordinator_pb2_grpc
 
@@ -189,30 +189,9 @@ async def _train_holding_lock(
     except asyncio.CancelledError:
         signals.remove()
         raise _interrupted(cfg, None, signals) from None
-    outputs = RunOutputs(cfg.run_dir, progress, cfg.logger)
-    _write_config(outputs, cfg, plan)
-    # spans to <run_dir>/traces (and an OTLP collector if set); the services write theirs there too
-    setup_tracing("coordinator", replica_id="coordinator", run_dir=str(Path(cfg.run_dir).resolve()))
-    outputs.say(
-        f"run {cfg.name}: {len(split)} training prompts, {cfg.launch.launcher} launcher, {cfg.run_dir}"
-    )
+    outputs = _open_outputs(cfg, progress, plan, len(split))
     store = serve_store(cfg.bus)
-    registry = CoordinatorService(
-        run_id=f"{cfg.name}-{uuid.uuid4().hex[:8]}",
-        heartbeat_interval_s=cfg.launch.heartbeat_interval_s,
-        lost_after_s=cfg.launch.lost_after_s,
-        max_heartbeats_per_s=cfg.launch.max_heartbeats_per_s,
-    )
-    ready_file = Path(cfg.run_dir).resolve() / "services" / "coordinator.ready.json"
-    members = cfg.launch.rollout_replicas + cfg.launch.reward_replicas + 1  # heartbeats: docs/scaling.md
-    server_config = replace(
-        cfg.server,
-        ready_file=str(ready_file),
-        concurrency=server_concurrency(cfg.server.concurrency, members),
-    )
-    server = ServiceServer(registry, server_config, [
-        Service("flowgrpo.v1.Coordinator", registry, coordinator_pb2_grpc.add_CoordinatorServicer_to_server)
-    ])  # fmt: skip
+    registry, server = _coordinator_server(cfg)
     try:
         outputs.say(
             f"coordinator at {await server.start()} (replicas register here; flowgrpo status reads it)"
@@ -233,20 +212,56 @@ async def _train_holding_lock(
             raise
         raise _interrupted(cfg, coordinator, signals) from None
     finally:
+        ending = _ending(sys.exc_info()[1])  # for TensorBoard's hparams session
         signals.remove()
         if server.address:
             await server.stop(REPLY_FLUSH_S)  # a goodbye in flight is answered, not cancelled
         store.close()
+        outputs.end_session(ending)
         outputs.close()
         shutdown_tracing()
 
 
-def _write_config(outputs: RunOutputs, cfg: RunConfig, plan: ResumePlan | None) -> None:
-    """config.yaml (the run as it goes on) and, on a resume with changes, what changed at which
-    step (resumes.jsonl)."""
-    outputs.write_config(cfg, cfg.name)
+def _open_outputs(cfg: RunConfig, progress: Any, plan: ResumePlan | None, prompts: int) -> RunOutputs:
+    """The run's outputs, config.yaml (the run as it goes on) and, on a resume with changes, what
+    changed at which step (resumes.jsonl); tracing; the run's first line."""
+    outputs = RunOutputs(cfg.run_dir, progress, cfg.logger)
+    # TensorBoard's HPARAMS tab: the main settings beside the final validation and the last reward
+    outputs.write_config(cfg, cfg.name, metrics=[*validation_keys(cfg.reward.scorers), "critic/rewards/mean"])
     if plan is not None:
         record_resume(plan)
+    # spans to <run_dir>/traces (and an OTLP collector if set); the services write theirs there too
+    setup_tracing("coordinator", replica_id="coordinator", run_dir=str(Path(cfg.run_dir).resolve()))
+    outputs.say(f"run {cfg.name}: {prompts} training prompts, {cfg.launch.launcher} launcher, {cfg.run_dir}")
+    return outputs
+
+
+def _coordinator_server(cfg: RunConfig) -> tuple[CoordinatorService, ServiceServer]:
+    """The coordinator's registry and the gRPC server it is served by (not started)."""
+    registry = CoordinatorService(
+        run_id=f"{cfg.name}-{uuid.uuid4().hex[:8]}",
+        heartbeat_interval_s=cfg.launch.heartbeat_interval_s,
+        lost_after_s=cfg.launch.lost_after_s,
+        max_heartbeats_per_s=cfg.launch.max_heartbeats_per_s,
+    )
+    ready_file = Path(cfg.run_dir).resolve() / "services" / "coordinator.ready.json"
+    members = cfg.launch.rollout_replicas + cfg.launch.reward_replicas + 1  # heartbeats: docs/scaling.md
+    server_config = replace(
+        cfg.server,
+        ready_file=str(ready_file),
+        concurrency=server_concurrency(cfg.server.concurrency, members),
+    )
+    server = ServiceServer(registry, server_config, [
+        Service("flowgrpo.v1.Coordinator", registry, coordinator_pb2_grpc.add_CoordinatorServicer_to_server)
+    ])  # fmt: skip
+    return registry, server
+
+
+def _ending(error: BaseException | None) -> str:
+    """How the run ends, by what is raised out of it (None: it finished)."""
+    if error is None:
+        return "success"
+    return "interrupted" if isinstance(error, RunInterrupted | asyncio.CancelledError) else "failed"
 
 
 def _prepare(cfg: RunConfig) -> tuple[RunConfig, PromptSplit, PromptSplit | None]:

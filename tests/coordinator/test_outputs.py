@@ -1,4 +1,5 @@
-"""The run's progress on the terminal: a bar with the key metrics, or one line per step."""
+"""The run's outputs: progress on the terminal (a bar with the key metrics, or one line per step),
+image grids, validation metrics, and what TensorBoard shows of the config and the hparams."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tensorboard.plugins.hparams import api_pb2
 
 from flowgrpo.rewards.config import ScorerSpec
-from flowgrpo.services.coordinator.config import LoggerConfig
+from flowgrpo.services.coordinator.config import LoggerConfig, load_run_config
 from flowgrpo.services.coordinator.outputs import RunOutputs, image_grid
-from flowgrpo.services.coordinator.run import Group, validation_metrics
+from flowgrpo.services.coordinator.run import Group, validation_keys, validation_metrics
+from tests.tensorboard_view import hparams_view, texts
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def progress(tmp_path: Path, mode: str, stream: io.StringIO) -> str:
@@ -75,3 +80,34 @@ def test_validation_is_keyed_by_scorer_with_the_weighted_total_when_it_differs()
     assert "val-core/total/reward/mean@1" not in one  # the total is the one scorer's score
     missing = validation_metrics([group([], [])], [ScorerSpec("ocr", 1.0)])
     assert math.isnan(missing["val-core/ocr/reward/mean@1"])  # a gap in the curve, not a zero
+
+
+def test_tensorboard_gets_the_config_and_an_hparams_session_with_the_last_metrics(tmp_path: Path) -> None:
+    config = load_run_config(ROOT / "examples" / "tiny_demo.yaml", ["trainer.optim.lr=0.25"])
+    keys = [*validation_keys(config.reward.scorers), "critic/rewards/mean"]
+    outputs = RunOutputs(tmp_path, None)
+    outputs.write_config(config, config.name, metrics=keys)
+    outputs.log("val", 0, dict.fromkeys(keys[:-1], 0.1))
+    outputs.log("train", 1, {"critic/rewards/mean": 0.5})
+    outputs.log("val", 1, dict.fromkeys(keys[:-1], 0.2))
+    outputs.end_session("success")
+    outputs.close()
+    logdir = tmp_path / "tensorboard"
+    assert texts(logdir, "config") == [
+        "".join(f"    {line}" for line in (tmp_path / "config.yaml").read_text().splitlines(keepends=True))
+    ]
+    experiment, groups = hparams_view(logdir)
+    assert [m.name.tag for m in experiment.metric_infos] == keys
+    (session,) = [s for g in groups.session_groups for s in g.sessions]
+    assert session.status == api_pb2.STATUS_SUCCESS
+    assert {m.name.tag: round(m.value, 6) for m in session.metric_values} == {
+        **dict.fromkeys(keys[:-1], 0.2),
+        "critic/rewards/mean": 0.5,
+    }  # the last validation's
+    shown = {
+        k: v.number_value or v.string_value or v.bool_value
+        for k, v in groups.session_groups[0].hparams.items()
+    }
+    assert shown["trainer.optim.lr"] == 0.25 and shown["schedule.mode"] == "sync"
+    assert shown["reward.scorers"] == "jpeg_compressibility*1 + image_brightness*0 + image_edge_density*0"
+    assert "trainer.policy.lora_rank" not in shown  # a full policy has no LoRA rank
