@@ -191,6 +191,9 @@ class LoggerConfig:
     """Where a run's progress and metrics go beside metrics.jsonl and TensorBoard (always written)."""
 
     progress: Literal["auto", "bar", "lines", "none"] = "auto"  # auto: a bar on a terminal, else lines
+    # the services still starting, and a step's samples drawn / scored / its training, said at most
+    # this often and only of work that has run this long (a bar shows it in place); 0: never
+    progress_every_s: float = knob(30.0, 0.0, 86_400.0)
     wandb: bool = (
         False  # also log to Weights & Biases (`pip install wandb`; WANDB_MODE=offline needs no network)
     )

@@ -34,13 +34,14 @@ from typing import Any
 from flowgrpo.bus.config import SECRET_ENV
 from flowgrpo.columns import COLUMNS, StageSpec, check_pipeline
 from flowgrpo.config import dump_yaml
-from flowgrpo.runtime import open_channel, wait_ready
+from flowgrpo.runtime import open_channel
 from flowgrpo.runtime.config import ServerConfig
 from flowgrpo.runtime.launch import PARENT_FD_ENV
 from flowgrpo.runtime.security import TOKEN_ENV
 from flowgrpo.services.coordinator.config import RunConfig, with_checkpoint
 from flowgrpo.services.coordinator.handles import STUBS, Replica
 from flowgrpo.services.coordinator.lifecycle import record_process
+from flowgrpo.services.coordinator.progress import StartupReport
 from flowgrpo.services.coordinator.registry import CoordinatorService
 from flowgrpo.services.reward.config import RewardServiceConfig
 from flowgrpo.services.rollout.config import RolloutServiceConfig
@@ -121,17 +122,21 @@ def service_configs(cfg: RunConfig, coordinator: str = "") -> dict[str, Any]:
     return out
 
 
-async def launch(cfg: RunConfig, registry: CoordinatorService) -> Services:
-    """Start (or find) the run's services; ``registry`` is the coordinator's, already serving."""
+async def launch(
+    cfg: RunConfig, registry: CoordinatorService, report: StartupReport | None = None
+) -> Services:
+    """Start (or find) the run's services; ``registry`` is the coordinator's, already serving;
+    ``report`` says on the console as each one is ready (and what the slow ones are doing)."""
+    report = report or StartupReport(None, 0)
     if cfg.launch.launcher == "inprocess":
-        services = await _launch_inprocess(cfg, registry)
+        services = await _launch_inprocess(cfg, registry, report)
     elif cfg.launch.launcher == "local":
-        services = await _launch_local(cfg, registry.grpc_address)
+        services = await _launch_local(cfg, registry.grpc_address, report)
     elif cfg.launch.trainer_address:
         services = await _connect(cfg, cfg.launch.rollout_addresses, cfg.launch.reward_addresses,
-                                  cfg.launch.trainer_address)  # fmt: skip
+                                  cfg.launch.trainer_address, report)  # fmt: skip
     else:
-        services = await _connect(cfg, *await _registered(cfg, registry))
+        services = await _connect(cfg, *await _registered(cfg, registry), report)
     try:
         check_services(services)
     except BaseException:
@@ -160,7 +165,7 @@ def check_services(services: Services) -> None:
 # --- in process ---------------------------------------------------------------------------------
 
 
-async def _launch_inprocess(cfg: RunConfig, registry: CoordinatorService) -> Services:
+async def _launch_inprocess(cfg: RunConfig, registry: CoordinatorService, report: StartupReport) -> Services:
     from flowgrpo.services.reward.service import RewardService
     from flowgrpo.services.rollout.service import RolloutService
     from flowgrpo.services.trainer.service import TrainerService
@@ -171,12 +176,14 @@ async def _launch_inprocess(cfg: RunConfig, registry: CoordinatorService) -> Ser
         for rid, config in service_configs(cfg).items():
             role = rid.split("-")[0]
             actor = classes[role](config)
+            report.expect([rid], "starting")
             await actor.launch()
             services._stop.append(actor.shutdown)
             replica = Replica(role, rid, "inprocess", actor, in_process=True)
             info = actor.info()
             services.infos.append(info)
             info.grpc_address = "inprocess"
+            report.ready(info)
             registry.join(info, beats=False)  # listed by RunStatus; actors here send no heartbeats
             _place(services, replica)
     except BaseException:
@@ -197,7 +204,7 @@ def _place(services: Services, replica: Replica) -> None:
 # --- local processes ----------------------------------------------------------------------------
 
 
-async def _launch_local(cfg: RunConfig, coordinator: str) -> Services:
+async def _launch_local(cfg: RunConfig, coordinator: str, report: StartupReport) -> Services:
     run_dir = Path(cfg.run_dir).resolve()
     (run_dir / "services").mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -212,13 +219,15 @@ async def _launch_local(cfg: RunConfig, coordinator: str) -> Services:
         for rid, config in configs.items():
             nproc = cfg.launch.trainer_nproc if rid == "trainer" else 1
             procs[rid] = _spawn(rid, config, run_dir, nproc, lifeline)
+        report.expect(procs)
         waits = [_ready_address(rid, procs[rid], config, run_dir, timeout) for rid, config in configs.items()]
         by_id = dict(zip(procs, await asyncio.gather(*waits), strict=True))
         rollouts = [a for r, a in by_id.items() if r.startswith("rollout")]
         rewards = [a for r, a in by_id.items() if r.startswith("reward")]
         # the ready file comes once the port is bound, before the service loads its model and
         # plug-ins: a process that dies after it is named at once, not by the handshake's timeout
-        services = await _unless_one_exits(_connect(cfg, rollouts, rewards, by_id["trainer"]), procs, run_dir)
+        connect = _connect(cfg, rollouts, rewards, by_id["trainer"], report)
+        services = await _unless_one_exits(connect, procs, run_dir)
     except BaseException:
         await stop_groups(procs.values(), grace_s=10)
         lifeline.close()
@@ -434,13 +443,13 @@ def _counts(want: dict[str, int]) -> str:
     return ", ".join(f"{n} {role}{'s' if n > 1 else ''}" for role, n in want.items())
 
 
-async def _connect(cfg: RunConfig, rollouts: Sequence[str], rewards: Sequence[str], trainer: str) -> Services:
+async def _connect(
+    cfg: RunConfig, rollouts: Sequence[str], rewards: Sequence[str], trainer: str, report: StartupReport
+) -> Services:
     services = Services([], [], None)  # type: ignore[arg-type]
     timeout = cfg.launch.start_timeout_s
     targets = [("rollout", a) for a in rollouts] + [("reward", a) for a in rewards] + [("trainer", trainer)]
-    infos = await asyncio.gather(
-        *(wait_ready(a, role=r, timeout_s=timeout, client_role="coordinator") for r, a in targets)
-    )
+    infos = await asyncio.gather(*(report.wait_ready(a, role=r, timeout_s=timeout) for r, a in targets))
     for (role, address), info in zip(targets, infos, strict=True):
         channel = open_channel(address)
         services._stop.append(channel.close)

@@ -33,6 +33,7 @@ from flowgrpo.services.coordinator.config import RunConfig, with_checkpoint
 from flowgrpo.services.coordinator.launch import Services, launch
 from flowgrpo.services.coordinator.lifecycle import RunInterrupted, RunLock, StopSignals, stop_leftovers
 from flowgrpo.services.coordinator.outputs import RunOutputs
+from flowgrpo.services.coordinator.progress import StartupReport
 from flowgrpo.services.coordinator.registry import CoordinatorService, server_concurrency
 from flowgrpo.services.coordinator.resume import (
     ResumePlan,
@@ -196,7 +197,9 @@ async def _train_holding_lock(
         outputs.say(
             f"coordinator at {await server.start()} (replicas register here; flowgrpo status reads it)"
         )
-        services = await launch(cfg, registry)
+        report = StartupReport(outputs.say, cfg.logger.progress_every_s)
+        async with report.watching():
+            services = await launch(cfg, registry, report)
         try:
             coordinator = Coordinator(cfg, split, services.rollouts, services.rewards, services.trainer,
                                       store.store, outputs, registry, test)  # fmt: skip

@@ -77,8 +77,10 @@ class RewardService(Actor, reward_pb2_grpc.RewardServicer):
         self.stages = [STAGE]
 
     async def start(self) -> None:
-        if self.model is None:
-            self.model = await self.compute(build_reward, self.config.reward)
+        with self.startup_phase("scorers") as phase:
+            if self.model is None:
+                self.model = await self.compute(build_reward, self.config.reward)
+            phase.detail = ", ".join(self._model().weights)
         self.labels["scorers"] = ",".join(self._model().weights)
 
     async def stop(self) -> None:

@@ -92,9 +92,11 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
         self.limits: ModelLimits | None = None  # the checkpoint's image side, prompt length, vocabulary
 
     async def start(self) -> None:
-        self.limits = ModelLimits.of(await self.compute(read_bagel_config, self.config.rollout.checkpoint))
-        if self.engine is None:
-            self.engine = await self.compute(self._load_engine)
+        cfg = self.config.rollout
+        with self.startup_phase("model", f"{cfg.engine} engine on {cfg.device}, {cfg.dtype}"):
+            self.limits = ModelLimits.of(await self.compute(read_bagel_config, cfg.checkpoint))
+            if self.engine is None:
+                self.engine = await self.compute(self._load_engine)
         self.bus = serve_store(self.config.bus)
         self.bus_endpoint = self.bus.endpoint
         self.keeper = Keeper(self.bus.store, self.replica_id)

@@ -52,15 +52,20 @@ class TrainerService(Actor, trainer_pb2_grpc.TrainerServicer):
         self.stages = [stage(config.trainer.algorithm)]
 
     async def start(self) -> None:
-        self.core = await self.compute(TrainerCore, self.config, self.dist)
+        cfg = self.config.trainer
+        ranks = f", {self.dist.world} ranks" if self.dist.enabled else ""
+        with self.startup_phase("model", f"{cfg.policy.kind} policy on {cfg.device}, {cfg.dtype}{ranks}"):
+            self.core = await self.compute(TrainerCore, self.config, self.dist)
         self.bus = serve_store(self.config.bus)
         self.bus_endpoint = self.bus.endpoint
         self.core.publisher.store = self.bus.store
         self.current = self.core.publisher.initial()
-        resumed = await self.compute(self.core.resume)  # every rank resumes on its own
-        if resumed is not None:
-            self.step = resumed
-            self.current = await self.compute(self._publish)
+        with self.startup_phase("checkpoint", "none to resume") as phase:
+            resumed = await self.compute(self.core.resume)  # every rank resumes on its own
+            if resumed is not None:
+                phase.detail = f"step {resumed}"
+                self.step = resumed
+                self.current = await self.compute(self._publish)
         self.policy_version = self.core.trainer.version
 
     async def stop(self) -> None:

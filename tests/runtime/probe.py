@@ -61,7 +61,8 @@ class ProbeActor(Actor, coordinator_pb2_grpc.CoordinatorServicer, reward_pb2_grp
         self._events = Path(events_file) if events_file else None
 
     async def start(self) -> None:
-        await asyncio.sleep(self._start_delay_s)
+        with self.startup_phase("model", "probe weights"):  # what a service's load looks like
+            await asyncio.sleep(self._start_delay_s)
 
     async def stop(self) -> None:
         self.stopped = True

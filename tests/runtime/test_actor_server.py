@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from flowgrpo import PROTOCOL_VERSION
 from flowgrpo.runtime import ServerConfig, ServiceServer, open_channel, wait_ready
+from flowgrpo.runtime.startup import describe_startup, starting_phase
 from flowgrpo.v1 import (
     common_pb2,
     common_pb2_grpc,
@@ -61,7 +62,8 @@ def test_not_ready_while_starting_then_serving() -> None:
             refused = await rpc_error(lifecycle.Handshake(handshake_request(), timeout=2))
             assert refused.code() == grpc.StatusCode.UNAVAILABLE
             assert "not ready" in refused.details() and "starting" in refused.details()
-            info = await wait_ready(server.address, role="coordinator", timeout_s=5)
+            said: list[str] = []  # what the replica says while it starts: the phase that runs
+            info = await wait_ready(server.address, role="coordinator", timeout_s=5, on_not_ready=said.append)
             await starting
             assert await health(channel) == SERVING
             assert await health(channel, "flowgrpo.v1.Coordinator") == SERVING
@@ -72,6 +74,13 @@ def test_not_ready_while_starting_then_serving() -> None:
             and info.policy_version == -1
             and info.pid == os.getpid()
         )
+        assert starting_phase(refused.details()) == ("probe-0", "model for 0 s")
+        assert said and all(starting_phase(s) is not None for s in said)
+        assert [(p.name, p.detail) for p in info.startup] == [("imports", ""), ("model", "probe weights")]
+        imports, model = info.startup
+        assert 1.0 <= model.seconds < 5 and 0 < imports.seconds <= info.startup_s  # this process's age
+        assert info.startup_s >= imports.seconds + model.seconds - 0.02  # 10 ms ticks on both readings
+        assert describe_startup(info).startswith(f"probe-0 ready in {info.startup_s:.1f} s: imports ")
         await server.stop()
 
     asyncio.run(body())

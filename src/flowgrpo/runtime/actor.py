@@ -24,16 +24,19 @@ A service subclasses :class:`Actor` and the generated servicer::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
 import socket
+import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, ClassVar, Concatenate, ParamSpec, TypeVar
 
 from flowgrpo import PROTOCOL_VERSION, __version__
-from flowgrpo.runtime.mailbox import Mailbox, WorkerThread
+from flowgrpo.runtime.mailbox import NOT_STARTED, Mailbox, WorkerThread
+from flowgrpo.runtime.startup import starting_refusal
 from flowgrpo.v1 import common_pb2
 
 P = ParamSpec("P")
@@ -58,6 +61,9 @@ class Actor:
         self.stages: list[common_pb2.StageSpec] = []  # the columns it consumes and produces
         self.policy_version = -1  # rollout / trainer: the weights they hold
         self.labels: dict[str, str] = {}
+        self.startup: list[common_pb2.StartupPhase] = []  # how start() went, phase by phase
+        self.startup_s = 0.0  # from the process's start (or launch()) to ready; the handshake says it
+        self._phase: tuple[str, float] | None = None  # the start-up phase running, since (monotonic)
         self._mailbox = Mailbox(f"{self.role} {self.replica_id}")
         self._worker: WorkerThread | None = None
 
@@ -82,12 +88,33 @@ class Actor:
             pid=os.getpid(),
             hostname=socket.gethostname(),
             labels=self.labels,
+            startup=self.startup,
+            startup_s=self.startup_s,
         )
+
+    @contextlib.contextmanager
+    def startup_phase(self, name: str, detail: str = "") -> Iterator[common_pb2.StartupPhase]:
+        """Time one phase of :meth:`start` (``with self.startup_phase("model", "on cuda:0"):``):
+        while it runs a handshake is told its name and seconds so far, once done it is listed in
+        :meth:`info`. The phase is yielded, so its ``detail`` can be set from what was loaded."""
+        phase = common_pb2.StartupPhase(name=name, detail=detail)
+        self._phase = (name, time.monotonic())
+        try:
+            yield phase
+        finally:
+            phase.seconds = time.monotonic() - self._phase[1]
+            self._phase = None
+            self.startup.append(phase)
 
     @property
     def refusal(self) -> str | None:
-        """Why messages are refused now (starting, draining), or None when they are accepted."""
-        return self._mailbox.refusal
+        """Why messages are refused now (starting, with the phase; draining), or None when they
+        are accepted."""
+        refusal = self._mailbox.refusal
+        if refusal != NOT_STARTED:
+            return refusal
+        name, since = self._phase if self._phase is not None else ("", 0.0)
+        return starting_refusal(self.replica_id, name, time.monotonic() - since if name else None)
 
     @property
     def in_flight(self) -> int:
@@ -109,11 +136,13 @@ class Actor:
     async def launch(self) -> None:
         """Start the worker thread, run :meth:`start`, then accept messages."""
         self._worker = WorkerThread(f"{self.replica_id}-compute")
+        began = time.monotonic()
         try:
             await self.start()
         except BaseException:
             self._close_worker()
             raise
+        self.startup_s = time.monotonic() - began  # a server makes it the process's age (imports too)
         self._mailbox.open()
 
     def begin_drain(self) -> int:

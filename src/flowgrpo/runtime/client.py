@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import cast
 
 import grpc
@@ -69,6 +70,7 @@ async def wait_ready(
     config: ClientConfig | None = None,
     channel: grpc.aio.Channel | None = None,
     client_role: str = "",
+    on_not_ready: Callable[[str], None] | None = None,
 ) -> common_pb2.ServiceInfo:
     """Retry the READY handshake with ``role`` at ``address`` until it answers; return its info.
 
@@ -76,6 +78,8 @@ async def wait_ready(
     :class:`NotReadyError` naming the address, the role and the wait. A refusal that retrying
     cannot cure (protocol mismatch, wrong token, another role) raises :class:`HandshakeError` at
     once. ``channel`` reuses an open channel to ``address``; otherwise one is opened and closed.
+    ``on_not_ready`` is given each "not yet" answer's details (a starting replica says what it
+    loads: :func:`flowgrpo.runtime.startup.starting_phase`).
     """
     config = config or ClientConfig()
     timeout_s = config.connect_timeout_s if timeout_s is None else timeout_s
@@ -84,7 +88,7 @@ async def wait_ready(
     try:
         # The stub is async on an aio channel; the .pyi can only tell when grpc itself is typed.
         stub = cast("common_pb2_grpc.LifecycleAsyncStub", common_pb2_grpc.LifecycleStub(channel))
-        info = await _handshake_until(stub, address, role, timeout_s, client_role)
+        info = await _handshake_until(stub, address, role, timeout_s, client_role, on_not_ready)
     finally:
         if own_channel:
             await channel.close()
@@ -94,8 +98,13 @@ async def wait_ready(
     return info
 
 
-async def _handshake_until(
-    stub: common_pb2_grpc.LifecycleAsyncStub, address: str, role: str, timeout_s: float, client_role: str
+async def _handshake_until(  # noqa: PLR0917 (wait_ready's arguments, passed on)
+    stub: common_pb2_grpc.LifecycleAsyncStub,
+    address: str,
+    role: str,
+    timeout_s: float,
+    client_role: str,
+    on_not_ready: Callable[[str], None] | None,
 ) -> common_pb2.ServiceInfo:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
@@ -113,6 +122,8 @@ async def _handshake_until(
                 ) from error
             if error.code() == grpc.StatusCode.UNAVAILABLE:
                 last = f"UNAVAILABLE: {error.details()}"
+            if on_not_ready is not None:
+                on_not_ready(error.details() or "")
             await asyncio.sleep(min(pause, max(deadline - loop.time(), 0.0)))
             pause = min(2 * pause, _MAX_PAUSE_S)
             continue

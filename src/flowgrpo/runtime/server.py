@@ -44,6 +44,7 @@ from flowgrpo.runtime.security import (
     resolve_token,
     server_credentials,
 )
+from flowgrpo.runtime.startup import IMPORTS, process_age_s
 from flowgrpo.telemetry import grpc_server_interceptor
 from flowgrpo.v1 import common_pb2, common_pb2_grpc
 
@@ -97,12 +98,16 @@ class ServiceServer:
         if self.config.ready_file:
             self._write_ready_file(Path(self.config.ready_file))
         log.info("listening on %s; starting %s", self.address, self.actor.role, extra=self._log_fields())
+        bound = process_age_s()  # Python, imports and config: the process's age at its port
+        if bound is not None:
+            self.actor.startup.insert(0, common_pb2.StartupPhase(name=IMPORTS, seconds=bound))
         try:
             await self.actor.launch()
         except BaseException:
             await server.stop(0)
             self._remove_ready_file()
             raise
+        self.actor.startup_s = process_age_s() or self.actor.startup_s
         self._serving = True
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info(

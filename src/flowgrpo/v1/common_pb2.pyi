@@ -546,6 +546,37 @@ class Error(_message.Message):
 Global___Error: _TypeAlias = Error  # noqa: Y015
 
 @_typing.final
+class StartupPhase(_message.Message):
+    """One phase of a replica's start-up, in the order they ran: "imports" (from the process's start
+    to its port being bound: Python, imports, config), then what the service loads ("model",
+    "checkpoint", "scorers", ...).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    seconds: _builtins.float
+    detail: _builtins.str
+    """what it loaded, e.g. "native BAGEL on cuda:0, bfloat16"; may be empty"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        seconds: _builtins.float = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "name", b"name", "seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StartupPhase: _TypeAlias = StartupPhase  # noqa: Y015
+
+@_typing.final
 class ServiceInfo(_message.Message):
     """Identity and capabilities of one service replica, returned by the READY handshake."""
 
@@ -582,6 +613,8 @@ class ServiceInfo(_message.Message):
     PID_FIELD_NUMBER: _builtins.int
     HOSTNAME_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    STARTUP_FIELD_NUMBER: _builtins.int
+    STARTUP_S_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     """"rollout", "reward", "trainer", "coordinator" """
     replica_id: _builtins.str
@@ -595,10 +628,16 @@ class ServiceInfo(_message.Message):
     """rollout / trainer: the weights they hold; -1 otherwise"""
     pid: _builtins.int
     hostname: _builtins.str
+    startup_s: _builtins.float
+    """from its process's start (in process: its launch) to ready; 0: not known"""
     @_builtins.property
     def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___StageSpec]: ...
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def startup(self) -> _containers.RepeatedCompositeFieldContainer[Global___StartupPhase]:
+        """how it started, phase by phase (empty when not known)"""
+
     def __init__(
         self,
         *,
@@ -613,10 +652,12 @@ class ServiceInfo(_message.Message):
         pid: _builtins.int = ...,
         hostname: _builtins.str = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        startup: _abc.Iterable[Global___StartupPhase] | None = ...,
+        startup_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bus_endpoint", b"bus_endpoint", "grpc_address", b"grpc_address", "hostname", b"hostname", "labels", b"labels", "pid", b"pid", "policy_version", b"policy_version", "protocol_version", b"protocol_version", "replica_id", b"replica_id", "role", b"role", "software_version", b"software_version", "stages", b"stages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bus_endpoint", b"bus_endpoint", "grpc_address", b"grpc_address", "hostname", b"hostname", "labels", b"labels", "pid", b"pid", "policy_version", b"policy_version", "protocol_version", b"protocol_version", "replica_id", b"replica_id", "role", b"role", "software_version", b"software_version", "stages", b"stages", "startup", b"startup", "startup_s", b"startup_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,114 @@
+"""What the console says between the run's other lines: the services' start-up and a long step's
+progress, at most one line every ``logger.progress_every_s`` and only about work that old."""
+
+from __future__ import annotations
+
+import asyncio
+
+from flowgrpo.runtime.startup import starting_refusal
+from flowgrpo.services.coordinator.progress import StartupReport, StepProgress, duration
+from flowgrpo.v1 import common_pb2
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_step_is_described_only_once_it_has_run_every_s() -> None:
+    clock = Clock()
+    progress = StepProgress(None, every_s=10, clock=clock)
+    progress.begin("step3", "step 3/40", samples=768)
+    progress.drawn("step3", 512)
+    progress.scored("step3", 490)
+    clock.now += 9.9
+    assert progress.line() is None  # a step shorter than every_s is never described
+    clock.now += 0.1
+    assert progress.line() == "  step 3/40 (10 s): drawn 512/768, scored 490/768"
+    progress.drawn("step3", 256)
+    progress.scored("step3", 278)
+    progress.scored("step3", -10)  # a reward replica failed: its results are void, scored again
+    progress.scored("step3", 10)
+    progress.doing("step3", "training")
+    progress.begin("step4", "step 4/40", samples=768)  # async: the next step is drawn meanwhile
+    clock.now += 95
+    assert progress.line() == (
+        "  step 3/40 (1:45): drawn 768/768, scored 768/768, training for 1:35; "
+        "step 4/40 (1:35): drawn 0/768, scored 0/768"
+    )
+    progress.end("step3")
+    progress.end("step4")
+    assert progress.line() is None
+    progress.begin("save", "saving the checkpoint of step 4")
+    clock.now += 3700
+    assert progress.line() == "  saving the checkpoint of step 4 (1:01:40)"
+    progress.drawn("nothing", 1)  # work that ended (or never began) is ignored
+
+
+def test_the_notes_come_at_most_every_every_s_and_never_when_it_is_0() -> None:
+    async def notes(every_s: float, run_s: float) -> list[str]:
+        said: list[str] = []
+        progress = StepProgress(said.append, every_s=every_s)
+        progress.begin("step1", "step 1/2", samples=4)
+        task = asyncio.create_task(progress.run())
+        await asyncio.sleep(run_s)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return said
+
+    async def body() -> None:
+        many = await notes(every_s=0.05, run_s=0.33)
+        assert 1 <= len(many) <= 6  # at most one per every_s (fewer on a loaded machine)
+        assert all(line.startswith("  step 1/2 (0 s): drawn 0/4") for line in many)
+        assert await notes(every_s=0.5, run_s=0.33) == []  # a step shorter than every_s: nothing
+        assert await notes(every_s=0, run_s=0.1) == []  # 0: off
+
+    asyncio.run(body())
+
+
+def test_the_start_up_names_who_is_still_starting_and_each_one_when_ready() -> None:
+    clock, said = Clock(), []
+    report = StartupReport(said.append, every_s=30, clock=clock)
+    report.expect(["rollout-0", "trainer"])
+    clock.now += 31
+    expected = "rollout-0 (starting its process); trainer (starting its process)"
+    assert report.line() == f"  still starting after 31 s: {expected}"
+    info = common_pb2.ServiceInfo(
+        replica_id="rollout-0", startup_s=4.25,
+        startup=[common_pb2.StartupPhase(name="imports", seconds=1.1),
+                 common_pb2.StartupPhase(name="model", seconds=3.1, detail="native engine on cpu, float32")],
+    )  # fmt: skip
+    report.ready(info)
+    assert said == ["rollout-0 ready in 4.2 s: imports 1.1 s, model 3.1 s (native engine on cpu, float32)"]
+    assert report.line() == "  still starting after 31 s: trainer (starting its process)"
+    report.ready(common_pb2.ServiceInfo(replica_id="trainer", grpc_address="h:1"))  # a service of old
+    assert said[-1] == "trainer ready at h:1" and report.line() is None
+
+
+def test_the_start_up_report_tells_what_a_starting_replica_says_in_its_handshake() -> None:
+    async def body() -> None:
+        clock = Clock()
+        report = StartupReport(None, every_s=30, clock=clock)
+        report.expect(["trainer"])
+        waiting = asyncio.create_task(report.wait_ready("127.0.0.1:9", role="trainer", timeout_s=0.3))
+        await asyncio.sleep(0.05)
+        clock.now += 60
+        # nothing listens there: named by its role and address, and the expected one is asked now
+        assert report.line() == "  still starting after 1:00: trainer at 127.0.0.1:9 (no answer yet)"
+        await asyncio.gather(waiting, return_exceptions=True)
+        assert report.line() is None  # given up: the launcher says why
+
+    asyncio.run(body())
+
+
+def test_a_starting_refusal_reads_as_a_sentence() -> None:
+    assert starting_refusal("rollout-0", "model", 61.4) == (
+        "not ready: rollout-0 is starting (model for 61 s); retry, or wait for its READY handshake"
+    )
+    assert "(starting up)" in starting_refusal("rollout-0", "", None)
+    assert [duration(s) for s in (0.4, 59.9, 60, 3599, 3600, 86_399)] == [
+        "0 s", "59 s", "1:00", "59:59", "1:00:00", "23:59:59"
+    ]  # fmt: skip
