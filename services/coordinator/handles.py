@@ -6,7 +6,7 @@ says whether another replica may take the work."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -96,16 +96,25 @@ class Replica:
             ) from error
 
     async def score(
-        self, requests: Sequence[reward_pb2.ScoreRequest], timeout_s: float
+        self,
+        requests: Sequence[reward_pb2.ScoreRequest],
+        timeout_s: float,
+        on_result: Callable[[], None] | None = None,
     ) -> list[reward_pb2.ScoreResult]:
-        """Stream ``requests`` to a reward replica, collect one result per request."""
+        """Stream ``requests`` to a reward replica, collect one result per request
+        (``on_result`` is called as each arrives)."""
 
         async def feed() -> AsyncIterator[reward_pb2.ScoreRequest]:
             for request in requests:
                 yield request
 
         async def collect(stream: AsyncIterator[reward_pb2.ScoreResult]) -> list[reward_pb2.ScoreResult]:
-            return [r async for r in stream]
+            results = []
+            async for result in stream:
+                results.append(result)
+                if on_result is not None:
+                    on_result()
+            return results
 
         try:
             if self.in_process:

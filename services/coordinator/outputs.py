@@ -129,8 +129,16 @@ class RunOutputs:
         if self._bar is None:
             self.say(line)
             return
+        self._bar.set_description_str("", refresh=False)  # the step's progress note, now done
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(1)
+
+    def note(self, line: str) -> None:
+        """Progress within a step: a line, or on a bar its description (in place, no scrolling)."""
+        if self._bar is None:
+            self.say(line)
+        else:
+            self._bar.set_description_str(line.strip())
 
     def log(self, kind: str, step: int, metrics: dict[str, float]) -> None:
         """Append one line to metrics.jsonl (flushed: a crash loses at most the line being written)."""

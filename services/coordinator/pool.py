@@ -126,16 +126,28 @@ class ReplicaPool:
 
     # --- rewards -----------------------------------------------------------------------------------
 
-    async def score(self, requests: list[reward_pb2.ScoreRequest]) -> list[reward_pb2.ScoreResult]:
+    async def score(
+        self, requests: list[reward_pb2.ScoreRequest], counted: Callable[[int], None] | None = None
+    ) -> list[reward_pb2.ScoreResult]:
         """Score ``requests`` on one reward replica; the call fails the run only when no replica
-        has answered for ``launch.request_timeout_s``."""
+        has answered for ``launch.request_timeout_s``. ``counted(n)``: n more results are in (n < 0:
+        a failed replica's results, counted before, are void: its requests go to another one)."""
         timeout = self.launch.reward_timeout_s * max(1, len(requests))
         give_up = time.monotonic() + self.launch.request_timeout_s
+        count = counted or (lambda _: None)
         while True:
             replica = await self._next_reward_replica(give_up)
+            got = 0
+
+            def one() -> None:
+                nonlocal got
+                got += 1
+                count(1)
+
             try:
-                results = await replica.score(requests, timeout)
+                results = await replica.score(requests, timeout, one)
             except ReplicaError as error:
+                count(-got)
                 if not error.retryable:
                     raise RunError(str(error)) from error
                 replica.failures += 1

@@ -34,6 +34,7 @@ from flowgrpo.services.coordinator.handles import Replica, ReplicaError
 from flowgrpo.services.coordinator.lifecycle import RunInterrupted
 from flowgrpo.services.coordinator.outputs import RunOutputs, RunState
 from flowgrpo.services.coordinator.pool import ReplicaPool, RunError
+from flowgrpo.services.coordinator.progress import StepProgress
 from flowgrpo.services.coordinator.registry import CoordinatorService
 from flowgrpo.v1 import common_pb2, reward_pb2, rollout_pb2, trainer_pb2
 
@@ -96,6 +97,7 @@ class Coordinator:
                                 publication=config.publication)  # fmt: skip
         self.store = store  # prompt ids, put once per prompt, fetched by rollouts and the trainer
         self.outputs = outputs
+        self.progress = StepProgress(outputs.note, config.logger.progress_every_s)  # within a long step
         self.client = BusClient(config.bus)  # sampled images for the outputs' grids
         # the trainer store's bytes sent per version: a metric, never worth a long wait
         self.pool.store_stats = functools.partial(self.client.stat, timeout_s=STORE_STATS_TIMEOUT_S)
@@ -125,6 +127,7 @@ class Coordinator:
         self.outputs.start_progress(self.state.step, sched.steps)
         self.registry.report(self.state.step, self.state.policy_version, {})
         follow = asyncio.create_task(self.pool.follow(self.registry), name="registry events")
+        notes = asyncio.create_task(self.progress.run(), name="progress notes")
         self._last_step_end = time.perf_counter()
         ahead = sched.staleness if sched.mode == "async" else 0
         drawing: dict[int, asyncio.Task[tuple[list[Group], dict[str, float]]]] = {}
@@ -151,9 +154,9 @@ class Coordinator:
                     await self.save()
                 raise RunInterrupted(self.state.step, self._saved_step)
         finally:
-            for task in [*drawing.values(), follow]:
+            for task in [*drawing.values(), follow, notes]:
                 task.cancel()
-            await asyncio.gather(follow, return_exceptions=True)
+            await asyncio.gather(follow, notes, return_exceptions=True)
             await self.pool.close()
             self.client.close()
         return history
@@ -182,7 +185,11 @@ class Coordinator:
         ``eval_num_points``) and the same noise every time, score them, log ``val-core/...``
         (at step 0, before any update, then every ``eval_every`` steps and at the last)."""
         with tracer.start_as_current_span("coordinator.validate", attributes={"step": self.state.step}):
-            return await self._validate_now()
+            self.progress.begin("val", f"validation at step {self.state.step}", len(self.val_rows))
+            try:
+                return await self._validate_now()
+            finally:
+                self.progress.end("val")
 
     async def _validate_now(self) -> dict[str, float]:
         started = time.perf_counter()
@@ -206,12 +213,12 @@ class Coordinator:
                 groups, len(self.pool.healthy_rollouts()), self.config.rollout.max_request_samples
             )
         ]
-        answers = await asyncio.gather(*(self.pool.call_rollout("Generate", r) for r in requests))
+        answers = await asyncio.gather(*(self._generate("val", r) for r in requests))
         by_uid = {g.row.prompt_uid: g for g in groups}
         for answer in answers:
             for sample in answer.samples:
                 by_uid[sample.prompt_uid].samples.append(sample)
-        await self._score(groups)
+        await self._score(groups, "val")
         await self._log_images("val", self.state.step, groups)
         await self.pool.release(tag)
         testing = time.perf_counter() - started
@@ -233,7 +240,13 @@ class Coordinator:
         """The prompt groups of ``step``, generated and scored (the prompts at cursor
         (step - 1) x prompts_per_step of the training order)."""
         with tracer.start_as_current_span("coordinator.draw", attributes={"step": step}):
-            return await self._draw_now(step)
+            samples = self.config.data.prompts_per_step * self.config.data.group_size
+            self.progress.begin(f"step{step}", f"step {step}/{self.config.schedule.steps}", samples)
+            try:
+                return await self._draw_now(step)
+            except BaseException:  # the step's note ends here; else with its training (_train_on)
+                self.progress.end(f"step{step}")
+                raise
 
     async def _draw_now(self, step: int) -> tuple[list[Group], dict[str, float]]:
         started = time.perf_counter()
@@ -246,15 +259,20 @@ class Coordinator:
 
     async def _train_on(self, step: int, groups: list[Group], timing: dict[str, float]) -> dict[str, float]:
         with tracer.start_as_current_span("coordinator.train", attributes={"step": step}):
-            return await self._train_on_now(step, groups, timing)
+            try:
+                return await self._train_on_now(step, groups, timing)
+            finally:
+                self.progress.end(f"step{step}")
 
     async def _train_on_now(
         self, step: int, groups: list[Group], timing: dict[str, float]
     ) -> dict[str, float]:
         started = time.perf_counter()
         groups = self._admit(step, groups)
+        self.progress.doing(f"step{step}", "training")
         response = await self._train(step, groups)
         trained = time.perf_counter()
+        self.progress.doing(f"step{step}", "loading the weights")
         timing.update(await self.pool.load_weights(response.update))
         timing["timing_s/load_weights"] = time.perf_counter() - trained
         timing["timing_s/train"] = trained - started
@@ -306,9 +324,13 @@ class Coordinator:
     async def save(self) -> None:
         """A trainer checkpoint, then the run state that matches it (written atomically last)."""
         request = trainer_pb2.SaveCheckpointRequest(step=self.state.step)
-        response = await self.pool.trainer.unary(
-            "SaveCheckpoint", request, self.config.launch.request_timeout_s
-        )
+        self.progress.begin("save", f"saving the checkpoint of step {self.state.step}")
+        try:
+            response = await self.pool.trainer.unary(
+                "SaveCheckpoint", request, self.config.launch.request_timeout_s
+            )
+        finally:
+            self.progress.end("save")
         self.state.trainer_checkpoint = response.path
         self.outputs.save_state(self.state)
         self._saved_step = self.state.step
@@ -352,7 +374,7 @@ class Coordinator:
             release_tag=f"step{step}",
         )
         started = time.perf_counter()
-        response = await self.pool.call_rollout("Generate", request)
+        response = await self._generate(f"step{step}", request)
         phases["gen"].append((started, time.perf_counter()))
         by_uid = {g.row.prompt_uid: g for g in chunk}
         for sample in response.samples:
@@ -363,11 +385,17 @@ class Coordinator:
                         next(s.error.message for s in group.samples if s.HasField("error")))  # fmt: skip
         ok = [g for g in chunk if g not in failed]
         started = time.perf_counter()
-        await self._score(ok)
+        await self._score(ok, f"step{step}")
         phases["reward"].append((started, time.perf_counter()))
         return [g for g in ok if len(g.rewards) == len(g.samples) == self.config.data.group_size]
 
-    async def _score(self, groups: list[Group]) -> None:
+    async def _generate(self, key: str, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
+        """``request`` on a rollout replica; its samples are counted as drawn for ``key``'s note."""
+        response: rollout_pb2.GenerateResponse = await self.pool.call_rollout("Generate", request)
+        self.progress.drawn(key, len(response.samples))
+        return response
+
+    async def _score(self, groups: list[Group], key: str) -> None:
         requests = [
             reward_pb2.ScoreRequest(
                 sample_id=f"{g.row.prompt_uid}/{s.sample_index}",
@@ -380,7 +408,7 @@ class Coordinator:
         ]
         if not requests:
             return
-        results = await self.pool.score(requests)
+        results = await self.pool.score(requests, functools.partial(self.progress.scored, key))
         by_id = {r.sample_id: r for r in results}
         for group in groups:
             for sample in sorted(group.samples, key=lambda s: s.sample_index):

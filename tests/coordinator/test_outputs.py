@@ -111,3 +111,19 @@ def test_tensorboard_gets_the_config_and_an_hparams_session_with_the_last_metric
     assert shown["trainer.optim.lr"] == 0.25 and shown["schedule.mode"] == "sync"
     assert shown["reward.scorers"] == "jpeg_compressibility*1 + image_brightness*0 + image_edge_density*0"
     assert "trainer.policy.lora_rank" not in shown  # a full policy has no LoRA rank
+
+
+def test_a_long_steps_note_is_a_line_in_a_log_and_the_bars_description_on_a_terminal(tmp_path: Path) -> None:
+    note = "  step 2/3 (30 s): drawn 32/32, scored 12/32"
+    for stream in (io.StringIO(), Terminal()):
+        outputs = RunOutputs(tmp_path, stream, LoggerConfig())
+        outputs.start_progress(done=1, total=3)
+        outputs.note(note)
+        outputs.step_done("step 2/3  reward +0.5", {"reward": "+0.5"})
+        outputs.close()
+        shown = stream.getvalue()
+        if isinstance(stream, Terminal):  # drawn in place, then cleared when the step is done
+            assert "step 2/3 (30 s): drawn 32/32, scored 12/32: " in shown and note + "\n" not in shown
+            assert shown.rstrip().endswith("reward=+0.5]")
+        else:
+            assert shown.splitlines() == [note, "step 2/3  reward +0.5"]
