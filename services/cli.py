@@ -146,6 +146,7 @@ def _recipe_role_config(recipe: str, role: str) -> Any:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     import logging
+    import shlex
 
     from flowgrpo.config import ConfigError
     from flowgrpo.services.coordinator.config import load_run_config
@@ -158,6 +159,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         _print_config(config)
         return 0
     from flowgrpo.services.coordinator.lifecycle import RunInterrupted
+    from flowgrpo.services.coordinator.summary import end_summary
     from flowgrpo.services.coordinator.train import train
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -165,10 +167,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
         train(config)
     except RunInterrupted as stop:  # SIGTERM / SIGINT: saved and drained (a second one: forced)
         print(f"flowgrpo train: {stop.line()}", file=sys.stderr)
+        again = shlex.join(["flowgrpo", "train", args.recipe, *args.overrides])  # what resumes it
+        print("\n".join(end_summary(config.run_dir, config.schedule.steps, resume=again)), file=sys.stderr)
         return 130 if stop.forced else 0
     except KeyboardInterrupt:  # before the run's own handlers were installed
         print("flowgrpo train: interrupted before the run started; nothing was trained", file=sys.stderr)
         return 130
+    print("\n".join(end_summary(config.run_dir, config.schedule.steps)), file=sys.stderr)
     return 0  # any other error: one line at main()'s boundary
 
 
