@@ -37,7 +37,8 @@ def end_summary(run_dir: str | Path, steps: int, resume: str = "") -> list[str]:
     else:
         lines.append("  checkpoint   none yet (schedule.save_every sets when the first is saved)")
     validations = len(read_metrics(folder, kind="val"))
-    lines.append(f"  metrics      {folder / 'metrics.jsonl'} ({trained} steps, {validations} validations)")
+    counts = f"{_many(trained, 'step')}, {_many(validations, 'validation')}"
+    lines.append(f"  metrics      {folder / 'metrics.jsonl'} ({counts})")
     if trained or validations:
         lines.append(f"  report       flowgrpo report {quoted}")
     if state is not None and state.trainer_checkpoint:
@@ -71,3 +72,7 @@ def a_prompt(folder: Path) -> str:
             if cells and isinstance(cells[0].get("prompt"), str) and cells[0]["prompt"].strip():
                 return str(cells[0]["prompt"])
     return FALLBACK_PROMPT
+
+
+def _many(count: int, thing: str) -> str:
+    return f"{count} {thing}{'' if count == 1 else 's'}"
