@@ -164,7 +164,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        train(config)
+        history = train(config)
     except RunInterrupted as stop:  # SIGTERM / SIGINT: saved and drained (a second one: forced)
         print(f"flowgrpo train: {stop.line()}", file=sys.stderr)
         again = shlex.join(["flowgrpo", "train", args.recipe, *args.overrides])  # what resumes it
@@ -173,7 +173,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # before the run's own handlers were installed
         print("flowgrpo train: interrupted before the run started; nothing was trained", file=sys.stderr)
         return 130
-    print("\n".join(end_summary(config.run_dir, config.schedule.steps)), file=sys.stderr)
+    if history:  # else the run was finished before: it said so in one line
+        print("\n".join(end_summary(config.run_dir, config.schedule.steps)), file=sys.stderr)
     return 0  # any other error: one line at main()'s boundary
 
 

@@ -27,6 +27,7 @@ from flowgrpo.v1 import common_pb2
 
 Say = Callable[[str], None]
 Clock = Callable[[], float]
+READY_LINES = 16  # replicas said one by one; past them, one line for the rest (64 rollouts: not 64 lines)
 
 
 def duration(seconds: float) -> str:
@@ -47,6 +48,8 @@ class StartupReport:
         self._waiting: dict[str, str] = {}  # key (replica id or address) -> what it is doing
         self._names: dict[str, str] = {}  # key -> how to name it (its replica id, once it answered)
         self._expected: set[str] = set()  # keys of replicas that could not be asked yet
+        self._ready = 0
+        self._unsaid: list[common_pb2.ServiceInfo] = []  # ready past READY_LINES: said together
 
     def expect(self, replica_ids: Iterable[str], doing: str = "starting its process") -> None:
         """Replicas on their way that cannot be asked yet (processes not yet listening)."""
@@ -79,8 +82,18 @@ class StartupReport:
     def ready(self, info: common_pb2.ServiceInfo) -> None:
         """``info``'s replica is ready: its line (how long, what it loaded)."""
         self._waiting.pop(info.replica_id, None)
-        if self._say is not None:
+        self._ready += 1
+        if self._ready > READY_LINES:
+            self._unsaid.append(info)
+        elif self._say is not None:
             self._say(describe_startup(info))
+
+    def unsaid(self) -> str | None:
+        """One line for the replicas ready past the first :data:`READY_LINES`, naming the slowest."""
+        if not self._unsaid:
+            return None
+        slowest = max(self._unsaid, key=lambda info: info.startup_s)
+        return f"... and {len(self._unsaid)} more ready; the slowest: {describe_startup(slowest)}"
 
     def line(self) -> str | None:
         """Who is still starting and what each is doing, or None once nobody is."""
@@ -91,13 +104,16 @@ class StartupReport:
 
     @contextlib.asynccontextmanager
     async def watching(self) -> AsyncIterator[None]:
-        """Inside, :meth:`line` is printed every ``every_s`` while somebody is still starting."""
+        """Inside, :meth:`line` is printed every ``every_s`` while somebody is still starting; on
+        the way out, :meth:`unsaid`."""
         task = asyncio.create_task(_every(self.every_s, self.line, self._say), name="start-up report")
         try:
             yield
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+            if self._say is not None and (rest := self.unsaid()) is not None:
+                self._say(rest)
 
 
 @dataclass

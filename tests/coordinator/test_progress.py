@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from flowgrpo.runtime.startup import starting_refusal
-from flowgrpo.services.coordinator.progress import StartupReport, StepProgress, duration
+from flowgrpo.services.coordinator.progress import READY_LINES, StartupReport, StepProgress, duration
 from flowgrpo.v1 import common_pb2
 
 
@@ -86,6 +86,20 @@ def test_the_start_up_names_who_is_still_starting_and_each_one_when_ready() -> N
     assert report.line() == "  still starting after 31 s: trainer (starting its process)"
     report.ready(common_pb2.ServiceInfo(replica_id="trainer", grpc_address="h:1"))  # a service of old
     assert said[-1] == "trainer ready at h:1" and report.line() is None
+
+
+def test_many_replicas_are_said_one_by_one_up_to_a_bound_then_in_one_line() -> None:
+    async def body() -> list[str]:
+        said: list[str] = []
+        report = StartupReport(said.append, every_s=30)
+        async with report.watching():
+            for i in range(READY_LINES + 48):
+                report.ready(common_pb2.ServiceInfo(replica_id=f"rollout-{i}", startup_s=1.0 + (i == 40)))
+        return said
+
+    said = asyncio.run(body())
+    assert said[:READY_LINES] == [f"rollout-{i} ready in 1.0 s" for i in range(READY_LINES)]
+    assert said[READY_LINES:] == ["... and 48 more ready; the slowest: rollout-40 ready in 2.0 s"]
 
 
 def test_the_start_up_report_tells_what_a_starting_replica_says_in_its_handshake() -> None:
