@@ -12,7 +12,8 @@ config as text, the main settings as hparams with the final validation metrics),
 ``wandb/`` with ``logger.wandb=true``.
 
 Progress goes to the terminal as a bar with the key metrics (``logger.progress=auto`` on a
-terminal) or as one line per step (in a log file, or ``logger.progress=lines``).
+terminal) or as one line per step (in a log file, or ``logger.progress=lines``); a long step's
+notes (``progress.py``) are lines too, or the bar's description.
 """
 
 from __future__ import annotations
