@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from flowgrpo.runtime.startup import starting_refusal
+from flowgrpo.runtime.startup import describe_startup, starting_phase, starting_refusal
 from flowgrpo.services.coordinator.progress import READY_LINES, StartupReport, StepProgress, duration
 from flowgrpo.v1 import common_pb2
 
@@ -116,6 +116,15 @@ def test_the_start_up_report_tells_what_a_starting_replica_says_in_its_handshake
         assert report.line() is None  # given up: the launcher says why
 
     asyncio.run(body())
+
+
+def test_a_replicas_words_are_quoted_printable_and_bounded() -> None:
+    phases = [common_pb2.StartupPhase(name="model\x1b[2J", seconds=1.0, detail="x" * 500)] * 20
+    line = describe_startup(common_pb2.ServiceInfo(replica_id="r\n0", startup_s=20.0, startup=phases))
+    assert line.isprintable() and line.startswith("r?0 ready in 20.0 s: model?[2J 1.0 s (xxx")
+    assert line.count("model") == 8 and len(line) < 8 * 150  # 8 phases, 120 characters of detail each
+    refusal = starting_refusal("rollout-0", "model\x07", 3.0)
+    assert starting_phase(f"rollout rollout-0: {refusal}") == ("rollout-0", "model? for 3 s")
 
 
 def test_a_starting_refusal_reads_as_a_sentence() -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from flowgrpo.v1 import common_pb2
 
 IMPORTS = "imports"  # the first phase: from the process's start to its port being bound
+MOST_PHASES, MOST_CHARS = 8, 120  # what a console line quotes of a replica's words, at most
 _STARTING = re.compile(r"not ready: (?P<replica>\S+) is starting \((?P<phase>[^)]*)\)")
 
 
@@ -30,7 +31,7 @@ def starting_phase(message: str) -> tuple[str, str] | None:
     """(replica id, what it is doing) from a starting replica's refusal (found anywhere in a
     status's details), or None for any other message."""
     found = _STARTING.search(message)
-    return (found["replica"], found["phase"]) if found else None
+    return (printable(found["replica"]), printable(found["phase"])) if found else None
 
 
 def process_age_s() -> float | None:
@@ -47,9 +48,18 @@ def process_age_s() -> float | None:
 
 def describe_startup(info: common_pb2.ServiceInfo) -> str:
     """``rollout-0 ready in 4.2 s: imports 1.1 s, model 3.1 s (native engine on cpu, float32)``."""
+    name = printable(info.replica_id)
     if not info.startup_s:
-        return f"{info.replica_id} ready at {info.grpc_address}"
+        return f"{name} ready at {printable(info.grpc_address)}"
     phases = ", ".join(
-        f"{p.name} {p.seconds:.1f} s" + (f" ({p.detail})" if p.detail else "") for p in info.startup
+        f"{printable(p.name)} {p.seconds:.1f} s" + (f" ({printable(p.detail)})" if p.detail else "")
+        for p in info.startup[:MOST_PHASES]
     )
-    return f"{info.replica_id} ready in {info.startup_s:.1f} s" + (f": {phases}" if phases else "")
+    return f"{name} ready in {info.startup_s:.1f} s" + (f": {phases}" if phases else "")
+
+
+def printable(text: str, most: int = MOST_CHARS) -> str:
+    """``text`` as a console line may quote it: printable characters only (no escape sequences
+    from a replica's answer), at most ``most`` of them."""
+    kept = "".join(c if c.isprintable() else "?" for c in text)
+    return kept if len(kept) <= most else kept[: most - 3] + "..."
