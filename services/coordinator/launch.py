@@ -220,7 +220,10 @@ async def _launch_local(cfg: RunConfig, coordinator: str, report: StartupReport)
             nproc = cfg.launch.trainer_nproc if rid == "trainer" else 1
             procs[rid] = _spawn(rid, config, run_dir, nproc, lifeline)
         report.expect(procs)
-        waits = [_ready_address(rid, procs[rid], config, run_dir, timeout) for rid, config in configs.items()]
+        waits = [
+            _ready_address(rid, procs[rid], config, run_dir, timeout, report)
+            for rid, config in configs.items()
+        ]
         by_id = dict(zip(procs, await asyncio.gather(*waits), strict=True))
         rollouts = [a for r, a in by_id.items() if r.startswith("rollout")]
         rewards = [a for r, a in by_id.items() if r.startswith("reward")]
@@ -314,8 +317,13 @@ def _spawn(rid: str, config: Any, run_dir: Path, nproc: int, lifeline: _Lifeline
     return proc
 
 
-async def _ready_address(
-    rid: str, proc: subprocess.Popen[bytes], config: Any, run_dir: Path, timeout_s: float
+async def _ready_address(  # noqa: PLR0917
+    rid: str,
+    proc: subprocess.Popen[bytes],
+    config: Any,
+    run_dir: Path,
+    timeout_s: float,
+    report: StartupReport,
 ) -> str:
     ready = Path(config.server.ready_file)
     deadline = time.monotonic() + timeout_s
@@ -329,6 +337,8 @@ async def _ready_address(
             )
         await asyncio.sleep(0.1)
     address: str = json.loads(ready.read_text())["grpc_address"]
+    # asked at once: its line comes as soon as it is ready, not once every process listens
+    report.listening(rid, address, rid.split("-", maxsplit=1)[0], timeout_s)
     return address
 
 

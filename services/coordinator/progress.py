@@ -47,22 +47,32 @@ class StartupReport:
         self._began = clock()
         self._waiting: dict[str, str] = {}  # key (replica id or address) -> what it is doing
         self._names: dict[str, str] = {}  # key -> how to name it (its replica id, once it answered)
-        self._expected: set[str] = set()  # keys of replicas that could not be asked yet
-        self._ready = 0
+        self._said: set[str] = set()  # replica ids whose ready line was said (or counted)
         self._unsaid: list[common_pb2.ServiceInfo] = []  # ready past READY_LINES: said together
+        self._early: list[asyncio.Task[None]] = []  # handshakes begun by listening()
 
     def expect(self, replica_ids: Iterable[str], doing: str = "starting its process") -> None:
         """Replicas on their way that cannot be asked yet (processes not yet listening)."""
         for replica_id in replica_ids:
             self._waiting[replica_id] = doing
-            self._expected.add(replica_id)
+
+    def listening(self, replica_id: str, address: str, role: str, timeout_s: float) -> None:
+        """``replica_id`` listens at ``address`` now (its ready file is there): it is asked at once,
+        so its line comes when it is ready, not when the last process of the run listens. Only
+        inside :meth:`watching` (which ends what it began), and only when something is said."""
+        if self._say is None:
+            return
+        self._waiting.pop(replica_id, None)
+
+        async def ask() -> None:
+            with contextlib.suppress(Exception):  # the launcher's own wait says what went wrong
+                await self.wait_ready(address, role=role, timeout_s=timeout_s)
+
+        self._early.append(asyncio.create_task(ask(), name=f"start-up of {replica_id}"))
 
     async def wait_ready(self, address: str, *, role: str, timeout_s: float) -> common_pb2.ServiceInfo:
         """:func:`flowgrpo.runtime.wait_ready` for the coordinator: what the replica says while it
         starts is kept for :meth:`line`, and its ready line is printed when it answers."""
-        for expected in self._expected:  # listening now: their handshakes tell more
-            self._waiting.pop(expected, None)
-        self._expected.clear()
         self._waiting[address] = "no answer yet"
         self._names.setdefault(address, f"{role} at {address}")
 
@@ -80,10 +90,12 @@ class StartupReport:
         return info
 
     def ready(self, info: common_pb2.ServiceInfo) -> None:
-        """``info``'s replica is ready: its line (how long, what it loaded)."""
+        """``info``'s replica is ready: its line (how long, what it loaded), once."""
         self._waiting.pop(info.replica_id, None)
-        self._ready += 1
-        if self._ready > READY_LINES:
+        if info.replica_id in self._said:
+            return
+        self._said.add(info.replica_id)
+        if len(self._said) > READY_LINES:
             self._unsaid.append(info)
         elif self._say is not None:
             self._say(describe_startup(info))
@@ -99,7 +111,8 @@ class StartupReport:
         """Who is still starting and what each is doing, or None once nobody is."""
         if not self._waiting:
             return None
-        doing = "; ".join(f"{self._names.get(k, k)} ({what})" for k, what in sorted(self._waiting.items()))
+        named = sorted((self._names.get(k, k), what) for k, what in self._waiting.items())
+        doing = "; ".join(f"{name} ({what})" for name, what in named)
         return f"  still starting after {duration(self._clock() - self._began)}: {doing}"
 
     @contextlib.asynccontextmanager
@@ -110,8 +123,9 @@ class StartupReport:
         try:
             yield
         finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            for pending in [task, *self._early]:
+                pending.cancel()
+            await asyncio.gather(task, *self._early, return_exceptions=True)
             if self._say is not None and (rest := self.unsaid()) is not None:
                 self._say(rest)
 

@@ -102,18 +102,23 @@ def test_many_replicas_are_said_one_by_one_up_to_a_bound_then_in_one_line() -> N
     assert said[READY_LINES:] == ["... and 48 more ready; the slowest: rollout-40 ready in 2.0 s"]
 
 
-def test_the_start_up_report_tells_what_a_starting_replica_says_in_its_handshake() -> None:
+def test_a_replica_that_listens_is_asked_at_once_and_named_by_its_address_until_it_answers() -> None:
     async def body() -> None:
-        clock = Clock()
-        report = StartupReport(None, every_s=30, clock=clock)
-        report.expect(["trainer"])
-        waiting = asyncio.create_task(report.wait_ready("127.0.0.1:9", role="trainer", timeout_s=0.3))
-        await asyncio.sleep(0.05)
-        clock.now += 60
-        # nothing listens there: named by its role and address, and the expected one is asked now
-        assert report.line() == "  still starting after 1:00: trainer at 127.0.0.1:9 (no answer yet)"
-        await asyncio.gather(waiting, return_exceptions=True)
-        assert report.line() is None  # given up: the launcher says why
+        clock, said = Clock(), []
+        report = StartupReport(said.append, every_s=30, clock=clock)
+        report.expect(["rollout-0", "trainer"])
+        async with report.watching():
+            report.listening("trainer", "127.0.0.1:9", "trainer", timeout_s=0.3)  # nothing listens there
+            await asyncio.sleep(0.05)
+            clock.now += 60
+            rollout = "rollout-0 (starting its process)"
+            assert (
+                report.line()
+                == f"  still starting after 1:00: {rollout}; trainer at 127.0.0.1:9 (no answer yet)"
+            )
+            await asyncio.sleep(0.5)
+            assert report.line() == f"  still starting after 1:00: {rollout}"  # the trainer: given up
+        assert said == []  # the launcher's own wait says why it gave up
 
     asyncio.run(body())
 
