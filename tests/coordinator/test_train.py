@@ -301,7 +301,9 @@ def test_a_killed_trainer_stops_the_run_and_the_same_command_resumes(
     wait_for_step(tmp_path, 3, proc)
     kill(tmp_path, "trainer")
     stderr = finish(proc, expect=1)
-    assert "the trainer failed while training step 4" in stderr and "resume from the last checkpoint" in stderr
+    assert (
+        "the trainer failed while training step 4" in stderr and "resume from the last checkpoint" in stderr
+    )
     assert json.loads((tmp_path / "run_state.json").read_text())["step"] == 2
     stderr = train(tmp_path, tiny, "launch.launcher=local")
     assert "resumed at step 2" in stderr

@@ -47,7 +47,15 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def command(run_dir: Path, tiny: Path, *overrides: str) -> list[str]:
-    return [*CLI, "train", str(RECIPE), f"run_dir={run_dir}", f"model.checkpoint={tiny}", *TINY_RUN, *overrides]
+    return [
+        *CLI,
+        "train",
+        str(RECIPE),
+        f"run_dir={run_dir}",
+        f"model.checkpoint={tiny}",
+        *TINY_RUN,
+        *overrides,
+    ]
 
 
 def start(run_dir: Path, tiny: Path, *overrides: str) -> subprocess.Popen[str]:
@@ -69,7 +77,9 @@ def reference(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[lis
     """The undisturbed run (``local``, as the disturbed ones) and its wall time."""
     run_dir = tmp_path_factory.mktemp("reference")
     started = time.perf_counter()
-    done = subprocess.run(command(run_dir, tiny, *ASYNC), capture_output=True, text=True, timeout=600, cwd=ROOT)
+    done = subprocess.run(
+        command(run_dir, tiny, *ASYNC), capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return read_metrics(run_dir), time.perf_counter() - started
 
@@ -79,9 +89,15 @@ def assert_same_training(metrics: list[dict[str, float]], reference: list[dict[s
     assert [r["step"] for r in metrics] == [r["step"] for r in reference] == list(range(1, STEPS + 1))
     for ours, theirs in zip(metrics, reference, strict=True):
         keys = {k for k in theirs if not k.startswith(CLOCK_PREFIXES) and k not in (*NOT_TRAINING, "time")}
-        assert keys == {k for k in ours if not k.startswith(CLOCK_PREFIXES) and k not in (*NOT_TRAINING, "time")}
+        assert keys == {
+            k for k in ours if not k.startswith(CLOCK_PREFIXES) and k not in (*NOT_TRAINING, "time")
+        }
         different = {k: (ours[k], theirs[k]) for k in keys if ours[k] != theirs[k]}
         assert not different, (ours["step"], different)
+
+
+def training_keys(record: dict[str, float]) -> set[str]:
+    return {k for k in record if not k.startswith(CLOCK_PREFIXES) and k not in (*NOT_TRAINING, "time")}
 
 
 def trainer_pid(run_dir: Path) -> int | None:
@@ -169,8 +185,8 @@ def test_a_trainer_killed_five_times_costs_nothing(
     assert len(said) + len(failed) == KILLS, stderr[-4000:]
     assert all("restart" in line and "resumed from the checkpoint of step" in line for line in said), said
     assert json.loads((tmp_path / "run_state.json").read_text())["step"] == STEPS
-    print(f"{KILLS} kills ({cut_writes} during a checkpoint write): {wall:.1f} s against {reference_wall:.1f} s "
-          "undisturbed; " + " | ".join(said))  # fmt: skip
+    print(f"{KILLS} kills ({cut_writes} during a checkpoint write): {wall:.1f} s against "
+          f"{reference_wall:.1f} s undisturbed; " + " | ".join(said))  # fmt: skip
 
 
 def wait_for_a_step(run_dir: Path, step: int, proc: subprocess.Popen[str]) -> None:
@@ -204,7 +220,10 @@ def test_a_trainer_that_cannot_start_again_ends_the_run_after_its_restarts(
     assert "Traceback" not in stderr
     last = [line for line in stderr.splitlines() if line and not line.startswith('{"time"')][-1]
     assert last.startswith("flowgrpo train: the trainer died while "), last
-    assert "(killed by SIGKILL) and did not come back: launch.trainer_restarts=2 restarts used (the last: " in last
+    assert (
+        "(killed by SIGKILL) and did not come back: launch.trainer_restarts=2 restarts used (the last: "
+        in last
+    )
     assert "trainer exited with status 1 while starting; its log ends: " in last and "ema.safetensors" in last
     assert "; run the same command to resume from " in last, last
     assert stderr.count("trainer restart ") == 2, stderr[-3000:]  # each failed start, one line
@@ -230,17 +249,24 @@ def test_remote_a_trainer_that_registers_again_takes_over(
     address = json.loads(ready.read_text())["grpc_address"]
 
     def serve(role: str, replica: str, *overrides: str) -> subprocess.Popen[bytes]:
-        cmd = [*CLI, "serve", role, "--recipe", str(RECIPE), f"coordinator={address}", f"replica_id={replica}",
-               f"run_dir={tmp_path}", "log_format=text", *overrides]  # fmt: skip
+        cmd = [*CLI, "serve", role, "--recipe", str(RECIPE), f"coordinator={address}",
+               f"replica_id={replica}", f"run_dir={tmp_path}", "log_format=text", *overrides]  # fmt: skip
         log = (tmp_path / f"{replica}.log").open("ab")
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
-    trainer = ("trainer", "trainer", f"trainer.checkpoint={tiny}", f"trainer.checkpoint_dir={tmp_path / 'ckpt'}")
+    trainer = (
+        "trainer",
+        "trainer",
+        f"trainer.checkpoint={tiny}",
+        f"trainer.checkpoint_dir={tmp_path / 'ckpt'}",
+    )
     services = [serve("rollout", "rollout-a", f"rollout.checkpoint={tiny}"), serve("reward", "reward-a")]
     services.append(serve(*trainer))
     try:
         while trained_steps(tmp_path) < 2:
-            assert coordinator.poll() is None and time.monotonic() < deadline, coordinator.communicate()[1][-3000:]
+            assert coordinator.poll() is None and time.monotonic() < deadline, coordinator.communicate()[1][
+                -3000:
+            ]
             time.sleep(0.1)
         services[-1].kill()
         services[-1].wait()
@@ -254,5 +280,7 @@ def test_remote_a_trainer_that_registers_again_takes_over(
     assert coordinator.returncode == 0, stderr[-4000:]
     assert_same_training(read_metrics(tmp_path), reference[0])
     said = [line for line in stderr.splitlines() if line.startswith("the trainer died while")]
-    assert len(said) == 1 and "(it stopped answering); restart 1 of launch.trainer_restarts=3" in said[0], said
+    assert len(said) == 1 and "(it stopped answering); restart 1 of launch.trainer_restarts=3" in said[0], (
+        said
+    )
     assert read_metrics(tmp_path)[-1]["coordinator/trainer_restarts"] == 1
