@@ -66,6 +66,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -331,6 +332,26 @@ class PendingCheckpoint:
         if self._error is not None:
             raise self._error
         return self._result
+
+
+class HostStager:
+    """Host copies of tensors, taken synchronously into buffers kept from one save to the next
+    (DCP's ``DefaultStager``; pinned memory on a GPU, so the device-to-host copy runs at full
+    speed). A buffer is reused by the next save: wait for one save before staging the next."""
+
+    def __init__(self, pinned: bool) -> None:
+        options = StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                 use_async_staging=False, use_non_blocking_copy=False)  # fmt: skip
+        self._stager = DefaultStager(options)
+
+    def __call__(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        staged = self._stager.stage(tensors)
+        if not isinstance(staged, dict):  # a Future only with asynchronous staging, not asked for
+            raise TypeError(f"DCP's stager returned a {type(staged).__name__}")
+        return staged
+
+    def close(self) -> None:
+        self._stager.close()
 
 
 @dataclass

@@ -8,7 +8,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from opentelemetry import trace
@@ -33,6 +32,7 @@ from flowgrpo.runtime.data import fetch_inputs
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.trainer.checkpoint import (
     CheckpointDamaged,
+    HostStager,
     PendingCheckpoint,
     checkpoint_name,
     checkpoint_steps,
@@ -99,7 +99,7 @@ class TrainerCore:
         )
         self.pending: PendingCheckpoint | None = None  # trainer.async_save: the one being written
         self.complete: tuple[int, str] | None = None  # the newest checkpoint written whole
-        self._stager: Any = None  # trainer.async_save: DCP's stager, its host buffers reused
+        self._stager: HostStager | None = None  # trainer.async_save: host buffers, reused
         self._last_save: tuple[str, int] | None = None  # (folder, step) of the last save started
 
     def resume(self) -> int | None:
@@ -242,17 +242,9 @@ class TrainerCore:
             self.complete = (pending.step, str(path))
 
     def _stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Host copies of ``tensors`` in buffers kept from one save to the next (DCP's stager,
-        pinned memory on a GPU)."""
         if self._stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            pinned = self.config.trainer.device.startswith("cuda")
-            options = StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
-                                     use_async_staging=False, use_non_blocking_copy=False)  # fmt: skip
-            self._stager = DefaultStager(options)
-        staged: dict[str, torch.Tensor] = self._stager.stage(tensors)
-        return staged
+            self._stager = HostStager(pinned=self.config.trainer.device.startswith("cuda"))
+        return self._stager(tensors)
 
     def close(self) -> None:
         """Finish a checkpoint still being written (a drain ends with it whole), then let go."""

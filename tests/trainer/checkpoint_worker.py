@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.trainer.checkpoint import (
     CheckpointError,
+    HostStager,
     PendingCheckpoint,
     latest_checkpoint,
     load_checkpoint,
@@ -99,8 +99,7 @@ def main(checkpoint: Path, ckpt_dir: Path, mode: str, out: Path, damaged: Path |
         if mode == "save":
             save_checkpoint(ckpt_dir, step, step=1)
         else:
-            stager = DefaultStager(StagingOptions(False, False, False, False))
-            pending = start_checkpoint(ckpt_dir, step, 1, stager.stage)
+            pending = start_checkpoint(ckpt_dir, step, 1, HostStager(pinned=False))
     else:
         if damaged is not None:
             try:

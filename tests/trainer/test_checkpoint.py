@@ -18,7 +18,6 @@ import torch
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 from safetensors import safe_open
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from flowgrpo.models.bagel.model import BagelModel
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
@@ -26,6 +25,7 @@ from flowgrpo.services.trainer import checkpoint as checkpoint_module
 from flowgrpo.services.trainer.checkpoint import (
     CheckpointError,
     CheckpointWriteError,
+    HostStager,
     checkpoint_steps,
     latest_checkpoint,
     load_checkpoint,
@@ -194,9 +194,9 @@ def test_storage_causes_are_named_from_every_writer_that_reports_them() -> None:
 
 
 @pytest.fixture
-def stager() -> Iterator[DefaultStager]:
-    """DCP's stager as the trainer makes it on a CPU: host buffers kept from one save to the next."""
-    made = DefaultStager(StagingOptions(False, False, False, False))
+def stager() -> Iterator[HostStager]:
+    """As the trainer makes it on a CPU: host buffers kept from one save to the next."""
+    made = HostStager(pinned=False)
     yield made
     made.close()
 
@@ -230,7 +230,7 @@ def assert_same_contents(actual: dict[str, object], expected: dict[str, object])
 @pytest.mark.bitwise
 @pytest.mark.parametrize("policy", [LORA, PolicyConfig(kind="full")], ids=["lora", "full"])
 def test_an_async_save_holds_its_steps_state_while_the_next_step_trains(
-    tiny: Path, tmp_path: Path, policy: PolicyConfig, stager: DefaultStager
+    tiny: Path, tmp_path: Path, policy: PolicyConfig, stager: HostStager
 ) -> None:
     """The background save writes the state of the step it was asked at, though the next step
     changes every weight and moment while it writes: the same files, byte for byte, as a
@@ -242,7 +242,7 @@ def test_an_async_save_holds_its_steps_state_while_the_next_step_trains(
     step = trainer(tiny, policy)
     step.run(first, PARAMS)
     synced = save_checkpoint(tmp_path / "sync", step, step=1)
-    pending = start_checkpoint(tmp_path / "async", step, 1, stager.stage)
+    pending = start_checkpoint(tmp_path / "async", step, 1, stager)
     expected = step.run(second, PARAMS)  # while the checkpoint is written
     path = pending.wait()
     assert path == tmp_path / "async" / "step_00000001" and synced is not None
@@ -273,13 +273,13 @@ def held(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
 
 
 def test_a_checkpoint_being_written_is_nowhere_until_it_is_whole(
-    tiny: Path, tmp_path: Path, stager: DefaultStager, held: threading.Event
+    tiny: Path, tmp_path: Path, stager: HostStager, held: threading.Event
 ) -> None:
     """Until its rename, a background save is a hidden partial folder: no resume sees it."""
     step = trainer(tiny)
     step.run(rollout(sampler_for(tiny), [1.0, -1.0, 0.5, -0.5]), PARAMS)
     save_checkpoint(tmp_path, step, step=1)
-    pending = start_checkpoint(tmp_path, step, 2, stager.stage)
+    pending = start_checkpoint(tmp_path, step, 2, stager)
     time.sleep(0.5)
     assert not pending.done() and sorted(checkpoint_steps(tmp_path)) == [1]
     assert latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
@@ -290,7 +290,7 @@ def test_a_checkpoint_being_written_is_nowhere_until_it_is_whole(
 
 
 def test_a_background_save_the_storage_refuses_leaves_nothing_and_says_so(
-    tiny: Path, tmp_path: Path, stager: DefaultStager, monkeypatch: pytest.MonkeyPatch
+    tiny: Path, tmp_path: Path, stager: HostStager, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     step = trainer(tiny)
     step.run(rollout(sampler_for(tiny), [1.0, -1.0, 0.5, -0.5]), PARAMS)
@@ -304,7 +304,7 @@ def test_a_background_save_the_storage_refuses_leaves_nothing_and_says_so(
     seal = checkpoint_module._seal
 
     monkeypatch.setattr(checkpoint_module, "_seal", full)
-    pending = start_checkpoint(tmp_path, step, 2, stager.stage)
+    pending = start_checkpoint(tmp_path, step, 2, stager)
     with pytest.raises(CheckpointWriteError, match=r"step 2 .*no space left on device \(ENOSPC\); "
                        r"the previous checkpoint step_00000001 is intact"):  # fmt: skip
         pending.wait()
