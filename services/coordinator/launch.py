@@ -347,7 +347,13 @@ class LocalTrainer:
                     _connect_one("trainer", address, self.cfg.launch.start_timeout_s), {"trainer": proc},
                     self.run_dir,
                 )  # fmt: skip
-            except (ServiceStartError, TimeoutError, NotReadyError, HandshakeError) as error:
+            except (
+                ServiceStartError,
+                TimeoutError,
+                NotReadyError,
+                HandshakeError,
+                grpc.aio.AioRpcError,
+            ) as error:
                 last = f" (the last: {error})"
                 log.warning("trainer restart %d of launch.trainer_restarts=%d failed: %s", self.restarts,
                             self.limit, error)  # fmt: skip
@@ -392,7 +398,7 @@ class RemoteTrainer:
             for address in self._candidates(failed):
                 try:
                     replica, channel = await _connect_one("trainer", address, min(remaining, 3.0))
-                except (NotReadyError, HandshakeError, grpc.aio.AioRpcError):
+                except (NotReadyError, HandshakeError, grpc.aio.AioRpcError, ValueError):
                     continue
                 self._channels.append(channel)
                 return replica
