@@ -24,9 +24,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch.distributed
+
 from flowgrpo.services.bench.common import sync
 from flowgrpo.services.bench.stats import Figure, Runs, ratio, run_timed
-from flowgrpo.services.bench.trainer_step import StepBench, Variant
+from flowgrpo.services.bench.trainer_step import StepBench, Variant, configure_variant
 from flowgrpo.services.trainer.checkpoint import (
     HostStager,
     PendingCheckpoint,
@@ -42,7 +44,11 @@ WAYS = ("none", "sync", "async")
 def measure_checkpoint_cost(
     bench: StepBench, variant: Variant, folder: Path, say: Callable[..., None]
 ) -> dict[str, Any]:
-    """The three ways with ``variant``'s micro-batch size (its other settings as configured)."""
+    """The three ways, each with ``variant``'s settings (compile, activation checkpointing,
+    micro-batch, autocast)."""
+    configure_variant(variant, bench)
+    if bench.initial is not None:  # LoRA: back to the sampled weights, as every variant starts
+        bench.policy.load_published(bench.initial)
     loss = LossConfig(mini_batches=bench.mini_batches, micro_batch_size=variant.micro)
     trainer = FlowGRPOStep(bench.policy, bench.special, OptimConfig(), loss, bench.dist)
     trainer.mixed_precision = variant.autocast
@@ -63,7 +69,10 @@ def measure_checkpoint_cost(
     for way in ("sync", "async"):
         report[way]["cycle_over_none"] = ratio(runs[way].seconds, runs["none"].seconds)
     report["checkpoint_bytes"] = saver.last_bytes
-    shutil.rmtree(folder, ignore_errors=True)
+    if bench.dist.enabled:  # every rank's saves are over before rank 0 removes them
+        torch.distributed.barrier()
+    if bench.dist.rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
     return report
 
 

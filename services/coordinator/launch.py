@@ -321,8 +321,11 @@ class LocalTrainer:
         return not await _serving(replica.address)
 
     def ended(self) -> str:
-        code = self.serving.poll()
-        return _status(code) if code is not None else "it stopped answering; its process was killed"
+        try:  # a call fails when the socket closes, a moment before the process is gone
+            code: int | None = self.serving.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            code = None
+        return _status(code) if code is not None else "it stopped answering; its process is replaced"
 
     async def revive(self, failed: Replica) -> Replica:
         self._reviving = True
