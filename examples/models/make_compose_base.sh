@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Make examples/models/compose-base, the tiny BAGEL that has learnt to draw the compose task's
-# prompts (docs/compose_task.md), from nothing, with the project's own commands:
+# prompts (docs/compose_task.md), from nothing, with the project's own commands. NOT COMMITTED
+# YET: the recipe's first 3,250-step CPU run drew the right colours but not the counts and places
+# (held-out accuracy 5-9% from step 1,500 on; docs/LOG.md), below the 20-60% the base needs.
 #   1. the untrained tiny drawer (random weights of seed 0, the cell codec, a tokenizer of the
 #      training prompts): flowgrpo make-tiny-bagel --drawer;
 #   2. 32 rendered layouts of every training prompt (7,776 pairs): flowgrpo data compose-images;
