@@ -17,6 +17,9 @@
 # Every timed figure: the median of 3 timed steps (publications) after a warm-up, with its range.
 # LORA=0 or FULL=0 skips a part (one part per device call keeps each call under 10 minutes);
 # LORA_DEADLINE / FULL_DEADLINE (s): what would start later is skipped.
+# CKPT_EVERY_STEP=DIR: also what a checkpoint every step costs, synchronous and in the background
+# (trainer.async_save), written to DIR/lora and DIR/full (the disk a run's checkpoints go to;
+# the full gen path's checkpoint is its fp32 tensors and AdamW moments: ~12 bytes a parameter).
 # The bus needs pyzmq, OpenTelemetry and protobuf 7, which the GPU image lacks: carry the wheels
 # of bench/fetch_gpu_wheels.sh (.whl). Without them publication is timed up to the host copy.
 #   run(command="bash bench/trainer_gpu.sh", carry=[".whl"], kind="nvidia-h200-x2", timeout_s=600)
@@ -44,12 +47,19 @@ $PY -c 'import torch, peft; print("torch", torch.__version__, "cuda", torch.vers
 $PY -c 'import zmq, opentelemetry, google.protobuf as p; print("bus: pyzmq", zmq.__version__, "protobuf", p.__version__)' \
     2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
 
+LORA_SAVE=() FULL_SAVE=()
+if [[ -n ${CKPT_EVERY_STEP:-} ]]; then
+    LORA_SAVE=(--checkpoint-every-step "$CKPT_EVERY_STEP/lora")
+    FULL_SAVE=(--checkpoint-every-step "$CKPT_EVERY_STEP/full")
+fi
+
 status=0
 if [[ $DEVICE == cuda* ]] && $PY -c "import pytest" 2>/dev/null; then  # CUDA IPC across two processes
     $PY -m pytest -q -p no:cacheprovider -m gpu tests/bus/test_cuda_ipc.py 2>&1 | tail -3 | tee -a "$OUT/gpu.txt"
 fi
 if [[ ${LORA:-1} == 1 ]]; then
-    $PY -m flowgrpo.services.bench.trainer "${SMOKE[@]}" --deadline-s "$LORA_DEADLINE" --json "$OUT/trainer_lora.json" "$@" \
+    $PY -m flowgrpo.services.bench.trainer "${SMOKE[@]}" --deadline-s "$LORA_DEADLINE" --json "$OUT/trainer_lora.json" \
+        "${LORA_SAVE[@]}" "$@" \
         2>&1 | tee "$OUT/trainer_lora.log"
     status=$?
 fi
@@ -60,7 +70,7 @@ if [[ $NGPU -ge 2 && ${FULL:-1} == 1 ]]; then
     $PY -m flowgrpo.services.bench.trainer "${FULL_ARGS[@]}" --write-checkpoint "$CKPT" 2>&1 | tee "$OUT/trainer_full.log"
     timeout -k 10 "${FULL_TIMEOUT:-400}" $PY -m torch.distributed.run --standalone --nproc_per_node 2 -m flowgrpo.services.bench.trainer --policy full \
         --variants "${FULL_VARIANTS:-ac4-compile}" --compile --trajectories random --reps 3 --publish-reps 3 \
-        --deadline-s "${FULL_DEADLINE:-240}" --checkpoint "$CKPT" "${FULL_ARGS[@]}" \
+        --deadline-s "${FULL_DEADLINE:-240}" --checkpoint "$CKPT" "${FULL_ARGS[@]}" "${FULL_SAVE[@]}" \
         --json "$OUT/trainer_full_fsdp2.json" 2>&1 | tee -a "$OUT/trainer_full.log"
     status=$((status || $?))
 fi

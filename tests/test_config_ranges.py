@@ -20,16 +20,18 @@ from flowgrpo.services.coordinator.config import RunConfig
 from flowgrpo.services.reward.config import RewardServiceConfig
 from flowgrpo.services.rollout.config import RolloutServiceConfig
 from flowgrpo.services.trainer.config import TrainerServiceConfig
+from flowgrpo.services.trainer.sft_config import SftConfig
 
-# the run's recipe, each service's own config, and the gRPC client's (open_channel)
+# the run's recipe, each service's own config, the gRPC client's (open_channel), flowgrpo sft's
 CONFIGS: list[type[Any]] = [
-    RunConfig, TrainerServiceConfig, RolloutServiceConfig, RewardServiceConfig, ClientConfig
+    RunConfig, TrainerServiceConfig, RolloutServiceConfig, RewardServiceConfig, ClientConfig, SftConfig
 ]  # fmt: skip
 # what each needs set to be valid at all (no file is opened by these checks)
 BASE: dict[type[Any], list[str]] = {
     RunConfig: ["data.prompts=prompts"],
     TrainerServiceConfig: ["trainer.checkpoint=bagel"],
     RolloutServiceConfig: ["rollout.checkpoint=bagel"],
+    SftConfig: ["model=bagel", "data.images=pairs"],
 }
 NUMBERS = (int, float, tuple[int, int], tuple[float, float])
 

@@ -386,8 +386,10 @@ def arm_kill(
     if loading:
         load = coordinator.pool.load_weights
 
-        async def load_while_killing(update: common_pb2.WeightUpdate) -> dict[str, float]:
-            task = asyncio.ensure_future(load(update))
+        async def load_while_killing(
+            update: common_pb2.WeightUpdate, publisher_gone: Callable[[], Awaitable[bool]] | None = None
+        ) -> dict[str, float]:
+            task = asyncio.ensure_future(load(update, publisher_gone))
             if update.policy_version == KILL_STEP:
                 await asyncio.sleep(0)  # the loads are on their way
                 kill_hosts(loading)

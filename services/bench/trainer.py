@@ -57,6 +57,7 @@ from flowgrpo.services.bench.common import (
 )
 from flowgrpo.services.bench.publication import measure_publication
 from flowgrpo.services.bench.stats import MIN_REPEATS, repeats_arg, write_json
+from flowgrpo.services.bench.trainer_checkpoint import measure_checkpoint_cost
 from flowgrpo.services.bench.trainer_flops import (
     lora_parameters,
     nft_pass_flops,
@@ -106,6 +107,11 @@ def run(args: argparse.Namespace, dist: Dist, device: torch.device, started: flo
     bench = _step_bench(args, policy, dist, report, say)
     flops = report["flops"]
     _measure_variants(args, bench, report, started, say)
+    if args.checkpoint_every_step:
+        variant = parse_variants(args.variants)[0]
+        report["checkpoint_every_step"] = measure_checkpoint_cost(
+            bench, variant, Path(args.checkpoint_every_step), say
+        )
     peak.measure_after(device)
     say(f"{peak.line()}; MFU against {peak.used:.4g} TFLOP/s (the larger)", flush=True)
     for row in report["rows"]:
@@ -316,6 +322,12 @@ def _parser() -> argparse.ArgumentParser:
         "--compile", action="store_true", help="sharded runs: compile the query path (variants '-compile')"
     )
     p.add_argument("--checkpoint", metavar="DIR", help="load this checkpoint through the trainer's loader")
+    p.add_argument(
+        "--checkpoint-every-step",
+        metavar="DIR",
+        help="also time a step followed by its checkpoint in DIR, without, synchronous and asynchronous "
+        "(trainer.async_save), with the first --variants row (trainer_checkpoint.py)",
+    )
     p.add_argument("--write-checkpoint", metavar="DIR", help="write a random checkpoint of --model and exit")
     p.add_argument("--layers", type=int, default=0, metavar="N",
                    help="--write-checkpoint: N decoder layers (each of the geometry's shapes)")  # fmt: skip
@@ -375,6 +387,14 @@ def _print_table(report: dict[str, Any]) -> None:
             print(" | ".join(_cell(r[key], spec) if key in r else "-" for _, key, spec in TABLE))
     if report.get("publication"):
         print("publication:", json.dumps(_publication_medians(report["publication"])))
+    if report.get("checkpoint_every_step"):
+        c = report["checkpoint_every_step"]
+        print(
+            f"a checkpoint every step ({c['variant']}, {c['checkpoint_bytes'] / 2**20:.1f} MiB each): "
+            f"step alone {c['none']['cycle_s']:.3f}; sync: cycle {c['sync']['cycle_s']:.3f}, "
+            f"{c['sync']['cycle_over_none']:.3f} of the step; async: cycle {c['async']['cycle_s']:.3f}, "
+            f"{c['async']['cycle_over_none']:.3f} of the step, blocking {c['async']['save_s']:.3f}"
+        )
 
 
 def _publication_medians(figures: dict[str, Any]) -> dict[str, Any]:

@@ -183,7 +183,7 @@ def measure_variant(variant: Variant, bench: StepBench) -> dict[str, Any]:
     skipped = _skip_reason(variant, bench)
     if skipped:
         return row | {"error": skipped}
-    _configure(variant, bench)
+    configure_variant(variant, bench)
     row["compiled"] = variant.compile
     try:
         runs = _timed_steps(variant, bench)
@@ -205,7 +205,7 @@ def _skip_reason(variant: Variant, bench: StepBench) -> str:
     return ""
 
 
-def _configure(variant: Variant, bench: StepBench) -> None:
+def configure_variant(variant: Variant, bench: StepBench) -> None:
     """Compile first, checkpoint around it (the order load_policy applies); sharded models were
     configured once, before sharding."""
     if bench.dist.enabled:

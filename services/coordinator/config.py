@@ -140,6 +140,16 @@ class LaunchConfig:
     trainer_address: str = ""  # remote
     # local: times a rollout or reward replica process that died is started again
     restarts: int = knob(3, 0, 1000)
+    # times in a run a trainer that died is replaced: local starts it again, remote waits for one
+    # to register (trainer_rejoin_timeout_s). It resumes from its newest complete checkpoint and
+    # trains the steps since again from their kept samples; 0: a trainer's death ends the run
+    trainer_restarts: int = knob(3, 0, 1000)
+    # steps trained since the newest complete checkpoint whose samples stay in the rollouts'
+    # stores for a restarted trainer (their memory); a death with more of them ends the run.
+    # schedule.save_every=1 with trainer.async_save keeps one or two
+    trainer_replay_steps: int = knob(2, 0, 1_000_000)
+    # remote: how long the run waits for a trainer to come back after one died
+    trainer_rejoin_timeout_s: float = knob(600.0, 0.1, 7 * 86_400.0)
     heartbeat_interval_s: float = knob(2.0, 0.001, 3600.0)  # how often registered replicas send a heartbeat
     # no heartbeat for this long: the replica is lost, its work goes elsewhere
     lost_after_s: float = knob(20.0, 0.001, 86_400.0)

@@ -12,7 +12,10 @@
 
 In ``local`` the replicas also register with the coordinator and send heartbeats (a hung replica
 is found without waiting for a call's deadline), and a rollout or reward process that dies is
-started again (``launch.restarts`` times): it registers and rejoins the run.
+started again (``launch.restarts`` times): it registers and rejoins the run. A trainer that dies is
+started again too (:class:`LocalTrainer`, ``launch.trainer_restarts`` times), at once, while the
+rollouts work; ``remote`` waits for a trainer to register again (:class:`RemoteTrainer`). What the
+run does with the new trainer is ``revive.py``'s.
 """
 
 from __future__ import annotations
@@ -26,29 +29,36 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import grpc.aio
 
 from flowgrpo.bus.config import SECRET_ENV
 from flowgrpo.columns import COLUMNS, StageSpec, check_pipeline
 from flowgrpo.config import dump_yaml
-from flowgrpo.runtime import open_channel
+from flowgrpo.runtime import open_channel, wait_ready
+from flowgrpo.runtime.client import health
 from flowgrpo.runtime.config import ServerConfig
+from flowgrpo.runtime.errors import HandshakeError, NotReadyError
 from flowgrpo.runtime.launch import PARENT_FD_ENV
 from flowgrpo.runtime.security import TOKEN_ENV
 from flowgrpo.services.coordinator.config import RunConfig, with_checkpoint
 from flowgrpo.services.coordinator.handles import STUBS, Replica
 from flowgrpo.services.coordinator.lifecycle import record_process
+from flowgrpo.services.coordinator.pool import RunError
 from flowgrpo.services.coordinator.progress import StartupReport
 from flowgrpo.services.coordinator.registry import CoordinatorService
+from flowgrpo.services.coordinator.revive import TrainerSource
 from flowgrpo.services.reward.config import RewardServiceConfig
 from flowgrpo.services.rollout.config import RolloutServiceConfig
 from flowgrpo.services.trainer.config import TrainerServiceConfig
 from flowgrpo.v1 import common_pb2
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class ServiceStartError(RuntimeError):
@@ -67,6 +77,7 @@ class Services:
     rewards: list[Replica]
     trainer: Replica
     infos: list[common_pb2.ServiceInfo] = field(default_factory=list)
+    trainer_source: TrainerSource | None = None  # how a trainer that died is brought back
     _stop: list[Any] = field(default_factory=list)  # what shutdown() undoes, last first
     _kill: list[Callable[[], None]] = field(default_factory=list)  # a forced stop: at once, no drain
 
@@ -135,8 +146,12 @@ async def launch(
     elif cfg.launch.trainer_address:
         services = await _connect(cfg, cfg.launch.rollout_addresses, cfg.launch.reward_addresses,
                                   cfg.launch.trainer_address, report)  # fmt: skip
+        services.trainer_source = RemoteTrainer(cfg, registry)
     else:
         services = await _connect(cfg, *await _registered(cfg, registry), report)
+        services.trainer_source = RemoteTrainer(cfg, registry)
+    if services.trainer_source is not None:
+        services._stop.append(services.trainer_source.close)
     try:
         check_services(services)
     except BaseException:
@@ -235,7 +250,11 @@ async def _launch_local(cfg: RunConfig, coordinator: str, report: StartupReport)
         await stop_groups(procs.values(), grace_s=10)
         lifeline.close()
         raise
-    supervisor = asyncio.create_task(_supervise(procs, configs, run_dir, cfg.launch.restarts, lifeline))
+    trainer = LocalTrainer(cfg, procs, configs["trainer"], run_dir, lifeline)
+    services.trainer_source = trainer
+    supervisor = asyncio.create_task(
+        _supervise(procs, configs, run_dir, cfg.launch.restarts, lifeline, trainer)
+    )
 
     async def stop_processes() -> None:
         supervisor.cancel()
@@ -248,19 +267,21 @@ async def _launch_local(cfg: RunConfig, coordinator: str, report: StartupReport)
     return services
 
 
-async def _supervise(
+async def _supervise(  # noqa: PLR0917 (the launcher's parts)
     procs: dict[str, subprocess.Popen[bytes]],
     configs: dict[str, Any],
     run_dir: Path,
     restarts: int,
     lifeline: _Lifeline,
+    trainer: LocalTrainer,
 ) -> None:
     """Start a rollout or reward process that died again (``restarts`` times each); the new one
-    registers with the coordinator and rejoins. A dead trainer is not restarted: the run stops
-    and resumes from its checkpoint."""
+    registers with the coordinator and rejoins. A trainer that died is started again at once
+    (:meth:`LocalTrainer.died`); the run takes it when it next calls the trainer."""
     started = dict.fromkeys(procs, 0)
     while True:
         await asyncio.sleep(0.5)
+        trainer.died()
         for rid, proc in list(procs.items()):
             if rid == "trainer" or proc.poll() is None or started[rid] >= restarts:
                 continue
@@ -268,6 +289,172 @@ async def _supervise(
             log.warning("%s exited with status %s; starting it again (%d of launch.restarts=%d); see %s", rid,
                         proc.returncode, started[rid], restarts, run_dir / "logs" / f"{rid}.log")  # fmt: skip
             procs[rid] = _spawn(rid, configs[rid], run_dir, 1, lifeline)
+
+
+class LocalTrainer:
+    """The ``local`` launcher's trainer process, started again when it dies, at most
+    ``launch.trainer_restarts`` times in a run. It is started again as soon as the supervisor sees
+    it gone (its start overlaps the rollouts' work); the run loop takes the new one through
+    :meth:`revive` when it next calls the trainer (``revive.py``)."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        procs: dict[str, subprocess.Popen[bytes]],
+        config: Any,
+        run_dir: Path,
+        lifeline: _Lifeline,
+    ) -> None:
+        self.cfg, self.procs, self.config, self.run_dir, self.lifeline = cfg, procs, config, run_dir, lifeline
+        self.limit = cfg.launch.trainer_restarts
+        self.restarts = 0
+        self.serving = procs["trainer"]  # the process behind the run's trainer replica
+        self._reviving = False  # revive() starts and stops processes itself meanwhile
+        self._channels: list[grpc.aio.Channel] = []
+
+    def died(self) -> None:
+        """The process that served the run died: start the next one now (if any is left)."""
+        proc = self.procs["trainer"]
+        if self._reviving:
+            return
+        if proc is self.serving and proc.poll() is not None and self.restarts < self.limit:
+            self._start(f"the trainer exited ({_status(proc.returncode)})")
+
+    def _start(self, why: str) -> None:
+        self.restarts += 1  # said on the console once it serves the run (revive.py); here: the log
+        log.info("%s; starting it again (%d of launch.trainer_restarts=%d); see %s", why, self.restarts,
+                 self.limit, self.run_dir / "logs" / "trainer.log")  # fmt: skip
+        nproc = self.cfg.launch.trainer_nproc
+        self.procs["trainer"] = _spawn("trainer", self.config, self.run_dir, nproc, self.lifeline)
+
+    async def gone(self, replica: Replica) -> bool:
+        if self.serving.poll() is not None or self.procs["trainer"] is not self.serving:
+            return True
+        return not await _serving(replica.address)
+
+    def ended(self) -> str:
+        try:  # a call fails when the socket closes, a moment before the process is gone
+            code: int | None = self.serving.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            code = None
+        return _status(code) if code is not None else "it stopped answering; its process is replaced"
+
+    async def revive(self, failed: Replica) -> Replica:
+        self._reviving = True
+        try:
+            return await self._revive()
+        finally:
+            self._reviving = False
+
+    async def _revive(self) -> Replica:
+        last = ""
+        while True:
+            if self.procs["trainer"] is self.serving:  # nothing newer started: stop it, start one
+                await stop_groups([self.serving], grace_s=0)
+                if self.restarts >= self.limit:
+                    raise RunError(f"launch.trainer_restarts={self.limit} restarts used{last}")
+                self._start("the trainer is gone")
+            proc = self.procs["trainer"]
+            try:
+                address = await _ready_address("trainer", proc, self.config, self.run_dir,
+                                               self.cfg.launch.start_timeout_s)  # fmt: skip
+                replica, channel = await _unless_one_exits(
+                    _connect_one("trainer", address, self.cfg.launch.start_timeout_s), {"trainer": proc},
+                    self.run_dir,
+                )  # fmt: skip
+            except (
+                ServiceStartError,
+                TimeoutError,
+                NotReadyError,
+                HandshakeError,
+                grpc.aio.AioRpcError,
+            ) as error:
+                last = f" (the last: {error})"
+                log.warning("trainer restart %d of launch.trainer_restarts=%d failed: %s", self.restarts,
+                            self.limit, error)  # fmt: skip
+                self.serving = proc  # a failed start: stopped and replaced like a dead trainer
+                continue
+            self.serving = proc
+            self._channels.append(channel)
+            return replica
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+
+class RemoteTrainer:
+    """A ``remote`` run's trainer comes back by itself (a restarted container, a rescheduled
+    pod): the run waits ``launch.trainer_rejoin_timeout_s`` for one to answer the READY handshake,
+    at ``launch.trainer_address`` or as it registers, at most ``launch.trainer_restarts`` times."""
+
+    def __init__(self, cfg: RunConfig, registry: CoordinatorService) -> None:
+        self.cfg, self.registry = cfg, registry
+        self.limit = cfg.launch.trainer_restarts
+        self.restarts = 0
+        self._channels: list[grpc.aio.Channel] = []
+
+    async def gone(self, replica: Replica) -> bool:
+        return not await _serving(replica.address)
+
+    def ended(self) -> str:
+        return "it stopped answering"
+
+    async def revive(self, failed: Replica) -> Replica:
+        if self.restarts >= self.limit:
+            raise RunError(f"launch.trainer_restarts={self.limit} restarts used")
+        self.restarts += 1
+        wait_s = self.cfg.launch.trainer_rejoin_timeout_s
+        deadline = time.monotonic() + wait_s
+        log.warning("the trainer at %s is gone; waiting up to %.0f s for one to %s", failed.address, wait_s,
+                    f"answer at {self.cfg.launch.trainer_address}" if self.cfg.launch.trainer_address
+                    else f"register at {self.registry.grpc_address}")  # fmt: skip
+        while (remaining := deadline - time.monotonic()) > 0:
+            for address in self._candidates(failed):
+                try:
+                    replica, channel = await _connect_one("trainer", address, min(remaining, 3.0))
+                except (NotReadyError, HandshakeError, grpc.aio.AioRpcError, ValueError):
+                    continue
+                self._channels.append(channel)
+                return replica
+            self.registry.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.registry.changed.wait(), timeout=min(max(remaining, 0.01), 1.0))
+        raise RunError(
+            f"no trainer answered within launch.trainer_rejoin_timeout_s={wait_s:.0f} s (start one with "
+            f"coordinator={self.registry.grpc_address} and the same trainer.checkpoint_dir)"
+        )
+
+    def _candidates(self, failed: Replica) -> list[str]:
+        """Where a trainer may answer: the configured address, else the registered trainers,
+        the newest registration first (the failed one's address last: it may have restarted there)."""
+        if self.cfg.launch.trainer_address:
+            return [self.cfg.launch.trainer_address]
+        members = sorted(
+            (m for m in self.registry.members.values() if m.state == "up" and m.info.role == "trainer"),
+            key=lambda m: m.last_seen, reverse=True,
+        )  # fmt: skip
+        addresses = [m.info.grpc_address for m in members]
+        return sorted(addresses, key=lambda a: a == failed.address)
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+
+async def _serving(address: str) -> bool:
+    """Whether the server at ``address`` answers its health check as SERVING within 5 s."""
+    try:
+        return await health(address, timeout_s=5.0) == "SERVING"
+    except grpc.aio.AioRpcError:
+        return False
+
+
+def _status(code: int | None) -> str:
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit status {code}"
 
 
 class _Lifeline:
@@ -323,7 +510,7 @@ async def _ready_address(  # noqa: PLR0917
     config: Any,
     run_dir: Path,
     timeout_s: float,
-    report: StartupReport,
+    report: StartupReport | None = None,
 ) -> str:
     ready = Path(config.server.ready_file)
     deadline = time.monotonic() + timeout_s
@@ -337,8 +524,8 @@ async def _ready_address(  # noqa: PLR0917
             )
         await asyncio.sleep(0.1)
     address: str = json.loads(ready.read_text())["grpc_address"]
-    # asked at once: its line comes as soon as it is ready, not once every process listens
-    report.listening(rid, address, rid.split("-", maxsplit=1)[0], timeout_s)
+    if report is not None:  # asked at once: its line comes as soon as it is ready, not once all listen
+        report.listening(rid, address, rid.split("-", maxsplit=1)[0], timeout_s)
     return address
 
 
@@ -379,8 +566,8 @@ def _kill(procs: Any) -> None:
 
 
 async def _unless_one_exits(
-    connect: Any, procs: dict[str, subprocess.Popen[bytes]], run_dir: Path
-) -> Services:
+    connect: Awaitable[T], procs: dict[str, subprocess.Popen[bytes]], run_dir: Path
+) -> T:
     """``connect``'s result, or :class:`ServiceStartError` as soon as one of ``procs`` exits."""
     connecting = asyncio.ensure_future(connect)
     while not connecting.done():
@@ -390,8 +577,7 @@ async def _unless_one_exits(
             await asyncio.gather(connecting, return_exceptions=True)
             raise _start_failure(exited, procs[exited], run_dir)
         await asyncio.wait({connecting}, timeout=0.1)
-    services: Services = connecting.result()
-    return services
+    return connecting.result()
 
 
 def _start_failure(rid: str, proc: subprocess.Popen[bytes], run_dir: Path) -> ServiceStartError:
@@ -451,6 +637,19 @@ async def _registered(cfg: RunConfig, registry: CoordinatorService) -> tuple[lis
 
 def _counts(want: dict[str, int]) -> str:
     return ", ".join(f"{n} {role}{'s' if n > 1 else ''}" for role, n in want.items())
+
+
+async def _connect_one(role: str, address: str, timeout_s: float) -> tuple[Replica, grpc.aio.Channel]:
+    """A replica that answered the READY handshake at ``address``, and its channel."""
+    channel = open_channel(address)
+    try:
+        info = await wait_ready(
+            address, role=role, timeout_s=timeout_s, channel=channel, client_role="coordinator"
+        )
+    except BaseException:
+        await channel.close()
+        raise
+    return Replica(role, info.replica_id, address, STUBS[role](channel)), channel
 
 
 async def _connect(

@@ -9,7 +9,8 @@
   kept: a rollout that (re)joins loads it before it takes work, so no replica serves an older
   version than the others. How the bytes travel (a relay tree or a star) is ``relay.py``'s.
 - The registry's events (``follow``): lost or departed replicas leave the pool (their calls in
-  flight end at once), registered ones (back, or new: scaling up) join it.
+  flight end at once), registered ones (back, or new: scaling up) join it. A trainer is never
+  taken from the registry here: when the run's trainer dies, ``revive.py`` brings one back.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc.aio
@@ -48,6 +49,11 @@ BACKOFF_S, BACKOFF_MAX_S = 1.0, 60.0  # a failed reward replica's first and long
 class RunError(RuntimeError):
     """The run cannot go on (no healthy replica left, the trainer failed); it resumes from its
     last checkpoint."""
+
+
+class TrainerGone(RuntimeError):
+    """A weight load failed because the trainer whose store held the weights has died (not
+    because of the rollouts, which stay in the pool)."""
 
 
 class ReplicaPool:
@@ -182,12 +188,22 @@ class ReplicaPool:
 
     # --- weights -----------------------------------------------------------------------------------
 
-    async def load_weights(self, update: common_pb2.WeightUpdate) -> dict[str, float]:
-        """``update`` on every healthy rollout, relayed or as a star (``publication.mode``); a
-        replica that fails it leaves the pool. Returns the ``publication/*`` metrics."""
+    async def load_weights(
+        self,
+        update: common_pb2.WeightUpdate,
+        publisher_gone: Callable[[], Awaitable[bool]] | None = None,
+    ) -> dict[str, float]:
+        """``update`` on every healthy rollout that does not hold its version yet, relayed or as
+        a star (``publication.mode``); a replica that fails it leaves the pool, unless
+        ``publisher_gone`` says the trainer that published it has died (:class:`TrainerGone`:
+        the rollouts are not to blame). Returns the ``publication/*`` metrics."""
         async with self._weights:
             self.current_update = update
-            replicas = {r.replica_id: r for r in self.healthy_rollouts()}
+            replicas = {
+                r.replica_id: r
+                for r in self.healthy_rollouts()
+                if r.policy_version < update.policy_version or update.HasField("base")
+            }  # a base: a rollout at the same version maps the (new) trainer's base
             members = [Member(rid, _host(r)) for rid, r in replicas.items()]
             plan = (
                 plan_relay(members, self.publication.relay_fanout, frozenset(self._failed_relays))
@@ -203,6 +219,10 @@ class ReplicaPool:
 
             outcome = await publish(plan, load)
             self._holders = outcome.holders()
+            if outcome.errors and publisher_gone is not None and await publisher_gone():
+                first = next(iter(outcome.errors.values()))
+                raise TrainerGone(f"the trainer died while {len(outcome.errors)} rollouts fetched v"
+                                  f"{update.policy_version} from it ({first})")  # fmt: skip
         self._account_failures(outcome, replicas)
         return await self._publication_metrics(update, outcome)
 
@@ -259,6 +279,16 @@ class ReplicaPool:
         replica.policy_version = update.policy_version
         return response
 
+    async def trainer_replaced(self, trainer: Replica, update: common_pb2.WeightUpdate) -> None:
+        """``trainer`` serves the run from now on; ``update`` (its publication of the version the
+        rollouts hold) is what a joining rollout loads. The rollouts load nothing: they hold
+        that version already, unless it carries a base (``trainer.share_base``) to map anew."""
+        self.trainer = trainer
+        async with self._weights:
+            self.current_update = update
+        if update.HasField("base"):
+            await self.load_weights(update)
+
     async def release(self, tag: str) -> None:
         """Let every rollout drop the data it kept under ``tag``."""
         request = rollout_pb2.ReleaseRequest(tags=[tag])
@@ -277,7 +307,7 @@ class ReplicaPool:
             try:
                 if event.kind == "joined":
                     await self._join(event.info)
-                else:
+                elif not _stale_trainer_event(event.info, registry):
                     self._lose(
                         event.info, "stopped sending heartbeats" if event.kind == "lost" else "left the run"
                     )
@@ -301,9 +331,8 @@ class ReplicaPool:
         known = next((r for r in replicas if r.replica_id == info.replica_id), None)
         if known is not None and known.healthy and known.address == info.grpc_address:
             return  # the launcher connected it already
-        if info.role == "trainer":
-            log.warning("trainer %s registered at %s; a run keeps the trainer it started with",
-                        info.replica_id, info.grpc_address)  # fmt: skip
+        if info.role == "trainer":  # taken when the run's trainer has died (revive.py), not here
+            log.info("trainer %s registered at %s", info.replica_id, info.grpc_address)
             return
         channel = open_channel(info.grpc_address)
         self._channels.append(channel)
@@ -338,6 +367,13 @@ class ReplicaPool:
         here = [h for h in others if _endpoint_host(h.endpoint) == _host(replica)]
         elsewhere = [h for h in others if h not in here]
         return here[: MAX_SOURCES // 2] + elsewhere[: MAX_SOURCES // 2]
+
+
+def _stale_trainer_event(info: common_pb2.ServiceInfo, registry: CoordinatorService) -> bool:
+    """A trainer's loss (or leave) that the registry has seen undone: the trainer registered
+    again under its id, at the same address (restarted in place), before the event was read."""
+    member = registry.members.get(info.replica_id)
+    return info.role == "trainer" and member is not None and member.state == "up"
 
 
 def _host(replica: Replica) -> str:

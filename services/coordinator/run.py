@@ -6,8 +6,9 @@ One step's work is keyed by prompt group; the replicas it goes to are a :class:`
 (failures, back-off, weight loads, the registry's events). No group is lost or counted twice,
 because a group's samples are only used once all of them are back and scored, and a regenerated
 group replaces the failed attempt (noise is a function of (seed, step, uid, index), so any
-replica draws the same samples). A trainer failure stops the run; the run resumes from its last
-checkpoint (``run_state.json`` + the trainer's).
+replica draws the same samples). A trainer that dies is brought back and caught up by
+``revive.py`` (``launch.trainer_restarts``); any other trainer failure stops the run, which resumes
+from its last checkpoint (``run_state.json`` + the trainer's).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import numpy as np
@@ -30,12 +31,13 @@ from flowgrpo.data import PromptRow, PromptSplit
 from flowgrpo.rewards.config import ScorerSpec
 from flowgrpo.services.coordinator.advantages import group_advantages, nft_optimality
 from flowgrpo.services.coordinator.config import RunConfig
-from flowgrpo.services.coordinator.handles import Replica, ReplicaError
+from flowgrpo.services.coordinator.handles import Replica
 from flowgrpo.services.coordinator.lifecycle import RunInterrupted
-from flowgrpo.services.coordinator.outputs import RunOutputs, RunState
-from flowgrpo.services.coordinator.pool import ReplicaPool, RunError
+from flowgrpo.services.coordinator.outputs import RunOutputs, RunState, read_metrics
+from flowgrpo.services.coordinator.pool import ReplicaPool, RunError, TrainerGone
 from flowgrpo.services.coordinator.progress import StepProgress
 from flowgrpo.services.coordinator.registry import CoordinatorService
+from flowgrpo.services.coordinator.revive import TrainerKeeper, TrainerSource
 from flowgrpo.v1 import common_pb2, reward_pb2, rollout_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)
@@ -87,6 +89,7 @@ class Coordinator:
         outputs: RunOutputs,
         registry: CoordinatorService,
         test: PromptSplit | None = None,
+        trainer_source: TrainerSource | None = None,
     ) -> None:
         self.config = config
         self.train = train
@@ -110,6 +113,11 @@ class Coordinator:
         self._prompt_refs: dict[str, common_pb2.TensorRef] = {}
         self._stopping = asyncio.Event()  # a signal asked the run to stop after the step it trains
         self._saved_step = 0  # the step of the run state on disk: where a resume starts
+        # the trainer's calls, kept steps and restarts; the run state of a save is written once
+        # the trainer reports that checkpoint complete (trainer.async_save: a step or so later)
+        self.trainer = TrainerKeeper(self.pool, config.launch, trainer_source, outputs.say, self._release)
+        self.trainer.on_complete = self._checkpoint_complete
+        self._saving: dict[int, RunState] = {}  # step -> its run state, while its checkpoint is written
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -148,10 +156,10 @@ class Coordinator:
                 if val and not self._stopping.is_set():
                     await self._unless_stopping(self.validate())
                 if last or (sched.save_every and self.state.step % sched.save_every == 0):
-                    await self.save()
+                    await self.save(complete=last)
             if self._stopping.is_set():
                 if self.state.step > self._saved_step:
-                    await self.save()
+                    await self.save(complete=True)
                 raise RunInterrupted(self.state.step, self._saved_step)
         finally:
             for task in [*drawing.values(), follow, notes]:
@@ -273,12 +281,12 @@ class Coordinator:
         response = await self._train(step, groups)
         trained = time.perf_counter()
         self.progress.doing(f"step{step}", "loading the weights")
-        timing.update(await self.pool.load_weights(response.update))
+        timing.update(await self._load_weights(step, response.update))
         timing["timing_s/load_weights"] = time.perf_counter() - trained
         timing["timing_s/train"] = trained - started
         timing["timestamp_s/trained_from"], timing["timestamp_s/trained_until"] = started, trained
         await self._log_images("train", step, groups)
-        await self.pool.release(f"step{step}")
+        await self.trainer.kept_data(step)  # released, or kept for a restarted trainer
         self.state.step, self.state.cursor = step, step * self.config.data.prompts_per_step
         self.state.policy_version = response.update.policy_version
         metrics = self._step_metrics(groups, response, timing, self._since_last_step())
@@ -321,19 +329,40 @@ class Coordinator:
         self.counters["stale_groups"] += len(groups) - len(fresh)
         return fresh
 
-    async def save(self) -> None:
-        """A trainer checkpoint, then the run state that matches it (written atomically last)."""
-        request = trainer_pb2.SaveCheckpointRequest(step=self.state.step)
+    async def save(self, complete: bool = False) -> None:
+        """A trainer checkpoint, then the run state that matches it (written atomically last),
+        once the trainer reports the checkpoint complete: at once, or with ``trainer.async_save``
+        when a later answer says so (``complete``: wait for it: a run's last save)."""
+        self._saving[self.state.step] = replace(self.state)
         self.progress.begin("save", f"saving the checkpoint of step {self.state.step}")
         try:
-            response = await self.pool.trainer.unary(
-                "SaveCheckpoint", request, self.config.launch.request_timeout_s
-            )
+            await self.trainer.save(self.state.step, complete)
         finally:
             self.progress.end("save")
-        self.state.trainer_checkpoint = response.path
-        self.outputs.save_state(self.state)
-        self._saved_step = self.state.step
+
+    def _checkpoint_complete(self, step: int, path: str) -> None:
+        """The trainer's checkpoint of ``step`` is whole: the run state saved with it is written
+        (never before: a resume must find both)."""
+        state = self._saving.pop(step, None)
+        for older in [s for s in self._saving if s < step]:
+            del self._saving[older]  # superseded (a save a dead trainer never finished)
+        if state is None or step <= self._saved_step:
+            return
+        state.trainer_checkpoint = path
+        self.outputs.save_state(state)
+        self._saved_step = step
+
+    async def _release(self, step: int) -> None:
+        await self.pool.release(f"step{step}")
+
+    async def _load_weights(self, step: int, update: common_pb2.WeightUpdate) -> dict[str, float]:
+        """``update`` on the rollouts; when the trainer died while they fetched it, on the ones
+        still without it, from the trainer brought back."""
+        while True:
+            try:
+                return await self.pool.load_weights(update, self.trainer.publisher_gone)
+            except TrainerGone as error:
+                update = await self.trainer.bring_back(error, f"publishing step {step}'s weights")
 
     # --- rollout and reward --------------------------------------------------------------------
 
@@ -452,16 +481,7 @@ class Coordinator:
             params=self.config.sampling.params().to_proto(),
             seed=self.config.schedule.seed,
         )
-        try:
-            timeout = self.config.launch.request_timeout_s
-            response: trainer_pb2.TrainStepResponse = await self.pool.trainer.unary(
-                "TrainStep", request, timeout
-            )
-            return response
-        except ReplicaError as error:
-            raise RunError(
-                f"the trainer failed at step {step}: {error}; resume from the last checkpoint"
-            ) from error
+        return await self.trainer.train(request)
 
     async def _resume(self) -> None:
         state = self.outputs.load_state()
@@ -475,14 +495,39 @@ class Coordinator:
                     "point trainer.checkpoint_dir at this run's checkpoints or use a fresh run_dir"
                 )
             self.outputs.rewind(0)  # what a run that saved nothing logged is trained again
+            self.trainer.started_at(0, trainer.complete)
             return
-        if trainer.step != state.step:
+        if trainer.step > state.step:
+            state = self._ahead_state(state, trainer)
+        elif trainer.step != state.step:
             state = self._fallen_back_state(state, trainer.step)
+        self.trainer.started_at(state.step, trainer.complete)
         self.state, self._saved_step = state, state.step
         self.outputs.rewind(state.step)  # the steps after the checkpoint are trained again: logged once
         if trainer.current.policy_version or trainer.current.HasField("base"):  # base: trainer.share_base
             await self.pool.load_weights(trainer.current)
         self.outputs.say(f"resumed at step {state.step} (policy version {state.policy_version})")
+
+    def _ahead_state(self, state: RunState, trainer: trainer_pb2.TrainerStateResponse) -> RunState:
+        """The run state of the trainer's checkpoint, when that checkpoint was completed after
+        the run state on disk was written: the coordinator died before it heard (an asynchronous
+        save ends a step or so after it began). A run state is a function of the step (the
+        cursor moves by data.prompts_per_step, a FIXED key) and the trainer's version, and this
+        run logged that step; any other trainer ahead of the run state is refused."""
+        step = trainer.step
+        if not any(r["step"] == step for r in read_metrics(self.outputs.dir)) or not trainer.complete.path:
+            raise RunError(
+                f"run state at step {state.step} but the trainer resumed at step {step}, which this run "
+                f"did not train: both must come from the same run (see {state.trainer_checkpoint})"
+            )
+        ahead = RunState(step, step * self.config.data.prompts_per_step, trainer.policy_version,
+                         trainer.complete.path)  # fmt: skip
+        self.outputs.save_state(ahead)
+        self.outputs.say(
+            f"the trainer's checkpoint of step {step} ({trainer.complete.path}) was completed after the run "
+            f"state of step {state.step} was written; resuming at step {step}"
+        )
+        return ahead
 
     def _fallen_back_state(self, state: RunState, trainer_step: int) -> RunState:
         """The run state saved with the trainer's checkpoint, when the trainer resumed from an
@@ -534,6 +579,7 @@ class Coordinator:
             "coordinator/dropped_groups": float(self.counters["dropped_groups"]),
             "coordinator/retries": float(self.pool.retries),
             "coordinator/rejoins": float(self.pool.rejoins),
+            "coordinator/trainer_restarts": float(self.trainer.restarts),
             "coordinator/stale_groups": float(self.counters["stale_groups"]),
             "training/global_step": float(self.state.step),
             "training/policy_version": float(response.update.policy_version),

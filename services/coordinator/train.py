@@ -202,7 +202,8 @@ async def _train_holding_lock(
             services = await launch(cfg, registry, report)
         try:
             coordinator = Coordinator(cfg, split, services.rollouts, services.rewards, services.trainer,
-                                      store.store, outputs, registry, test)  # fmt: skip
+                                      store.store, outputs, registry, test,
+                                      trainer_source=services.trainer_source)  # fmt: skip
             signals.running()
             history = await coordinator.run()
             if summary := reward_summary(history):

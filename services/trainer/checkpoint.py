@@ -28,6 +28,16 @@ save and load plans between ranks as pickled objects over the process group, in 
 
 The RNG state is per rank; resumed on more ranks than saved it, the extra ranks take rank 0's.
 
+Asynchronous saves (``trainer.async_save``, :func:`start_checkpoint`): what the next steps
+change (weights, AdamW moments, DiffusionNFT's old policy, the LoRA adapter) is copied to host
+memory and the small files (RNG, counters) are written before the call returns; the copies are
+written by DCP's ``async_save`` in a background thread (over a gloo group of its own when there
+are several ranks, so its collectives never interleave with the training's), and then rank 0
+alone hashes every file, writes the manifest and renames the folder into place. Until that
+rename the checkpoint is a hidden partial folder that no resume reads: a process killed in the
+middle loses only the checkpoint being written, never an older one. One save is written at a
+time (the next one waits for it), so one host copy of the state is the memory it costs.
+
 Outside a trainer (``flowgrpo generate --run``), :func:`find_run_checkpoint` finds a checkpoint
 of a run folder and :func:`read_policy_update` reads its weights, verified, in one process, as
 the policy update a rollout applies.
@@ -42,10 +52,11 @@ import json
 import os
 import re
 import shutil
+import threading
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -55,6 +66,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -200,25 +212,38 @@ def save_checkpoint(
     the trainer loaded, named in a LoRA adapter's ``adapter_config.json``."""
     dist, folder = trainer.dist, Path(folder)
     final = folder / checkpoint_name(step)
-    tmp = _partial(final)
-    try:
+    with _write_errors(final, step, dist.rank):
         _write_checkpoint(final, trainer, step, base_model)
+    if dist.rank != 0:
+        return None
+    _prune(folder, keep_last)
+    return final
+
+
+@contextlib.contextmanager
+def _write_errors(final: Path, step: int, rank: int) -> Iterator[None]:
+    """A failed write leaves nothing (rank 0 removes the partial folder); a refusal of the
+    storage becomes a :class:`CheckpointWriteError` naming the cause and what is left."""
+    try:
+        yield
     except BaseException as error:
-        if dist.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if rank == 0:
+            shutil.rmtree(_partial(final), ignore_errors=True)
         cause = storage_cause(error)
         if cause is None:
             raise
+        folder = final.parent
         raise CheckpointWriteError(
             f"cannot write the checkpoint of step {step} in {folder}: {cause}; {_previous(folder)}"
         ) from error
-    if dist.rank != 0:
-        return None
+
+
+def _prune(folder: Path, keep_last: int) -> None:
+    """Keep the ``keep_last`` newest checkpoints; remove the partial folders of saves that crashed."""
     for old in sorted(p for p in folder.glob(f"{PREFIX}*") if p.is_dir())[:-keep_last]:
         shutil.rmtree(old)
-    for stale in folder.glob(f".{PREFIX}*{PARTIAL}"):  # of saves that crashed
+    for stale in folder.glob(f".{PREFIX}*{PARTIAL}"):
         shutil.rmtree(stale, ignore_errors=True)
-    return final
 
 
 def _partial(final: Path) -> Path:
@@ -228,15 +253,31 @@ def _partial(final: Path) -> Path:
 
 def _write_checkpoint(final: Path, trainer: Checkpointed, step: int, base_model: str) -> None:
     """Every file into the partial folder, hashed, then (rank 0) renamed to ``final``, synced."""
-    dist, folder, tmp = trainer.dist, final.parent, _partial(final)
-    if dist.rank == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
-        tmp.mkdir()
-    _barrier(dist)
+    dist, tmp = trainer.dist, _partial(final)
+    _make_partial(final, dist)
     _write_weights(tmp, trainer, base_model)
     _write_old_policy(tmp, trainer)
     _write_optimizer(tmp, trainer)
+    _write_small_files(tmp, trainer, step)
+    names = _files(tmp)
+    _check_shared(tmp, names, dist)
+    digests = _hashes(tmp, names, dist)  # every rank hashes its share
+    if dist.rank == 0:
+        _seal(final, digests)
+
+
+def _make_partial(final: Path, dist: Dist) -> None:
+    """An empty partial folder for ``final`` (rank 0 makes it; every rank waits for it)."""
+    if dist.rank == 0:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(_partial(final), ignore_errors=True)  # left by a save that crashed
+        _partial(final).mkdir()
+    _barrier(dist)
+
+
+def _write_small_files(tmp: Path, trainer: Checkpointed, step: int) -> None:
+    """Each rank's RNG; rank 0's counters (trainer.json); then every rank has written."""
+    dist = trainer.dist
     _write_rng(tmp / "rng" / _rng_name(dist.rank))
     if dist.rank == 0:
         counters = {"format": FORMAT, "step": step, "version": trainer.version,
@@ -244,17 +285,158 @@ def _write_checkpoint(final: Path, trainer: Checkpointed, step: int, base_model:
                     "kind": trainer.policy.kind, "ranks": dist.world}  # fmt: skip
         (tmp / "trainer.json").write_text(json.dumps(counters, indent=2))
     _barrier(dist)
-    names = _files(tmp)
-    _check_shared(tmp, names, dist)
-    digests = _hashes(tmp, names, dist)  # every rank hashes its share
-    if dist.rank != 0:
-        return
+
+
+def _seal(final: Path, digests: dict[str, str]) -> None:
+    """The manifest, every file synced, the partial folder renamed to ``final`` (rank 0)."""
+    tmp = _partial(final)
     (tmp / MANIFEST).write_text(json.dumps(digests, indent=2, sort_keys=True))
     _fsync_tree(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(folder)
+    _fsync_dir(final.parent)
+
+
+# --- asynchronous saves (trainer.async_save) -------------------------------------------------
+
+
+class PendingCheckpoint:
+    """A checkpoint being written in the background (:func:`start_checkpoint`). :meth:`wait`
+    returns its path once it is whole and renamed into place (None on ranks > 0), or raises what
+    stopped it (:class:`CheckpointWriteError` for a refusal of the storage); nothing is left of a
+    failed one."""
+
+    def __init__(self, step: int, path: Path, write: Callable[[], Path | None]) -> None:
+        self.step, self.path = step, path
+        self._result: Path | None = None
+        self._error: BaseException | None = None
+        self._write = write
+        self._thread = threading.Thread(target=self._run, name=f"checkpoint {path.name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._result = self._write()
+        except BaseException as error:  # re-raised by wait(), in the trainer's own thread
+            self._error = error
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def failed(self) -> bool:
+        return self.done() and self._error is not None
+
+    def wait(self) -> Path | None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+class HostStager:
+    """Host copies of tensors, taken synchronously into buffers kept from one save to the next
+    (DCP's ``DefaultStager``; pinned memory on a GPU, so the device-to-host copy runs at full
+    speed). A buffer is reused by the next save: wait for one save before staging the next."""
+
+    def __init__(self, pinned: bool) -> None:
+        options = StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                 use_async_staging=False, use_non_blocking_copy=False)  # fmt: skip
+        self._stager = DefaultStager(options)
+
+    def __call__(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        staged = self._stager.stage(tensors)
+        if not isinstance(staged, dict):  # a Future only with asynchronous staging, not asked for
+            raise TypeError(f"DCP's stager returned a {type(staged).__name__}")
+        return staged
+
+    def close(self) -> None:
+        self._stager.close()
+
+
+@dataclass
+class _Staged:
+    """What a background save writes: host copies taken when the save began."""
+
+    dcp: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # folder name -> tensors
+    adapter: PolicyUpdate | None = None  # LoRA (rank 0)
+    base_model: str = ""
+
+
+def start_checkpoint(
+    folder: str | Path,
+    trainer: Checkpointed,
+    step: int,
+    stager: Callable[[dict[str, Tensor]], dict[str, Tensor]],
+    *,
+    keep_last: int = 3,
+    base_model: str = "",
+) -> PendingCheckpoint:
+    """Begin the checkpoint of ``step`` and return while it is written (every rank calls it).
+
+    Before it returns, what the next steps change is copied by ``stager`` (a DCP stager: host
+    memory, pinned on a GPU) and the small files (RNG, counters, the optimizer's groups) are in
+    the partial folder; a background thread then writes the copies through DCP, one folder after
+    the other, over a gloo group of its own, and rank 0 hashes every file, writes the manifest
+    and renames the folder into place. The caller waits for one save before it starts the next."""
+    dist, folder = trainer.dist, Path(folder)
+    final = folder / checkpoint_name(step)
+    group = _checkpoint_group() if dist.enabled else None  # made by every rank, in step, here
+    with _write_errors(final, step, dist.rank):
+        _make_partial(final, dist)
+        staged = _stage(trainer, stager, base_model)
+        _write_optimizer_meta(_partial(final), trainer)
+        _write_small_files(_partial(final), trainer, step)
+        _check_shared(_partial(final), _files(_partial(final)), dist)
+
+    def write() -> Path | None:
+        with _write_errors(final, step, dist.rank):
+            for name, tensors in staged.dcp.items():
+                writer = _dcp_writer(_partial(final) / name, tensors, dist)
+                with _one_process_quietly(), _dcp_errors(f"writing {_partial(final) / name}"):
+                    dcp_save(tensors, storage_writer=writer, process_group=group, no_dist=not dist.enabled)
+            if dist.rank != 0:
+                return None  # every rank's shards are written once rank 0's DCP saves returned
+            if staged.adapter is not None:
+                save_peft_adapter(_partial(final) / "adapter", staged.adapter, staged.base_model)
+            _seal(final, _hashes(_partial(final), _files(_partial(final)), Dist()))  # rank 0 alone
+        _prune(folder, keep_last)
+        return final
+
+    return PendingCheckpoint(step, final, write)
+
+
+def _stage(
+    trainer: Checkpointed, stager: Callable[[dict[str, Tensor]], dict[str, Tensor]], base_model: str
+) -> _Staged:
+    """Host copies of the weights, DiffusionNFT's old policy and AdamW's state (every rank its
+    shards), and of the LoRA adapter (gathered, rank 0)."""
+    staged = _Staged(base_model=str(Path(base_model).resolve()) if base_model else "")
+    if trainer.policy.kind == "full":
+        staged.dcp["gen_path"] = stager(dict(trainer.policy.trainable()))
+    else:
+        published = {n: t.detach().to("cpu", copy=True) for n, t in trainer.policy.published().items()}
+        if trainer.dist.rank == 0:
+            cfg = trainer.policy.config
+            staged.adapter = PolicyUpdate(trainer.version, "lora", published, cfg.lora_rank, cfg.lora_alpha)
+    if isinstance(trainer, DiffusionNFTStep):
+        staged.dcp["old_policy"] = stager(trainer.policy.old_state())
+    optimizer = _optimizer_tensors(trainer)
+    if optimizer:
+        staged.dcp["optimizer"] = stager(optimizer)
+    return staged
+
+
+_CHECKPOINT_GROUP: Any = None
+
+
+def _checkpoint_group() -> Any:
+    """The gloo group background saves run their collectives on: never the training's, so the
+    two never interleave (DCP's async saves need a CPU backend anyway). Made once, by every rank."""
+    global _CHECKPOINT_GROUP
+    if _CHECKPOINT_GROUP is None:
+        _CHECKPOINT_GROUP = torch_dist.new_group(backend="gloo")
+    return _CHECKPOINT_GROUP
 
 
 def load_checkpoint(path: str | Path, trainer: Checkpointed) -> int:
@@ -406,18 +588,25 @@ def _param_names(trainer: Checkpointed) -> list[str]:
 
 
 def _write_optimizer(tmp: Path, trainer: Checkpointed) -> None:
-    state = trainer.optimizer.state_dict()
-    names = _param_names(trainer)
-    tensors = {
-        f"{names[index]}/{key}": value  # moments sharded like their parameter; the step a scalar
-        for index, entry in state["state"].items()
-        for key, value in entry.items()
-    }
+    tensors = _optimizer_tensors(trainer)
     if tensors:  # none before the first step
         _dcp_save(tmp / "optimizer", tensors, trainer.dist)
+    _write_optimizer_meta(tmp, trainer)
+
+
+def _optimizer_tensors(trainer: Checkpointed) -> dict[str, Tensor]:
+    """AdamW's state keyed ``<param name>/<key>``: moments sharded like their parameter, the
+    step a scalar; empty before the first step."""
+    state = trainer.optimizer.state_dict()["state"]
+    names = _param_names(trainer)
+    return {f"{names[index]}/{key}": value for index, entry in state.items() for key, value in entry.items()}
+
+
+def _write_optimizer_meta(tmp: Path, trainer: Checkpointed) -> None:
     if trainer.dist.rank == 0:
+        state = trainer.optimizer.state_dict()
         groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
-        meta = {"param_groups": groups, "params": names}
+        meta = {"param_groups": groups, "params": _param_names(trainer)}
         (tmp / "optimizer.json").write_text(json.dumps(meta, indent=2))
 
 
@@ -470,6 +659,12 @@ def _check_optimizer(path: Path, trainer: Checkpointed) -> Callable[[], None]:
 def _dcp_save(folder: Path, tensors: dict[str, Tensor], dist: Dist) -> None:
     """Each rank writes its shards of ``tensors`` (DTensors, or plain tensors written once) into
     safetensors files under ``folder``, in files of about ``FILE_BYTES`` per rank."""
+    writer = _dcp_writer(folder, tensors, dist)
+    with _one_process_quietly(), _dcp_errors(f"writing {folder}"):
+        dcp_save(tensors, storage_writer=writer, no_dist=not dist.enabled)
+
+
+def _dcp_writer(folder: Path, tensors: dict[str, Tensor], dist: Dist) -> HuggingFaceStorageWriter:
     if not all(isinstance(t, Tensor) for t in tensors.values()):
         raise TypeError("only tensors are checkpointed through DCP (anything else would be pickled)")
     index, size, files = 1, 0, {}
@@ -478,9 +673,7 @@ def _dcp_save(folder: Path, tensors: dict[str, Tensor], dist: Dist) -> None:
         if size and size + share > FILE_BYTES:
             index, size = index + 1, 0
         files[name], size = index, size + share
-    writer = HuggingFaceStorageWriter(str(folder), fqn_to_index_mapping=files, save_distributed=True)
-    with _one_process_quietly(), _dcp_errors(f"writing {folder}"):
-        dcp_save(tensors, storage_writer=writer, no_dist=not dist.enabled)
+    return HuggingFaceStorageWriter(str(folder), fqn_to_index_mapping=files, save_distributed=True)
 
 
 def _stored(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -152,6 +152,11 @@ class TrainerConfig:
     compile: bool = False  # torch.compile each decoder layer's image-query work (a GPU speed-up)
     checkpoint_dir: str = ""  # where trainer checkpoints go; empty: no checkpoints
     keep_last: int = knob(3, 1, 1_000_000)
+    # write checkpoints in the background: SaveCheckpoint returns once the state is copied to host
+    # memory (pinned on a GPU: one copy of the trained tensors and their AdamW moments), and the
+    # checkpoint counts (resume, run state) only once it is whole; with schedule.save_every=1 a
+    # trainer's death then costs at most the step in flight (docs/ARCHITECTURE.md)
+    async_save: bool = False
     resume: bool = True  # start from the newest checkpoint in checkpoint_dir when there is one
     publish_dtype: Literal["", "bfloat16", "float32"] = ""  # dtype of published tensors; "" = as trained
     publish_bus: bool = True  # put each version on this replica's bus store (any rollout, any host)

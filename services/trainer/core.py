@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,9 +32,13 @@ from flowgrpo.runtime.data import fetch_inputs
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.trainer.checkpoint import (
     CheckpointDamaged,
+    HostStager,
+    PendingCheckpoint,
+    checkpoint_name,
     checkpoint_steps,
     load_checkpoint,
     save_checkpoint,
+    start_checkpoint,
 )
 from flowgrpo.services.trainer.config import TrainerServiceConfig
 from flowgrpo.services.trainer.distributed import Dist
@@ -48,6 +53,16 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
 MAX_ADVANTAGE = 1e6  # |advantage|: the coordinator clips to advantages.clip (5); fp32 keeps headroom
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A SaveCheckpoint's outcome: where the checkpoint is (or will be), whether it is still being
+    written (``trainer.async_save``), and the newest checkpoint written whole (step, path)."""
+
+    path: Path | None
+    pending: bool
+    complete: tuple[int, str] | None
 
 
 class TrainerCore:
@@ -82,6 +97,10 @@ class TrainerCore:
         self.publisher = Publisher(
             policy, None, cfg.publish_dtype, cfg.publish_bus, cfg.publish_cuda_ipc, base=base
         )
+        self.pending: PendingCheckpoint | None = None  # trainer.async_save: the one being written
+        self.complete: tuple[int, str] | None = None  # the newest checkpoint written whole
+        self._stager: HostStager | None = None  # trainer.async_save: host buffers, reused
+        self._last_save: tuple[str, int] | None = None  # (folder, step) of the last save started
 
     def resume(self) -> int | None:
         """Load the newest intact checkpoint: a damaged one (corrupt, truncated, incomplete) is
@@ -98,6 +117,7 @@ class TrainerCore:
                 damaged = damaged or error
                 continue
             log.info("resumed from %s: step %d, policy version %d", path, step, self.trainer.version)
+            self.complete = (step, str(path))
             return step
         if damaged is not None:
             raise damaged
@@ -177,11 +197,63 @@ class TrainerCore:
         with self.trainer.sampling_policy():  # DiffusionNFT's rollouts sample with its old policy
             return self.publisher.publish(self.trainer.version)
 
-    def save(self, folder: str, step: int) -> Path | None:
+    def save(self, folder: str, step: int, complete: bool = False) -> Saved:
+        """The checkpoint of ``step``: written now, or (``trainer.async_save``) copied now and
+        written in the background, one at a time; ``complete``: return only once it is whole."""
         cfg = self.config.trainer
-        return save_checkpoint(folder, self.trainer, step, cfg.keep_last, base_model=cfg.checkpoint)
+        if cfg.async_save and self._last_save == (folder, step):
+            # the same step asked again (whole, at a run's end): no second copy. Decided from the
+            # requests alone, never from a background thread's progress, so every rank agrees
+            if complete:
+                self.finish_pending()
+            return self._saved(Path(folder) / checkpoint_name(step))
+        self.finish_pending()  # one save in flight at most: its host copy is the next one's buffer
+        self._last_save = (folder, step)
+        if not cfg.async_save:
+            path = save_checkpoint(folder, self.trainer, step, cfg.keep_last, base_model=cfg.checkpoint)
+            if path is not None:
+                self.complete = (step, str(path))
+            return self._saved(path)
+        self.pending = start_checkpoint(
+            folder, self.trainer, step, self._stage, keep_last=cfg.keep_last, base_model=cfg.checkpoint
+        )
+        path = self.pending.path
+        if complete:
+            self.finish_pending()
+        return self._saved(path)
+
+    def _saved(self, path: Path | None) -> Saved:
+        return Saved(path, self.pending is not None, self.complete_checkpoint())
+
+    def complete_checkpoint(self) -> tuple[int, str] | None:
+        """The newest checkpoint written whole, (step, path); a background save that has ended
+        is taken into account (its failure is raised by the next save, not here)."""
+        if self.pending is not None and self.pending.done() and not self.pending.failed():
+            self.finish_pending()  # a failed one stays: the next save raises its error
+        return self.complete
+
+    def finish_pending(self) -> None:
+        """Wait for the background save, if any; raise what stopped it."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        path = pending.wait()
+        if path is not None:
+            self.complete = (pending.step, str(path))
+
+    def _stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self._stager is None:
+            self._stager = HostStager(pinned=self.config.trainer.device.startswith("cuda"))
+        return self._stager(tensors)
 
     def close(self) -> None:
+        """Finish a checkpoint still being written (a drain ends with it whole), then let go."""
+        try:
+            self.finish_pending()
+        except Exception as error:  # closing: said, not raised
+            log.warning("the last checkpoint was not written: %s", error)
+        if self._stager is not None:
+            self._stager.close()
         self.client.close()
 
     def _check_inputs(self, where: str, inputs: dict[str, torch.Tensor]) -> None:

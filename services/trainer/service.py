@@ -100,7 +100,9 @@ class TrainerService(Actor, trainer_pb2_grpc.TrainerServicer):
         if released is not None:
             metrics["timing_s/release_memory"] = released
         self.step, self.policy_version = request.step, core.trainer.version
-        response = trainer_pb2.TrainStepResponse(step=request.step, update=self.current)
+        response = trainer_pb2.TrainStepResponse(
+            step=request.step, update=self.current, complete=_saved_checkpoint(core.complete_checkpoint())
+        )
         response.metrics.values.update(metrics)
         return response
 
@@ -120,23 +122,28 @@ class TrainerService(Actor, trainer_pb2_grpc.TrainerServicer):
                 f"SaveCheckpointRequest.step={request.step}: this trainer is at step {self.step}; "
                 f"give {self.step} (or 0, meaning the current step)"
             )
-        resolved = trainer_pb2.SaveCheckpointRequest(step=self.step, path=folder)
+        resolved = trainer_pb2.SaveCheckpointRequest(step=self.step, path=folder, complete=request.complete)
         self._announce(SAVE, resolved.SerializeToString())
         started = time.perf_counter()
         try:
-            path = await self.compute(self._core().save, folder, resolved.step)
+            saved = await self.compute(self._core().save, folder, resolved.step, resolved.complete)
         except CheckpointWriteError as error:  # the storage's answer, not a failure of this
             # trainer: FAILED_PRECONDITION, which no caller retries (a full disk stays full)
             raise ServiceError(str(error)) from error
-        return trainer_pb2.SaveCheckpointResponse(path=str(path), save_s=time.perf_counter() - started)
+        return trainer_pb2.SaveCheckpointResponse(
+            path=str(saved.path), save_s=time.perf_counter() - started, pending=saved.pending,
+            complete=_saved_checkpoint(saved.complete),
+        )  # fmt: skip
 
     @message
     async def State(
         self, request: trainer_pb2.TrainerStateRequest, context: grpc.aio.ServicerContext
     ) -> trainer_pb2.TrainerStateResponse:
+        core = self._core()
         return trainer_pb2.TrainerStateResponse(
-            step=self.step, policy_version=self._core().trainer.version, current=self.current
-        )
+            step=self.step, policy_version=core.trainer.version, current=self.current,
+            complete=_saved_checkpoint(core.complete_checkpoint()),
+        )  # fmt: skip
 
     # --- helpers -------------------------------------------------------------------------------
 
@@ -155,6 +162,11 @@ class TrainerService(Actor, trainer_pb2_grpc.TrainerServicer):
     def _core(self) -> TrainerCore:
         assert self.core is not None, "built in start(), before any message"
         return self.core
+
+
+def _saved_checkpoint(complete: tuple[int, str] | None) -> trainer_pb2.SavedCheckpoint:
+    step, path = complete or (0, "")
+    return trainer_pb2.SavedCheckpoint(step=step, path=path)
 
 
 def follow(config: TrainerServiceConfig, dist: Dist) -> None:
@@ -182,6 +194,6 @@ def follow(config: TrainerServiceConfig, dist: Dist) -> None:
                 core.publish()
             elif op == SAVE:
                 request = trainer_pb2.SaveCheckpointRequest.FromString(payload)
-                core.save(request.path, request.step)
+                core.save(request.path, request.step, request.complete)
     finally:
         core.close()

@@ -20,7 +20,6 @@ fine-tuned BAGEL folder in the published layout (LoRA merged), ready for ``flowg
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import shutil
@@ -64,8 +63,6 @@ from flowgrpo.services.trainer.load import load_policy
 from flowgrpo.services.trainer.policy import TrainablePolicy
 from flowgrpo.services.trainer.sft_config import SftConfig
 
-log = logging.getLogger(__name__)
-
 ENCODE_BATCH = 64  # images per VAE forward while the dataset is encoded
 
 
@@ -103,11 +100,14 @@ def encode_pairs(pairs: Sequence[ImageText], checkpoint: str, device: str) -> Pa
 
 def batch_rows(seed: int, step: int, batch_size: int, count: int) -> list[int]:
     """The dataset rows of ``step``'s batch: epochs of a permutation drawn from (seed, epoch)."""
+    orders: dict[int, list[int]] = {}  # a batch spans one epoch, or two at its boundary
     rows = []
     for k in range(step * batch_size, (step + 1) * batch_size):
         epoch, place = divmod(k, count)
-        generator = torch.Generator().manual_seed(coordinate_seed(seed, "epoch", epoch))
-        rows.append(int(torch.randperm(count, generator=generator)[place]))
+        if epoch not in orders:
+            generator = torch.Generator().manual_seed(coordinate_seed(seed, "epoch", epoch))
+            orders[epoch] = torch.randperm(count, generator=generator).tolist()
+        rows.append(orders[epoch][place])
     return rows
 
 

@@ -123,3 +123,27 @@ def test_fewer_than_three_timed_steps_are_refused(capsys: pytest.CaptureFixture[
     with pytest.raises(SystemExit):
         trainer.main([*TINY, "--reps", "2"])
     assert "every figure is a median of >= 3 runs" in capsys.readouterr().err
+
+
+def test_a_checkpoint_every_step_is_timed_three_ways(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--checkpoint-every-step``: the step alone, with a synchronous and with a background save
+    after it; every cycle a median of 3 after a warm-up, each ratio recomputes from the cycles,
+    the blocking part of a save fits in its cycle, and the folder is removed afterwards."""
+    out, folder = tmp_path / "trainer.json", tmp_path / "ckpt"
+    args = [*TINY, "--variants", "none2", "--no-publish", "--checkpoint-every-step", str(folder)]
+    assert trainer.main([*args, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    check_figures(report)
+    cost = report["checkpoint_every_step"]
+    assert cost["variant"] == "none2" and cost["checkpoint_bytes"] > 0 and not folder.exists()
+    assert median(cost["none"]["save_s"]) == 0.0
+    for way in ("sync", "async"):
+        cycle, save = cost[way]["cycle_s"], cost[way]["save_s"]
+        assert cycle["n"] == save["n"] == 3
+        assert all(s <= c for s, c in zip(save["values"], cycle["values"], strict=True))
+        assert median(cost[way]["cycle_over_none"]) == pytest.approx(
+            median(cycle) / median(cost["none"]["cycle_s"])
+        )
+    assert "a checkpoint every step (none2" in capsys.readouterr().out

@@ -7,8 +7,9 @@ as a user runs them. The runs are shared between asserts to keep CI short:
   2 short in-process runs of 1 and 2 replicas, equal bitwise;
 - ``rollout_killed`` / ``reward_killed``: ``local``, 2 replicas of the role, one killed with
   SIGKILL after step 1;
-- ``resumed``: ``local``, the trainer killed with SIGKILL after step 3, then the same command
-  again: resumes from the step-2 checkpoint and ends where the reference ends.
+- ``resumed``: ``local`` with ``launch.trainer_restarts=0``, the trainer killed with SIGKILL after
+  step 3, then the same command again: resumes from the step-2 checkpoint and ends where the
+  reference ends.
 """
 
 from __future__ import annotations
@@ -294,11 +295,15 @@ def test_a_killed_reward_replica_loses_no_group(
 def test_a_killed_trainer_stops_the_run_and_the_same_command_resumes(
     reference: list[dict[str, float]], tiny: Path, tmp_path: Path
 ) -> None:
-    proc = start(tmp_path, tiny, "launch.launcher=local")
+    """With ``launch.trainer_restarts=0`` a trainer's death ends the run (test_trainer_restart.py:
+    what the restarts do)."""
+    proc = start(tmp_path, tiny, "launch.launcher=local", "launch.trainer_restarts=0")
     wait_for_step(tmp_path, 3, proc)
     kill(tmp_path, "trainer")
     stderr = finish(proc, expect=1)
-    assert "the trainer failed at step 4" in stderr and "resume from the last checkpoint" in stderr
+    assert (
+        "the trainer failed while training step 4" in stderr and "resume from the last checkpoint" in stderr
+    )
     assert json.loads((tmp_path / "run_state.json").read_text())["step"] == 2
     stderr = train(tmp_path, tiny, "launch.launcher=local")
     assert "resumed at step 2" in stderr

@@ -1,6 +1,8 @@
 """Full gen-path checkpoints in every process of a torchrun job (FSDP2 over gloo when WORLD_SIZE > 1).
 
-``save``: train step 1, save the checkpoint of step 1 under CKPT_DIR, train step 2. ``resume``: try
+``save``: train step 1, save the checkpoint of step 1 under CKPT_DIR, train step 2. ``save_async``:
+the same with a background save (``start_checkpoint``) that writes while the state is gathered
+and step 2 trains (its DCP collectives on a group of their own, beside the training's). ``resume``: try
 to load DAMAGED (when given), which must be refused, then resume from the newest checkpoint under
 CKPT_DIR and train step 2. ``load``: resume only. Rank 0 writes the whole weights and AdamW moments
 as saved or loaded, with every rank's next CPU draws (``state.safetensors``), the weights after
@@ -23,9 +25,12 @@ from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.trainer.checkpoint import (
     CheckpointError,
+    HostStager,
+    PendingCheckpoint,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
+    start_checkpoint,
 )
 from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig
 from flowgrpo.services.trainer.distributed import Dist, close_distributed, full_tensor, init_distributed
@@ -87,10 +92,14 @@ def main(checkpoint: Path, ckpt_dir: Path, mode: str, out: Path, damaged: Path |
     dist = init_distributed("cpu")
     step = build(checkpoint, dist)
     out.mkdir(parents=True, exist_ok=True)
-    if mode == "save":
+    pending: PendingCheckpoint | None = None
+    if mode in ("save", "save_async"):
         torch.manual_seed(dist.rank)  # a generator state of its own on each rank
         step.run(trajectories(checkpoint, 1), PARAMS)
-        save_checkpoint(ckpt_dir, step, step=1)
+        if mode == "save":
+            save_checkpoint(ckpt_dir, step, step=1)
+        else:
+            pending = start_checkpoint(ckpt_dir, step, 1, HostStager(pinned=False))
     else:
         if damaged is not None:
             try:
@@ -110,6 +119,9 @@ def main(checkpoint: Path, ckpt_dir: Path, mode: str, out: Path, damaged: Path |
     if dist.rank == 0:
         save_file(published, str(out / "after.safetensors"))
         (out / "metrics.json").write_text(json.dumps(metrics))
+    if pending is not None:
+        path = pending.wait()
+        assert (path is not None) == (dist.rank == 0), path
 
 
 if __name__ == "__main__":

@@ -7,23 +7,31 @@ import errno
 import json
 import logging
 import shutil
+import threading
+import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
+from safetensors import safe_open
 
 from flowgrpo.models.bagel.model import BagelModel
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
+from flowgrpo.services.trainer import checkpoint as checkpoint_module
 from flowgrpo.services.trainer.checkpoint import (
     CheckpointError,
+    CheckpointWriteError,
+    HostStager,
     checkpoint_steps,
     latest_checkpoint,
     load_checkpoint,
     read_policy_update,
     save_checkpoint,
+    start_checkpoint,
     storage_cause,
 )
 from flowgrpo.services.trainer.config import DEFAULT_LORA_TARGETS, PolicyConfig
@@ -183,3 +191,121 @@ def test_storage_causes_are_named_from_every_writer_that_reports_them() -> None:
     assert storage_cause(wrapped) == "read-only file system (EROFS)"
     assert storage_cause(OSError(errno.ENAMETOOLONG, "x")) == "file name too long (errno 36)"
     assert storage_cause(ValueError("not storage")) is None  # a bug is not called a full disk
+
+
+@pytest.fixture
+def stager() -> Iterator[HostStager]:
+    """As the trainer makes it on a CPU: host buffers kept from one save to the next."""
+    made = HostStager(pinned=False)
+    yield made
+    made.close()
+
+
+def contents_of(path: Path) -> dict[str, object]:
+    """Every file of a checkpoint but its manifest, by what it holds: tensors (safetensors
+    headers list their metadata in no fixed order, so two saves of one state differ in bytes),
+    parsed JSON."""
+    out: dict[str, object] = {}
+    for file in sorted(f for f in path.rglob("*") if f.is_file() and f.name != "manifest.json"):
+        name = str(file.relative_to(path))
+        if file.suffix == ".safetensors":
+            with safe_open(str(file), framework="pt") as f:
+                out[name] = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no iter)
+        else:
+            out[name] = json.loads(file.read_text())
+    return out
+
+
+def assert_same_contents(actual: dict[str, object], expected: dict[str, object]) -> None:
+    assert actual.keys() == expected.keys()
+    for name, value in expected.items():
+        if isinstance(value, dict) and all(isinstance(v, torch.Tensor) for v in value.values()):
+            got = actual[name]
+            assert isinstance(got, dict) and got.keys() == value.keys(), name
+            assert all(torch.equal(got[k], v) for k, v in value.items()), name
+        else:
+            assert actual[name] == value, name
+
+
+@pytest.mark.bitwise
+@pytest.mark.parametrize("policy", [LORA, PolicyConfig(kind="full")], ids=["lora", "full"])
+def test_an_async_save_holds_its_steps_state_while_the_next_step_trains(
+    tiny: Path, tmp_path: Path, policy: PolicyConfig, stager: HostStager
+) -> None:
+    """The background save writes the state of the step it was asked at, though the next step
+    changes every weight and moment while it writes: the same files, byte for byte, as a
+    synchronous save of that step, and a trainer resumed from it trains the next step bitwise."""
+    sampler = sampler_for(tiny)
+    first, second = rollout(sampler, [1.0, -1.0, 0.5, -0.5]), rollout(sampler, [0.3, -0.2, 1.0, -1.1], step=1)
+    for t in second:
+        t.policy_version = 1
+    step = trainer(tiny, policy)
+    step.run(first, PARAMS)
+    synced = save_checkpoint(tmp_path / "sync", step, step=1)
+    pending = start_checkpoint(tmp_path / "async", step, 1, stager)
+    expected = step.run(second, PARAMS)  # while the checkpoint is written
+    path = pending.wait()
+    assert path == tmp_path / "async" / "step_00000001" and synced is not None
+    assert_same_contents(contents_of(path), contents_of(synced))
+
+    resumed = trainer(tiny, policy)
+    assert load_checkpoint(path, resumed) == 1
+    metrics = resumed.run(second, PARAMS)
+    assert all(torch.equal(p, state(step)[n]) for n, p in state(resumed).items())
+    numbers = {k: v for k, v in metrics.items() if not k.startswith("timing_s/")}
+    assert numbers == {k: v for k, v in expected.items() if not k.startswith("timing_s/")}
+
+
+@pytest.fixture
+def held(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """Background saves wait at their seal (manifest and rename) until the event is set."""
+    release = threading.Event()
+    seal = checkpoint_module._seal
+
+    def held_seal(final: Path, digests: dict[str, str]) -> None:
+        if threading.current_thread() is not threading.main_thread():  # the background's only
+            assert release.wait(60)
+        seal(final, digests)
+
+    monkeypatch.setattr(checkpoint_module, "_seal", held_seal)
+    yield release
+    release.set()
+
+
+def test_a_checkpoint_being_written_is_nowhere_until_it_is_whole(
+    tiny: Path, tmp_path: Path, stager: HostStager, held: threading.Event
+) -> None:
+    """Until its rename, a background save is a hidden partial folder: no resume sees it."""
+    step = trainer(tiny)
+    step.run(rollout(sampler_for(tiny), [1.0, -1.0, 0.5, -0.5]), PARAMS)
+    save_checkpoint(tmp_path, step, step=1)
+    pending = start_checkpoint(tmp_path, step, 2, stager)
+    time.sleep(0.5)
+    assert not pending.done() and sorted(checkpoint_steps(tmp_path)) == [1]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
+    assert (tmp_path / ".step_00000002.partial" / "trainer.json").is_file()  # the small files: at once
+    held.set()
+    assert pending.wait() == tmp_path / "step_00000002"
+    assert sorted(checkpoint_steps(tmp_path)) == [1, 2] and not list(tmp_path.glob(".*"))
+
+
+def test_a_background_save_the_storage_refuses_leaves_nothing_and_says_so(
+    tiny: Path, tmp_path: Path, stager: HostStager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    step = trainer(tiny)
+    step.run(rollout(sampler_for(tiny), [1.0, -1.0, 0.5, -0.5]), PARAMS)
+    save_checkpoint(tmp_path, step, step=1)
+
+    def full(final: Path, digests: dict[str, str]) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        seal(final, digests)
+
+    seal = checkpoint_module._seal
+
+    monkeypatch.setattr(checkpoint_module, "_seal", full)
+    pending = start_checkpoint(tmp_path, step, 2, stager)
+    with pytest.raises(CheckpointWriteError, match=r"step 2 .*no space left on device \(ENOSPC\); "
+                       r"the previous checkpoint step_00000001 is intact"):  # fmt: skip
+        pending.wait()
+    assert pending.failed() and sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]

@@ -77,6 +77,25 @@ def test_two_ranks_resume_the_next_step_bitwise(tiny: Path, saved_by_two: Path, 
     assert numbers(resumed) == numbers(straight), "every metric of the resumed step, bitwise"
 
 
+def test_a_two_rank_background_save_resumes_like_a_synchronous_one(
+    tiny: Path, saved_by_two: Path, tmp_path: Path
+) -> None:
+    """trainer.async_save on 2 ranks: the checkpoint written while the state is gathered and step
+    2 trains (DCP's collectives on a gloo group of their own, beside FSDP's) resumes exactly as
+    the synchronous save of the same step: weights, moments, RNG, then step 2 bitwise."""
+    run(2, tiny, tmp_path / "ckpt", "save_async", tmp_path / "saved")
+    assert latest_checkpoint(tmp_path / "ckpt") == tmp_path / "ckpt" / "step_00000001"
+    assert not list((tmp_path / "ckpt").glob(".*")), "no partial folder left"
+    run(2, tiny, tmp_path / "ckpt", "resume", tmp_path / "out")
+    for name in ("state.safetensors", "after.safetensors"):
+        assert_same(load_file(tmp_path / "out" / name), load_file(saved_by_two / name))
+        assert_same(load_file(tmp_path / "saved" / name), load_file(saved_by_two / name))
+    resumed, straight = (
+        json.loads((d / "metrics.json").read_text()) for d in (tmp_path / "out", saved_by_two)
+    )
+    assert numbers(resumed) == numbers(straight)
+
+
 def test_a_two_rank_checkpoint_loads_into_one_process(tiny: Path, saved_by_two: Path) -> None:
     checkpoint = latest_checkpoint(saved_by_two / "ckpt")
     assert checkpoint is not None

@@ -119,6 +119,7 @@ class TrainStepResponse(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     METRICS_FIELD_NUMBER: _builtins.int
     UPDATE_FIELD_NUMBER: _builtins.int
+    COMPLETE_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     @_builtins.property
     def metrics(self) -> _common_pb2.Metrics: ...
@@ -126,29 +127,37 @@ class TrainStepResponse(_message.Message):
     def update(self) -> _common_pb2.WeightUpdate:
         """where the new weights are (the policy-update format)"""
 
+    @_builtins.property
+    def complete(self) -> Global___SavedCheckpoint:
+        """the newest checkpoint written whole (an asynchronous save ends"""
+
     def __init__(
         self,
         *,
         step: _builtins.int = ...,
         metrics: _common_pb2.Metrics | None = ...,
         update: _common_pb2.WeightUpdate | None = ...,
+        complete: Global___SavedCheckpoint | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["metrics", b"metrics", "update", b"update"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["complete", b"complete", "metrics", b"metrics", "update", b"update"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["metrics", b"metrics", "step", b"step", "update", b"update"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["complete", b"complete", "metrics", b"metrics", "step", b"step", "update", b"update"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TrainStepResponse: _TypeAlias = TrainStepResponse  # noqa: Y015
 
 @_typing.final
-class SaveCheckpointRequest(_message.Message):
+class SavedCheckpoint(_message.Message):
+    """A checkpoint written whole and renamed into place: what a restarted trainer resumes from."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     STEP_FIELD_NUMBER: _builtins.int
     PATH_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     path: _builtins.str
+    """"": none yet"""
     def __init__(
         self,
         *,
@@ -161,6 +170,32 @@ class SaveCheckpointRequest(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+Global___SavedCheckpoint: _TypeAlias = SavedCheckpoint  # noqa: Y015
+
+@_typing.final
+class SaveCheckpointRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    COMPLETE_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    path: _builtins.str
+    complete: _builtins.bool
+    """answer only once the checkpoint is whole on disk, also under"""
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        path: _builtins.str = ...,
+        complete: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["complete", b"complete", "path", b"path", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
 Global___SaveCheckpointRequest: _TypeAlias = SaveCheckpointRequest  # noqa: Y015
 
 @_typing.final
@@ -169,17 +204,29 @@ class SaveCheckpointResponse(_message.Message):
 
     PATH_FIELD_NUMBER: _builtins.int
     SAVE_S_FIELD_NUMBER: _builtins.int
+    PENDING_FIELD_NUMBER: _builtins.int
+    COMPLETE_FIELD_NUMBER: _builtins.int
     path: _builtins.str
+    """where the checkpoint is (or will be, while pending)"""
     save_s: _builtins.float
+    """how long the call kept the trainer from training"""
+    pending: _builtins.bool
+    """trainer.async_save: still being written; not resumable yet"""
+    @_builtins.property
+    def complete(self) -> Global___SavedCheckpoint:
+        """the newest checkpoint written whole"""
+
     def __init__(
         self,
         *,
         path: _builtins.str = ...,
         save_s: _builtins.float = ...,
+        pending: _builtins.bool = ...,
+        complete: Global___SavedCheckpoint | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["complete", b"complete"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path", "save_s", b"save_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["complete", b"complete", "path", b"path", "pending", b"pending", "save_s", b"save_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -207,6 +254,7 @@ class TrainerStateResponse(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     CURRENT_FIELD_NUMBER: _builtins.int
+    COMPLETE_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """last completed training step"""
     policy_version: _builtins.int
@@ -214,16 +262,21 @@ class TrainerStateResponse(_message.Message):
     def current(self) -> _common_pb2.WeightUpdate:
         """the full current update, for a replica that joins late"""
 
+    @_builtins.property
+    def complete(self) -> Global___SavedCheckpoint:
+        """the newest checkpoint written whole (the one it resumed from)"""
+
     def __init__(
         self,
         *,
         step: _builtins.int = ...,
         policy_version: _builtins.int = ...,
         current: _common_pb2.WeightUpdate | None = ...,
+        complete: Global___SavedCheckpoint | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["current", b"current"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["complete", b"complete", "current", b"current"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["current", b"current", "policy_version", b"policy_version", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["complete", b"complete", "current", b"current", "policy_version", b"policy_version", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
