@@ -5,12 +5,17 @@ a small colour image that a tiny generator can learn to draw.
 
 What it computes, exactly (up to float rounding and a 1e-4 relative term, see below):
 
-- encode: latent channel k < 3 (R, G, B) of cell (i, j) = the mean over the cell's 8x8 pixels
-  of (pixel_k - background_k), pixels in [-1, 1]; channels 3..15 are 0. So the background is
-  the zero latent and a colour is a vector of size at most ~2 in three channels;
-- decode: pixel_k = background_k + the latent's channel k upsampled 8x by three rounds of
+- encode: latent channel k < 3 (R, G, B) of cell (i, j) = GAIN x the mean over the cell's 8x8
+  pixels of (pixel_k - background_k), pixels in [-1, 1]; channels 3..15 are 0. So the background
+  is the zero latent and a colour a vector in three channels;
+- decode: pixel_k = background_k + the latent's channel k / GAIN upsampled 8x by three rounds of
   (nearest 2x, then a [1, 2, 1] / 4 blur in each direction), which is bilinear interpolation at
   each round; clamped to [-1, 1]. Channels 3..15 are ignored.
+
+GAIN plays the part of FLUX's scale factor: it brings the latent to about the noise's scale. At
+gain 1 the task's colour channels have a standard deviation of 0.17 against the noise's 1, so
+the layout of an image only emerges from the noise at t < ~0.15, where the sampler's shifted
+schedule takes one or two steps: a model then draws the average of its layouts.
 
 How, in the published FLUX weights (``vae.py``): every residual branch and the attention's output
 projection are zero (identity blocks); each downsample is a 2x2 mean and each upsample's conv a
@@ -34,6 +39,7 @@ from flowgrpo.models.bagel.vae import AutoEncoder, Downsample, Upsample
 # The plain background of the drawing task (a mid-dark grey, in [-1, 1]): the zero latent.
 BACKGROUND = (-0.6, -0.6, -0.6)
 COLOUR_CHANNELS = 3
+GAIN = 4.0  # latent units per unit of colour difference (the task's colour channels: std ~0.7)
 # The size of the signals between conv_in and norm_out: their variance (<= 4 SIGNAL^2 = 1e-10)
 # is 1e-4 of GroupNorm's eps (1e-6), so the norm is a fixed division by sqrt(eps).
 SIGNAL = 5e-6
@@ -90,9 +96,9 @@ def _encoder(vae: AutoEncoder, cfg: VAEConfig) -> None:
     assert encoder is not None
     _pairs(encoder.conv_in, SIGNAL, tuple(-b for b in BACKGROUND))
     # after norm_out: +-(pixel - background) * SIGNAL / sqrt(eps); conv_out brings it back to
-    # (pixel - background) and adds the shift that encode() subtracts, divided by the scale
-    # that encode() multiplies by: the normalised latent is the colour difference itself
-    undo = _unnormalised(encoder.norm_out) / SIGNAL / cfg.scale
+    # GAIN x (pixel - background) and adds the shift that encode() subtracts, divided by the
+    # scale that encode() multiplies by: the normalised latent is GAIN x the colour difference
+    undo = _unnormalised(encoder.norm_out) / SIGNAL / cfg.scale * GAIN
     for k in range(COLOUR_CHANNELS):
         encoder.conv_out.weight[k, 2 * k, 1, 1] = undo
         encoder.conv_out.weight[k, 2 * k + 1, 1, 1] = -undo
@@ -104,8 +110,8 @@ def _encoder(vae: AutoEncoder, cfg: VAEConfig) -> None:
 def _decoder(vae: AutoEncoder, cfg: VAEConfig) -> None:
     decoder = vae.decoder
     # decode() hands the decoder z / scale + shift: conv_in takes the shift back out and the
-    # scale back in, so the pairs carry SIGNAL * (normalised latent)
-    gain = SIGNAL * cfg.scale
+    # scale back in, so the pairs carry SIGNAL * (normalised latent) / GAIN
+    gain = SIGNAL * cfg.scale / GAIN
     _pairs(decoder.conv_in, gain, tuple(-cfg.shift for _ in range(COLOUR_CHANNELS)))
     undo = _unnormalised(decoder.norm_out) / SIGNAL
     assert decoder.conv_out.bias is not None
