@@ -19,7 +19,9 @@ from flowgrpo.services.coordinator.config import RunConfig, load_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
-RECIPES = sorted(EXAMPLES.glob("*.yaml"))
+# `flowgrpo train` recipes; `flowgrpo sft` ones (sft_*.yaml) are a config of their own
+RECIPES = sorted(p for p in EXAMPLES.glob("*.yaml") if not p.name.startswith("sft_"))
+SFT_RECIPES = sorted(EXAMPLES.glob("sft_*.yaml"))
 # what a user passes on the command line (the recipes leave the dataset to the user)
 PICKSCORE_ARGS = ("model.checkpoint=/ckpt/BAGEL-7B-MoT", "data.dataset=/data/pickscore")
 OCR_ARGS = ("model.checkpoint=/ckpt/BAGEL-7B-MoT", "data.dataset=/data/ocr")
@@ -137,6 +139,17 @@ def test_every_recipe_documents_its_command(recipe: Path) -> None:
     assert any(name == recipe.name for name, _ in _commands(_header(recipe))), (
         f"{recipe.name}: its header comment must show `flowgrpo train examples/{recipe.name} ...`"
     )
+
+
+@pytest.mark.parametrize("recipe", SFT_RECIPES, ids=lambda p: p.name)
+def test_every_sft_recipe_documents_its_command_and_loads(recipe: Path) -> None:
+    from flowgrpo.config import load_config
+    from flowgrpo.services.trainer.sft_config import SftConfig
+
+    assert f"flowgrpo sft examples/{recipe.name}" in _header(recipe)
+    assert f"`{recipe.name}`" in (EXAMPLES / "README.md").read_text()
+    cfg = load_config(SftConfig, recipe, ["model=bagel", "data.images=pairs"])
+    assert cfg.steps >= 1 and cfg.eval.reward.scorers
 
 
 @pytest.mark.parametrize(("recipe", "overrides"), DOCUMENTED)
