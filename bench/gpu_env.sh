@@ -10,8 +10,13 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 _site=""
 if compgen -G ".whl/*.whl" >/dev/null && ! $PY -c "import zmq, opentelemetry" 2>/dev/null; then
+    _wheels=(.whl/*.whl)
+    # scipy (the compose verifier) only where the machine has none: never shadow its own build
+    if $PY -c "import scipy" 2>/dev/null; then
+        _wheels=("${_wheels[@]/*scipy-*}")
+    fi
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl && _site=/tmp/site
+        ${_wheels[@]} && _site=/tmp/site
 fi
 _src=$PWD/src
 if ! PYTHONPATH="$_src" $PY -c "import flowgrpo.services.bench" 2>/dev/null; then
