@@ -58,10 +58,11 @@ from flowgrpo.services.trainer.checkpoint import (
     save_checkpoint,
 )
 from flowgrpo.services.trainer.config import OptimConfig
-from flowgrpo.services.trainer.distributed import Dist, close_distributed, full_tensor, init_distributed
+from flowgrpo.services.trainer.distributed import Dist, close_distributed, init_distributed
 from flowgrpo.services.trainer.load import load_policy
 from flowgrpo.services.trainer.policy import TrainablePolicy
 from flowgrpo.services.trainer.sft_config import SftConfig
+from flowgrpo.services.trainer.step import adamw, apply_gradients
 
 ENCODE_BATCH = 64  # images per VAE forward while the dataset is encoded
 
@@ -146,13 +147,7 @@ class FlowMatchingStep:
         self.dist = dist
         self.cfg = cfg
         self.optim_config = optim
-        self.optimizer = torch.optim.AdamW(
-            list(policy.trainable().values()),
-            lr=optim.lr,
-            betas=optim.betas,
-            eps=optim.eps,
-            weight_decay=optim.weight_decay,
-        )
+        self.optimizer = adamw(policy, optim)
         self.version = 0  # optimizer steps taken (the checkpoint's policy version)
         self.steps_done = 0
         self.last_gap = math.inf  # a FlowGRPO counter the checkpoint format keeps; unused here
@@ -175,18 +170,12 @@ class FlowMatchingStep:
             # FSDP averages gradients over ranks: scale by world for the mean over the batch
             torch.autograd.backward((losses * valid).sum() * (self.dist.world / len(rows)))
             total += (losses.detach() * valid).sum().double().cpu()
-        trainable = list(self.policy.trainable().values())
-        norm = full_tensor(torch.nn.utils.clip_grad_norm_(trainable, self.optim_config.grad_clip))
-        skipped = not bool(torch.isfinite(norm))
-        if skipped:
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            self.optimizer.step()
+        norm, skipped = apply_gradients(self.policy, self.optimizer, self.optim_config.grad_clip)
         self.version += 1
         self.steps_done += 1
         return {
             "sft/loss": float(self.dist.sum(total)) / len(rows),
-            "sft/grad_norm": float(norm),
+            "sft/grad_norm": norm,
             "sft/lr": float(self.optimizer.param_groups[0]["lr"]),
             "sft/skipped": float(skipped),
             "sft/step_s": time.perf_counter() - started,
@@ -286,7 +275,9 @@ class Evaluator:
         if update is not None and update.kind == "lora":
             self.applier.apply(replace(update, version=self.applier.version + 1))  # merged, as a rollout does
         elif update is not None:  # the gen path and, with policy.heads, the heads: copied in place
-            self.sampler.model.load_state_dict(update.tensors, strict=False)
+            unknown = self.sampler.model.load_state_dict(update.tensors, strict=False).unexpected_keys
+            if unknown:  # the rest of the model is the base's: only unknown names are an error
+                raise ValueError(f"the sampling model has no tensors {sorted(unknown)[:5]}")
         params = sampler_params(self.options, self.cfg.data.resolution, self.cfg.data.resolution)
         images: list[npt.NDArray[np.uint8]] = []
         for start in range(0, len(self.requests), self.options.batch_size):

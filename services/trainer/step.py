@@ -96,13 +96,7 @@ class FlowGRPOStep:
         self.special = special
         self.loss = loss
         self.optim_config = optim
-        self.optimizer = torch.optim.AdamW(
-            list(policy.trainable().values()),
-            lr=optim.lr,
-            betas=optim.betas,
-            eps=optim.eps,
-            weight_decay=optim.weight_decay,
-        )
+        self.optimizer = adamw(policy, optim)
         self.version = 0  # weight publications so far
         self.steps_done = 0
         self.mixed_precision = True  # bf16 autocast on a GPU with bf16 frozen weights (compute_autocast)
@@ -359,14 +353,7 @@ class FlowGRPOStep:
         return means, grad_norm, skipped
 
     def _apply_gradients(self) -> tuple[float, bool]:
-        """Clip the gradient norm and step; a non-finite norm skips the update (and counts it)."""
-        trainable = list(self.policy.trainable().values())
-        norm = full_tensor(torch.nn.utils.clip_grad_norm_(trainable, self.optim_config.grad_clip))
-        if not torch.isfinite(norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            return float(norm), True
-        self.optimizer.step()
-        return float(norm), False
+        return apply_gradients(self.policy, self.optimizer, self.optim_config.grad_clip)
 
     # --- forwards ------------------------------------------------------------------------------
 
@@ -415,6 +402,31 @@ class FlowGRPOStep:
     def _chunks(self, rows: list[tuple[int, bool]]) -> list[list[tuple[int, bool]]]:
         size = self.loss.micro_batch_size
         return [rows[i : i + size] for i in range(0, len(rows), size)]
+
+
+def adamw(policy: TrainablePolicy, optim: OptimConfig) -> torch.optim.AdamW:
+    """The optimizer of every training step (FlowGRPO, DiffusionNFT, sft) over the trained tensors."""
+    return torch.optim.AdamW(
+        list(policy.trainable().values()),
+        lr=optim.lr,
+        betas=optim.betas,
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+    )
+
+
+def apply_gradients(
+    policy: TrainablePolicy, optimizer: torch.optim.Optimizer, grad_clip: float
+) -> tuple[float, bool]:
+    """Clip the gradient norm and step; a non-finite norm skips the update (the caller counts it).
+    Returns (norm, skipped)."""
+    trainable = list(policy.trainable().values())
+    norm = full_tensor(torch.nn.utils.clip_grad_norm_(trainable, grad_clip))
+    if not torch.isfinite(norm):
+        optimizer.zero_grad(set_to_none=True)
+        return float(norm), True
+    optimizer.step()
+    return float(norm), False
 
 
 def stop_nothing() -> None:
