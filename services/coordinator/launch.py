@@ -245,7 +245,7 @@ async def _launch_local(cfg: RunConfig, coordinator: str, report: StartupReport)
         # the ready file comes once the port is bound, before the service loads its model and
         # plug-ins: a process that dies after it is named at once, not by the handshake's timeout
         connect = _connect(cfg, rollouts, rewards, by_id["trainer"], report)
-        services = await _unless_one_exits(connect, procs, run_dir)
+        services = await unless_one_exits(connect, procs, run_dir)
     except BaseException:
         await stop_groups(procs.values(), grace_s=10)
         lifeline.close()
@@ -358,7 +358,7 @@ class LocalTrainer:
             try:
                 address = await _ready_address("trainer", proc, self.config, self.run_dir,
                                                self.cfg.launch.start_timeout_s)  # fmt: skip
-                replica, channel = await _unless_one_exits(
+                replica, channel = await unless_one_exits(
                     _connect_one("trainer", address, self.cfg.launch.start_timeout_s), {"trainer": proc},
                     self.run_dir,
                 )  # fmt: skip
@@ -565,19 +565,37 @@ def _kill(procs: Any) -> None:
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
-async def _unless_one_exits(
+async def unless_one_exits(
     connect: Awaitable[T], procs: dict[str, subprocess.Popen[bytes]], run_dir: Path
 ) -> T:
-    """``connect``'s result, or :class:`ServiceStartError` as soon as one of ``procs`` exits."""
+    """``connect``'s result, or :class:`ServiceStartError` as soon as one of ``procs`` exits.
+
+    A connect that fails while a process is dying is that process's failure: a server that stops
+    cancels the handshake in flight (CANCELLED) a moment before its process can be reaped, so a
+    failed connect waits up to ``_EXIT_GRACE_S`` for an exit before it is raised as it is."""
     connecting = asyncio.ensure_future(connect)
     while not connecting.done():
-        exited = next((rid for rid, proc in procs.items() if proc.poll() is not None), None)
+        exited = _exited(procs)
         if exited is not None:
             connecting.cancel()
             await asyncio.gather(connecting, return_exceptions=True)
             raise _start_failure(exited, procs[exited], run_dir)
         await asyncio.wait({connecting}, timeout=0.1)
+    if connecting.exception() is not None:
+        deadline = time.monotonic() + _EXIT_GRACE_S
+        while time.monotonic() < deadline:
+            exited = _exited(procs)
+            if exited is not None:
+                raise _start_failure(exited, procs[exited], run_dir) from connecting.exception()
+            await asyncio.sleep(0.05)
     return connecting.result()
+
+
+_EXIT_GRACE_S = 2.0
+
+
+def _exited(procs: dict[str, subprocess.Popen[bytes]]) -> str | None:
+    return next((rid for rid, proc in procs.items() if proc.poll() is not None), None)
 
 
 def _start_failure(rid: str, proc: subprocess.Popen[bytes], run_dir: Path) -> ServiceStartError:
