@@ -42,7 +42,8 @@ def test_own_images_score_one_and_wrong_ones_less() -> None:
     # present red, nothing else: 0 of 2 for a green blob
     assert [s.value for s in partial] == [1.0, 0.75, 0.0]
     assert [s.value for s in strict] == [1.0, 0.0, 0.0]
-    assert partial[1].extras == {
+    verdict_extras = {k: v for k, v in partial[1].extras.items() if not k.startswith("scene/")}
+    assert verdict_extras == {
         "accuracy": 0.0,
         "accuracy/relation": 0.0,
         "met/present": 1.0,
@@ -50,6 +51,22 @@ def test_own_images_score_one_and_wrong_ones_less() -> None:
         "met/nothing_else": 1.0,
     }
     assert strict[0].extras == {**partial[0].extras} and partial[0].extras["accuracy/relation"] == 1.0
+
+
+def test_scene_stats_say_what_an_image_holds_whatever_was_asked() -> None:
+    """The monitor's extras: four red blobs drawn for "two red blobs" are 4 blobs, 2 extra, of
+    the counting renderer's 9-14 px (through anti-aliasing: 8-15 px of 64); an empty image none."""
+    four = _sample(Counting("red", 2), Counting("red", 4), seed=3)
+    empty = Sample(np.full((64, 64, 3), 51, np.uint8), ground_truth="a red blob")
+    drawn, blank = _scores(ComposeScorer("partial").score([four, empty]))
+    assert drawn.value < 1.0 and drawn.extras["met/count"] == 0.0
+    assert drawn.extras["scene/blobs"] == 4.0 and drawn.extras["scene/extra_blobs"] == 2.0
+    assert 8 / 64 <= drawn.extras["scene/blob_diameter"] <= 15 / 64
+    assert drawn.extras["scene/regions"] == 0.0 and drawn.extras["scene/clutter"] <= 0.03
+    assert {k: v for k, v in blank.extras.items() if k.startswith("scene/")} == {
+        "scene/blobs": 0.0, "scene/extra_blobs": 0.0, "scene/blob_diameter": 0.0,
+        "scene/clutter": 0.0, "scene/regions": 0.0,
+    }  # fmt: skip
 
 
 def test_a_bad_ground_truth_fails_its_own_sample_only() -> None:

@@ -15,7 +15,13 @@ carry it, so none averages a quantity over samples it does not apply to):
 - ``accuracy`` (every sample): 1 when every constraint is met; its mean is GenEval's accuracy;
 - ``accuracy/<category>`` (only the samples of that category): the category's accuracy;
 - ``met/<kind>`` (only the samples with a constraint of that kind: present, count, size,
-  position, relation, nothing_else): the share of that kind met in the sample.
+  position, relation, nothing_else): the share of that kind met in the sample;
+- ``scene/<stat>`` (every sample), what the image holds whatever was asked: the watch against
+  reward hacking that the verdict cannot be (a policy may satisfy the checks while its scenes
+  drift): ``blobs`` (blobs found), ``extra_blobs`` (found beyond the prompt's number, 0 when
+  fewer), ``blob_diameter`` (their mean diameter as a share of the side, 0 without blobs),
+  ``clutter`` (the share of the image neither background nor in a blob or region) and
+  ``regions`` (washes of colour too large to be blobs).
 
 A ground truth the grammar cannot read is that sample's ``invalid_argument`` error (naming the
 text and the word), never a 0; so is an image the verifier does not read (over 1024 px a side).
@@ -27,8 +33,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Literal
 
-from flowgrpo.compose.grammar import PromptError, parse
-from flowgrpo.compose.verify import Verdict, verify
+from flowgrpo.compose.grammar import PromptError, blobs_of, check_spec, parse
+from flowgrpo.compose.verify import Scene, Verdict, analyse, judge
 from flowgrpo.rewards.base import Outcome, Sample, SampleError, SampleScore, Scorer
 from flowgrpo.yamlfile import brief
 
@@ -62,11 +68,12 @@ class ComposeScorer(Scorer):
                 "(prepare compose data with `flowgrpo data prepare compose`)",
             )
         try:
-            verdict = verify(spec, sample.image)
+            scene = analyse(sample.image)
         except ValueError as error:  # an image the verifier does not read (size, dtype)
             return SampleError("invalid_argument", f"compose: {error}")
+        verdict = judge(check_spec(spec), scene)
         value = verdict.score if self.mode == "partial" else float(verdict.correct)
-        return SampleScore(value, extras(verdict))
+        return SampleScore(value, extras(verdict) | scene_stats(scene, len(blobs_of(spec))))
 
 
 def extras(verdict: Verdict) -> dict[str, float]:
@@ -79,3 +86,16 @@ def extras(verdict: Verdict) -> dict[str, float]:
     for kind, met in by_kind.items():
         out[f"met/{kind}"] = sum(met) / len(met)
     return out
+
+
+def scene_stats(scene: Scene, asked: int) -> dict[str, float]:
+    """``scene/<stat>`` of one image whose prompt asks for ``asked`` blobs (module doc)."""
+    found = len(scene.blobs)
+    diameters = [b.diameter / scene.side for b in scene.blobs]
+    return {
+        "scene/blobs": float(found),
+        "scene/extra_blobs": float(max(found - asked, 0)),
+        "scene/blob_diameter": sum(diameters) / found if found else 0.0,
+        "scene/clutter": scene.clutter,
+        "scene/regions": float(len(scene.regions)),
+    }
