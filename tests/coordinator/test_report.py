@@ -147,7 +147,8 @@ def test_the_metadata_and_the_config_against_its_recipe(trained: Path) -> None:
     rows = dict(metadata_rows(load_runs([trained])))
     assert rows["command"] == [session.command] and rows["sessions"] == ["success"]
     assert rows["host"][0] and rows["version"] == ["0.1.0"]
-    tracked = subprocess.run(["git", "-C", str(ROOT), "ls-files", "--error-unmatch", "services/coordinator/runmeta.py"],
+    code = "services/coordinator/runmeta.py"
+    tracked = subprocess.run(["git", "-C", str(ROOT), "ls-files", "--error-unmatch", code],
                              capture_output=True).returncode == 0  # fmt: skip
     if tracked:  # a checkout (CI's clone): the commit the code is at; an installed wheel has none
         head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
