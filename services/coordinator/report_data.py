@@ -308,12 +308,13 @@ def metadata_rows(runs: list[Run]) -> list[tuple[str, list[str]]]:
 
 def _metadata(run: Run) -> dict[str, str]:
     first_time, last_time = run.train[0].get("time"), run.train[-1].get("time")
-    if not run.sessions:
-        lock = _lock(run.dir)
+    if not run.sessions:  # a run from before sessions.jsonl: what its metrics and lock file say
+        began = None if first_time is None else first_time - (run.train[0].get("timing_s/step") or 0.0)
         return {
-            "host": str(lock.get("host", "")),
-            "started": _when(lock.get("started")) + " (the lock file: the last session)",
-            "ended": _when(last_time) + " (the last step)",
+            "host": str(_lock(run.dir).get("host", "")),
+            "started": _when(began) + " (the first step's start)",
+            "ended": _when(last_time) + " (the last step's end)",
+            "wall time": "" if began is None or last_time is None else f"{last_time - began:.0f} s of steps",
             "sessions": "not recorded (a run from before sessions.jsonl)",
         }
     first, last = run.sessions[0], run.sessions[-1]

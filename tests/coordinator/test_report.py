@@ -207,3 +207,15 @@ def test_the_page_renders_in_a_headless_browser(trained: Path, control: Path, tm
     assert done.returncode == 0 and shot.is_file()
     pixels = np.asarray(Image.open(shot).convert("L"))
     assert pixels.std() > 10  # not a blank page
+
+
+def test_a_run_from_before_sessions_and_recipe_still_reports(trained: Path) -> None:
+    (trained / "sessions.jsonl").unlink()
+    (trained / "recipe.yaml").unlink()
+    runs = load_runs([trained])
+    rows = dict(metadata_rows(runs))
+    assert rows["sessions"] == ["not recorded (a run from before sessions.jsonl)"]
+    assert rows["wall time"] == [
+        f"{STEPS - 1 + 2.1:.0f} s of steps"
+    ]  # the first step's start to the last's end
+    assert "no recipe.yaml in the folder" in render(runs)
