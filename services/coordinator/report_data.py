@@ -323,7 +323,9 @@ def _metadata(run: Run) -> dict[str, str]:
     return {
         "command": "; ".join(dict.fromkeys(s.command for s in run.sessions if s.command)),
         "version": ", ".join(sorted({s.version for s in run.sessions})),
-        "git commit": ", ".join(sorted(c or "not a git checkout" for c in commits)),
+        "git commit": ", ".join(
+            sorted(c or "none (the code was not committed in a git checkout)" for c in commits)
+        ),
         "host": ", ".join(sorted({s.host for s in run.sessions})),
         "python": ", ".join(sorted({s.python for s in run.sessions})),
         "started": _when(first.started),

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ class RunSession:
     id: str
     command: str = ""
     version: str = ""
-    git_commit: str = ""  # "" outside a git checkout (an installed wheel)
+    git_commit: str = ""  # "": the code was no tracked file of a git checkout (an installed wheel)
     git_dirty: bool = False
     host: str = ""
     python: str = ""
@@ -55,7 +55,6 @@ class RunSession:
     started: float = 0.0
     ended: float | None = None  # None: still running, or killed before it could say
     status: str = ""  # success | interrupted | failed, or "" while unknown
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def wall_s(self) -> float | None:
