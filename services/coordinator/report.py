@@ -200,13 +200,16 @@ def _panels(specs: list[Panel], panels: list[Panel], kind: str) -> str:
 
 
 def _section(section: Section, panels: list[Panel]) -> str:
-    opened = " open" if section.name not in ("timestamp_s", "publication", "training") else ""
+    folded = section.name in ("timestamp_s", "publication", "training") or not section.panels
+    opened = "" if folded else " open"
     flat = ""
     if section.flat:
         rows = "".join(f"<tr><td class='mono'>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>"
                        for k, v in section.flat)  # fmt: skip
-        flat = (f"<details class='flat'><summary>{len(section.flat)} flat throughout, not plotted"
-                f"</summary><table>{rows}</table></details>")  # fmt: skip
+        flat = f"<table class='flat'>{rows}</table>"
+        if section.panels:  # beside plots: folded once more; a section of flat ones only shows them
+            summary = f"{len(section.flat)} flat throughout, not plotted"
+            flat = f"<details><summary>{summary}</summary>{flat}</details>"
     count = f"{len(section.panels)} plotted" + (f", {len(section.flat)} flat" if section.flat else "")
     return (f"<details class='section'{opened}><summary>{html.escape(section.name)} ({count})</summary>"
             f"{_panels(section.panels, panels, 'small')}{flat}</details>")  # fmt: skip
