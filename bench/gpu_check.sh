@@ -18,7 +18,7 @@
 #      compile, bf16, PickScore's geometry on the GPU) for SYSTEM_STEPS steps (the first a warm-up)
 #      of 2 prompts x 8 samples, at the 7B geometry cut to SYSTEM_LAYERS of its 28 decoder layers:
 #      every layer's shapes and kernels, the same code paths, minutes less of loading and
-#      compiling. Its images/s is a smoke figure, not the recipe's: the full 7B figure of the README
+#      compiling. Its images/s is a smoke figure, not the recipe's: the full 7B figure of docs/performance.md
 #      is `bash bench/system_gpu.sh` (a call of its own: a step of 128 images takes ~2.5 min).
 # Measured (H200, torch 2.11): the tests 2 min; at 28 layers and 128 images a step the first step
 # alone took 210-268 s, which is why the check cuts both.

@@ -24,7 +24,8 @@ examples:
   flowgrpo train examples/bagel_pickscore_lora.yaml model.checkpoint=/ckpt/BAGEL-7B-MoT data.dataset=/data/ps
   flowgrpo sft examples/sft_compose.yaml   teach a BAGEL to draw from (prompt, image) pairs (flow matching)
   flowgrpo status runs/tiny-demo  the run state, the last metrics, every replica (live while it runs)
-  flowgrpo report runs/tiny-demo  runs/tiny-demo/report.html: curves, timings, validation grids
+  flowgrpo report runs/tiny-demo  runs/tiny-demo/report.html: the reward, every metric, grids, config diff
+  flowgrpo report runs/a runs/a-control   two runs overlaid (the one with lr=0: the control)
   flowgrpo compare runs/a runs/b  did two runs train the same? (the first step where they part)
   flowgrpo trace runs/tiny-demo --step 3   one step as a waterfall across the four services
   flowgrpo serve rollout --recipe RECIPE coordinator=HOST:50050   a replica that joins a running run
@@ -159,12 +160,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
         _print_config(config)
         return 0
     from flowgrpo.services.coordinator.lifecycle import RunInterrupted
+    from flowgrpo.services.coordinator.runmeta import Invocation
     from flowgrpo.services.coordinator.summary import end_summary
     from flowgrpo.services.coordinator.train import train
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:  # the recipe without the overrides: what the report diffs the run's config against
+        recipe = load_run_config(args.recipe)
+    except ConfigError:  # a recipe that is complete only with its overrides: none to diff against
+        recipe = None
+    invocation = Invocation(args.recipe, tuple(args.overrides), recipe)
     try:
-        history = train(config)
+        history = train(config, invocation=invocation)
     except RunInterrupted as stop:  # SIGTERM / SIGINT: saved and drained (a second one: forced)
         print(f"flowgrpo train: {stop.line()}", file=sys.stderr)
         again = shlex.join(["flowgrpo", "train", args.recipe, *args.overrides])  # what resumes it
@@ -215,7 +222,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from flowgrpo.services.coordinator.report import write_report
 
     try:
-        path = write_report(args.run_dir)
+        path = write_report(args.run_dirs, out=args.out)
     except (FileNotFoundError, ValueError) as error:
         print(f"flowgrpo report: {error}", file=sys.stderr)
         return 2
@@ -621,11 +628,16 @@ def _has_cuda() -> bool:
 def _add_results(add: Callable[..., argparse.ArgumentParser]) -> None:
     report = add(
         "report",
-        "write RUN_DIR/report.html: reward, loss, log-prob gap, lag, timing and per-service plots, "
-        "validation grids with prompts and rewards, the resolved config (one self-contained page)",
+        "write RUN_DIR/report.html, one self-contained page (zoom, hover; no network): the optimised "
+        "reward in its own panel, each scorer's change in %%, every metric by section with smoothing, "
+        "training and validation grids with their prompts, the run's command and times, the config "
+        "against its recipe; more runs are overlaid (a run with lr=0 is taken as the control)",
         _cmd_report,
     )
-    report.add_argument("run_dir", help="the run folder (run_dir of the recipe, e.g. runs/tiny-demo)")
+    report.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="run folders (a recipe's run_dir, e.g. runs/tiny-demo)"
+    )
+    report.add_argument("--out", default=None, help="the page to write (default: FIRST_RUN_DIR/report.html)")
     compare = add(
         "compare",
         "per-step differences of two or more runs' metrics: the largest absolute and relative "

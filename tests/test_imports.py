@@ -41,6 +41,8 @@ TORCH_FREE = [
     "flowgrpo.services.coordinator.status",
     "flowgrpo.services.coordinator.trace",
     "flowgrpo.services.coordinator.relay",
+    "flowgrpo.services.coordinator.report",  # the page: no torch; plotly.js read when it writes
+    "flowgrpo.services.coordinator.runmeta",
     "flowgrpo.services.rollout.relay",  # the relay benchmark's replicas run it without torch
     "flowgrpo.services.bench.relay",
 ]

@@ -9,6 +9,8 @@ config as text, the main settings as hparams with the final validation metrics),
 ``images/`` (a PNG grid of sampled images per step and per validation), ``traces/``
 (every process's spans in OTLP/JSON), ``logs/``, ``run.lock`` (who runs in the folder);
 ``resumes.jsonl`` (each resume that changed the config: its step and the changes, ``resume.py``);
+``sessions.jsonl`` and ``recipe.yaml`` (each process's command and times, the recipe without its
+overrides: ``runmeta.py``);
 ``wandb/`` with ``logger.wandb=true``.
 
 Progress goes to the terminal as a bar with the key metrics (``logger.progress=auto`` on a

@@ -1,297 +1,335 @@
-"""``flowgrpo report RUN_DIR``: one self-contained HTML page of a run (plots and image grids
-inside it as PNG data), written to ``<run_dir>/report.html``.
+"""``flowgrpo report RUN_DIR [RUN_DIR ...]``: one self-contained HTML page of one or more runs
+(overlaid), written to ``<first run_dir>/report.html`` (or ``--out``). Nothing is fetched when it
+is viewed: plotly.js, the data and the image grids are inside the page.
 
-What it shows: the reward (mean, min-max band, validation), the loss and clip fraction, the
-rollout/trainer log-prob gap, the policy lag, the time per step by phase, each service's busy
-time per step (from the traces), the first (step 0) and last validation grids side by side with
-each cell's prompt and its reward at both, the validations in between,
-and the resolved config. Torch-free (matplotlib, Agg backend).
-"""
+Top to bottom: the summary (the reward's first and last quarter, against the control when one of
+the runs has lr = 0), the optimised reward alone on its axis with the control beside it and the
+paired gain, every scorer's % change on its own axis (weight 0: watched, not optimised), every
+metric as a small panel by section with one smoothing slider (metrics flat throughout, such as a
+sync run's log-prob gap and lag, listed instead of plotted), the validation and training grids
+with each cell's prompt and reward, the run metadata (``sessions.jsonl``: command, version,
+commit, host, times) and the config as a diff against its recipe (``recipe.yaml``) and between
+the runs. What to show is :mod:`.report_data`; this module writes the page."""
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import json
 import math
-from collections.abc import Sequence
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from flowgrpo.services.coordinator.outputs import read_metrics
-from flowgrpo.services.coordinator.trace import busy_per_step
+from flowgrpo.services.coordinator.report_data import (
+    Grid,
+    Panel,
+    Run,
+    Section,
+    config_diff,
+    grids,
+    headline,
+    load_runs,
+    metadata_rows,
+    paired_gain,
+    scorer_panels,
+    sections,
+    summary_rows,
+)
 
 REPORT_FILE = "report.html"
-COUNTS = (
-    "coordinator/dropped_groups",
-    "coordinator/stale_groups",
-    "coordinator/retries",
-    "coordinator/rejoins",
-)
-STYLE = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}
-table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:.25em .6em;text-align:left}
-img{max-width:100%}.plots,.pair{display:grid;grid-template-columns:1fr 1fr;gap:1em}
-pre{background:#f6f6f6;padding:1em;overflow:auto;font-size:.85em}figcaption{color:#555;font-size:.9em}"""
-
-
-def write_report(run_dir: str | Path) -> Path:
-    """Render the report of ``run_dir``; returns the file written."""
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml): give the run_dir of a run")
-    train, val = read_metrics(run_dir), read_metrics(run_dir, kind="val")
-    if not train:
-        raise ValueError(f"{run_dir} has no training steps in metrics.jsonl yet: nothing to report")
-    sections = [
-        f"<h1>Run {html.escape(run_dir.resolve().name)}</h1>",
-        _summary(train, val),
-        "<h2>Training</h2>",
-        '<div class="plots">' + "".join(_figure(*plot) for plot in _plots(train, val, run_dir)) + "</div>",
-        _validation(run_dir, val),
-        "<h2>Resolved config</h2>",
-        f"<pre>{html.escape((run_dir / 'config.yaml').read_text())}</pre>",
-    ]
-    page = (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>FlowGRPO run {html.escape(run_dir.name)}"
-        f"</title><style>{STYLE}</style></head><body>{''.join(sections)}</body></html>\n"
-    )
-    out = run_dir / REPORT_FILE
-    out.write_text(page, encoding="utf-8")
-    return out
-
-
-# --- the parts -----------------------------------------------------------------------------------
-
-
-def _summary(train: list[dict[str, Any]], val: list[dict[str, Any]]) -> str:
-    rewards, last_step = [m["critic/rewards/mean"] for m in train], train[-1]
-    window = max(1, min(4, len(rewards) // 2))
-    first, last = sum(rewards[:window]) / window, sum(rewards[-window:]) / window
-    rows = [
-        ("steps", f"{train[-1]['step']}"),
-        (f"mean reward, first {window} steps", f"{first:+.6g}"),
-        (f"mean reward, last {window} steps", f"{last:+.6g} ({_change(first, last)})"),
-        ("seconds per step (median)", f"{_median([m['timing_s/step'] for m in train]):.3g}"),
-        (
-            "dropped / stale groups, retries, rejoins",
-            " / ".join(f"{last_step.get(k) or 0:.0f}" for k in COUNTS),
-        ),
-    ]
-    for record in val[-1:]:
-        for key, value in record.items():
-            if key.startswith("val-core/") and value is not None:
-                rows.append((f"{key} (step {record['step']})", f"{value:+.6g}"))
-    return (
-        "<table>" + "".join(f"<tr><th>{html.escape(k)}</th><td>{v}</td></tr>" for k, v in rows) + "</table>"
-    )
-
-
-def _plots(train: list[dict[str, Any]], val: list[dict[str, Any]], run_dir: Path) -> list[tuple[str, str]]:
-    """(caption, PNG data) of each plot."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    steps = [m["step"] for m in train]
-
-    def series(key: str) -> list[float]:
-        return [math.nan if m.get(key) is None else float(m[key]) for m in train]
-
-    def plot(caption: str, draw: Any) -> tuple[str, str]:
-        fig, ax = plt.subplots(figsize=(5.4, 3.2), dpi=100)
-        draw(ax)
-        ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format="png")
-        plt.close(fig)
-        return caption, base64.b64encode(buffer.getvalue()).decode()
-
-    def reward(ax: Any) -> None:
-        ax.fill_between(
-            steps, series("critic/rewards/min"), series("critic/rewards/max"), alpha=0.2, label="min-max"
-        )
-        ax.plot(steps, series("critic/rewards/mean"), label="mean")
-        for key in sorted({k for r in val for k in r if k.startswith("val-core/")}):
-            ax.plot(
-                [r["step"] for r in val], [r[key] for r in val], "o--", label=key.removeprefix("val-core/")
-            )
-        ax.set_ylabel("reward")
-
-    def loss(ax: Any) -> None:
-        ax.plot(steps, series("actor/pg_loss"), label="loss")
-        ax.set_ylabel("loss")
-        twin = ax.twinx()
-        twin.plot(steps, series("actor/pg_clipfrac"), color="C1", label="clip fraction")
-        twin.set_ylabel("clip fraction", color="C1")
-
-    def gap(ax: Any) -> None:
-        for key in ("actor/rollout_logp_gap/mean", "actor/rollout_logp_gap/max"):
-            ax.plot(steps, series(key), label=key.rsplit("/", 1)[-1])
-        ax.set_ylabel("|log p rollout - log p trainer|")
-        if any(v > 0 for v in series("actor/rollout_logp_gap/max") if not math.isnan(v)):
-            ax.set_yscale("log")
-
-    def lag(ax: Any) -> None:
-        ax.step(steps, series("trainer/lag/max"), where="mid", label="max")
-        ax.plot(steps, series("trainer/lag/mean"), label="mean")
-        ax.set_ylabel("policy lag (versions)")
-
-    def timing(ax: Any) -> None:
-        for key in ("timing_s/step", "timing_s/gen_and_reward", "timing_s/train", "timing_s/load_weights"):
-            ax.plot(steps, series(key), label=key.removeprefix("timing_s/"))
-        ax.set_ylabel("seconds")
-
-    plots = [
-        plot("Reward per step (band: min to max of the step's samples; dashed: validation)", reward),
-        plot("Policy loss and the fraction of clipped ratios", loss),
-        plot("Rollout/trainer log-prob gap of the same samples", gap),
-        plot("Policy lag of the trained samples (async: <= eta)", lag),
-        plot("Time per step by phase (async phases overlap)", timing),
-    ]
-    weights = _scorer_weights(run_dir)
-    if weights:
-        caption = (
-            "Reward-hacking monitor: each scorer's mean against step 1 (dashed: weight 0, not optimised)"
-        )
-        plots.append(plot(caption, _monitor(steps, series, weights)))
-    busy = _busy_per_service(run_dir, steps)
-    if busy:
-        plots.append(plot("Each service's busy time per step (from the traces)", _services(steps, busy)))
-    return plots
-
-
-def _services(steps: list[int], busy: dict[str, list[float]]) -> Any:
-    def draw(ax: Any) -> None:
-        for name, values in sorted(busy.items()):
-            ax.plot(steps, values, label=name)
-        ax.set_ylabel("busy seconds per step")
-
-    return draw
-
-
-def _monitor(steps: list[int], series: Any, weights: dict[str, float]) -> Any:
-    """Draws each scorer's per-step mean minus its step-1 value: the optimised reward rising while
-    a held-out scorer or an image statistic drifts is what reward hacking looks like."""
-
-    def draw(ax: Any) -> None:
-        for name, weight in weights.items():
-            values = series(f"critic/score/{name}/mean")
-            first = next((v for v in values if not math.isnan(v)), math.nan)
-            label = f"{name} ({'optimised' if weight else 'held out'})"
-            ax.plot(steps, [v - first for v in values], "-" if weight else "--", label=label)
-        ax.axhline(0.0, color="grey", linewidth=0.8)
-        ax.set_ylabel("mean score - its step-1 value")
-
-    return draw
-
-
-def _scorer_weights(run_dir: Path) -> dict[str, float]:
-    """Each scorer of the run's reward and its weight, from the resolved config."""
-    config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-    scorers = (config.get("reward") or {}).get("scorers") or []
-    return {
-        str(s["name"]): float(s.get("weight", 1.0)) for s in scorers if isinstance(s, dict) and "name" in s
+STYLE = """body{font-family:system-ui,sans-serif;max-width:1280px;margin:1.5em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:.2em .5em;text-align:left;
+vertical-align:top}th{background:#f4f4f4}code,.mono{font-family:ui-monospace,monospace;font-size:.9em}
+.wide{display:grid;grid-template-columns:repeat(auto-fill,minmax(560px,1fr));gap:.8em}
+.small{display:grid;grid-template-columns:repeat(auto-fill,minmax(380px,1fr));gap:.6em}
+.box{border:1px solid #e4e4e4;border-radius:4px;padding:.2em}.panel{height:250px}.wide .panel{height:360px}
+.ptitle{font-family:ui-monospace,monospace;font-size:.85em;padding:.2em .4em;font-weight:600}
+.note{color:#555;font-size:.9em}img{max-width:100%;image-rendering:pixelated}
+.bar{position:sticky;top:0;background:#fff;padding:.4em 0;border-bottom:1px solid #ddd;z-index:10}
+details{margin:.4em 0}summary{cursor:pointer;font-weight:600}
+.pair{display:grid;grid-template-columns:1fr 1fr;gap:1em}
+pre{background:#f6f6f6;padding:1em;overflow:auto;font-size:.8em;max-height:40em}"""
+# first in the page: every error and console.error is kept, and shown in <body data-errors> (the
+# browser test reads it); an error still reaches the console as before
+CATCH = r"""
+window.reportErrors = [];
+window.addEventListener('error', e => window.reportErrors.push(String(e.message)));
+const consoleError = console.error;
+console.error = (...args) => { window.reportErrors.push(args.map(String).join(' ')); consoleError(...args); };
+"""
+SCRIPT = r"""
+const DATA = JSON.parse(document.getElementById('report-data').textContent);
+const COLORS = ['#1f77b4', '#d62728', '#2ca02c', '#9467bd', '#ff7f0e', '#17becf', '#8c564b', '#e377c2'];
+let weight = 0.6;
+function ema(ys) {  // TensorBoard's debiased exponential moving average; gaps stay gaps
+  if (weight <= 0) return ys;
+  let last = 0, n = 0;
+  return ys.map(y => { if (y === null) return null; last = last * weight + (1 - weight) * y; n++;
+                       return last / (1 - Math.pow(weight, n)); });
+}
+function traces(spec) {
+  const out = [];
+  spec.traces.forEach((t, i) => {
+    const color = COLORS[(t.color ?? i) % COLORS.length];
+    const line = {color: color, dash: t.dash || 'solid', width: 2};
+    if (t.lo) {
+      out.push({x: t.x, y: t.lo, mode: 'lines', line: {width: 0}, hoverinfo: 'skip', showlegend: false});
+      out.push({x: t.x, y: t.hi, mode: 'lines', fill: 'tonexty', fillcolor: 'rgba(31,119,180,0.15)',
+                line: {width: 0}, name: 'min-max', hoverinfo: 'skip'});
     }
+    const smoothed = t.smooth && weight > 0;
+    if (smoothed) out.push({x: t.x, y: t.y, mode: 'lines', line: {color: color, width: 1}, opacity: 0.3,
+                            hoverinfo: 'skip', showlegend: false});
+    out.push({x: t.x, y: smoothed ? ema(t.y) : t.y, mode: t.mode, name: t.name, line: line,
+              marker: {size: 6}, customdata: t.y,
+              hovertemplate: smoothed ? '%{y:.4g} (raw %{customdata:.4g})' : '%{y:.4g}'});
+  });
+  return out;
+}
+function layout(spec) {
+  return {margin: {l: 55, r: 10, t: 8, b: 30}, hovermode: 'x unified', yaxis: {title: {text: spec.y}},
+          showlegend: spec.traces.length > 1, legend: {orientation: 'h', y: -0.12, font: {size: 10}}};
+}
+function draw(el) {
+  const spec = DATA.panels[+el.dataset.panel];
+  Plotly.react(el, traces(spec), layout(spec), {displaylogo: false, responsive: true});
+  el.dataset.drawn = '1';
+}
+function visible(el) { for (let d = el.closest('details'); d; d = d.parentElement.closest('details'))
+                         if (!d.open) return false; return true; }
+function drawVisible() { document.querySelectorAll('.panel').forEach(el => {
+                           if (!el.dataset.drawn && visible(el)) draw(el); });
+                         const drawn = document.querySelectorAll('.panel[data-drawn]').length;
+                         document.body.dataset.drawn = drawn;
+                         document.body.dataset.errors = JSON.stringify(window.reportErrors); }
+document.querySelectorAll('details').forEach(d => d.addEventListener('toggle', drawVisible));
+const slider = document.getElementById('smoothing');
+slider.addEventListener('input', () => {
+  weight = +slider.value; document.getElementById('smoothing-value').textContent = weight.toFixed(2);
+  document.querySelectorAll('.panel[data-drawn]').forEach(draw);
+});
+document.querySelectorAll('.train-grids').forEach(box => {
+  const grids = DATA.train_grids[+box.dataset.run], range = box.querySelector('input');
+  const show = () => { const g = grids[+range.value];
+    box.querySelector('img').src = 'data:image/png;base64,' + g.png;
+    box.querySelector('.step').textContent = 'step ' + g.step;
+    box.querySelector('tbody').innerHTML = g.cells.map((c, i) =>
+      `<tr><td>${Math.floor(i / g.columns) + 1}, ${i % g.columns + 1}</td><td></td><td>${
+       c.reward === null || c.reward === undefined ? '' : c.reward.toPrecision(6)}</td></tr>`).join('');
+    box.querySelectorAll('tbody tr').forEach((tr, i) => tr.children[1].textContent = g.cells[i].prompt); };
+  range.addEventListener('input', show); show();
+});
+drawVisible();
+"""
 
 
-def _busy_per_service(run_dir: Path, steps: Sequence[int]) -> dict[str, list[float]]:
-    if not (run_dir / "traces").is_dir():
-        return {}
-    per_step = busy_per_step(str(run_dir), list(steps))
-    names = {name for busy in per_step for name in busy}
-    return {name: [busy.get(name, 0.0) for busy in per_step] for name in names}
+def write_report(run_dirs: str | Path | list[str | Path], out: str | Path | None = None) -> Path:
+    """Render the report of one run, or of several overlaid; returns the file written."""
+    dirs = [run_dirs] if isinstance(run_dirs, str | Path) else list(run_dirs)
+    if not dirs:
+        raise ValueError("report needs at least one run folder")
+    runs = load_runs(dirs)
+    page = render(runs)
+    path = Path(out) if out is not None else runs[0].dir / REPORT_FILE
+    path.write_text(page, encoding="utf-8")
+    return path
 
 
-def _validation(run_dir: Path, val: list[dict[str, Any]]) -> str:
-    """The first validation (step 0: before any update) and the last side by side, with each
-    cell's prompt and its reward at both; every validation in between below, folded."""
-    parts = ["<h2>Validation</h2>"]
-    grids = sorted((run_dir / "images").glob("val_*.png"), key=lambda g: int(g.stem.split("_")[-1]))
-    if not grids:
-        return "".join(parts) + "<p>No validation in this run (schedule.eval_every=0 or not reached).</p>"
-    by_step = {r["step"]: r for r in val}
-    first, last = grids[0], grids[-1]
-    pair = [first, last] if first != last else [first]
-    parts.append(
-        "<p>The same prompts and the same initial noise every time (ODE sampling): "
-        "what differs between the grids is what the policy learnt.</p>"
+def render(runs: list[Run]) -> str:
+    panels: list[Panel] = []
+    body = [
+        f"<h1>{html.escape(' vs '.join(r.label for r in runs))}</h1>",
+        _table("", [r.label for r in runs], summary_rows(runs)),
+        _smoothing_bar(),
+        "<h2>The optimised reward</h2>",
+        _panels([p for p in (headline(runs), paired_gain(runs)) if p is not None], panels, "wide"),
+        "<h2>Each scorer, as % change from its first step</h2>",
+        "<p class='note'>Each on its own axis. A weight-0 scorer is watched, not optimised: the "
+        "optimised one rising while a watched one drifts is what reward hacking looks like.</p>",
+        _panels(scorer_panels(runs), panels, "small"),
+        "<h2>Every metric, by section</h2>",
+        "".join(_section(s, panels) for s in sections(runs)),
+        "<h2>Samples</h2>",
+        "".join(_samples(run, i, open_=i == 0) for i, run in enumerate(runs)),
+        "<h2>The run</h2>",
+        _table("", [r.label for r in runs], metadata_rows(runs)),
+        "<h2>Config: what differs from the recipe</h2>",
+        "".join(_config(run) for run in runs),
+        _between(runs),
+    ]
+    data = {"panels": panels, "train_grids": [[_grid_json(g) for g in grids(r, "train")] for r in runs]}
+    title = html.escape(f"FlowGRPO report: {', '.join(r.label for r in runs)}")
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title><style>{STYLE}</style>"
+        f"<script>{CATCH}</script><script>{_plotly_js()}</script></head><body>{''.join(body)}"
+        f"<script type='application/json' id='report-data'>{_json(data)}</script>"
+        f"<script>{SCRIPT}</script></body></html>\n"
     )
-    parts.append('<div class="pair">' + "".join(_validation_grid(g, by_step) for g in pair) + "</div>")
-    parts.append(_validation_cells(first, last))
-    between = grids[1:-1]
-    if between:
-        inner = "".join(_validation_grid(g, by_step) + _validation_cells(g) for g in between)
-        parts.append(f"<details><summary>{len(between)} validation(s) in between</summary>{inner}</details>")
-    return "".join(parts)
 
 
-def _grid_step(grid: Path) -> int:
-    return int(grid.stem.split("_")[-1])
+def _plotly_js() -> str:
+    """plotly.js as the plotly package ships it (its `package_data`): nothing fetched at view time."""
+    return (resources.files("plotly") / "package_data" / "plotly.min.js").read_text(encoding="utf-8")
 
 
-def _validation_grid(grid: Path, by_step: dict[int, dict[str, Any]]) -> str:
-    step = _grid_step(grid)
-    scores = ", ".join(f"{k.removeprefix('val-core/')} {v:+.6g}" for k, v in by_step.get(step, {}).items()
-                       if k.startswith("val-core/") and v is not None)  # fmt: skip
-    label = "before training" if step == 0 else f"after step {step}"
-    figure = _figure(f"validation at step {step}", base64.b64encode(grid.read_bytes()).decode())
-    return f"<div><h3>Step {step} ({label})</h3><p>{html.escape(scores)}</p>{figure}</div>"
+def _json(data: Any) -> str:
+    """JSON safe inside a <script> element (no ``</``), NaN as null."""
+    return json.dumps(_finite(data), separators=(",", ":")).replace("</", "<\\/").replace("<!--", "<\\!--")
 
 
-def _cells(grid: Path) -> tuple[int, list[dict[str, Any]]]:
-    captions = grid.with_suffix(".json")
-    if not captions.is_file():
-        return 1, []
-    cells = json.loads(captions.read_text())
-    return int(cells["columns"]), list(cells["cells"])
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
-def _validation_cells(grid: Path, later: Path | None = None) -> str:
+def _panels(specs: list[Panel], panels: list[Panel], kind: str) -> str:
+    """Placeholders the script draws into (when visible: a folded section is drawn when opened)."""
+    divs = []
+    for spec in specs:
+        panels.append(spec)
+        note = f"<div class='note'>{html.escape(spec['note'])}</div>" if spec.get("note") else ""
+        title = html.escape(spec["title"])
+        divs.append(f"<div class='box'><div class='ptitle'>{title}</div><div class='panel' "
+                    f"data-panel='{len(panels) - 1}' data-title='{title}'></div>{note}</div>")  # fmt: skip
+    return f"<div class='{kind}'>{''.join(divs)}</div>"
+
+
+def _section(section: Section, panels: list[Panel]) -> str:
+    folded = section.name in ("timestamp_s", "publication", "training") or not section.panels
+    opened = "" if folded else " open"
+    flat = ""
+    if section.flat:
+        rows = "".join(f"<tr><td class='mono'>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>"
+                       for k, v in section.flat)  # fmt: skip
+        flat = f"<table class='flat'>{rows}</table>"
+        if section.panels:  # beside plots: folded once more; a section of flat ones only shows them
+            summary = f"{len(section.flat)} flat throughout, not plotted"
+            flat = f"<details><summary>{summary}</summary>{flat}</details>"
+    count = f"{len(section.panels)} plotted" + (f", {len(section.flat)} flat" if section.flat else "")
+    return (f"<details class='section'{opened}><summary>{html.escape(section.name)} ({count})</summary>"
+            f"{_panels(section.panels, panels, 'small')}{flat}</details>")  # fmt: skip
+
+
+def _smoothing_bar() -> str:
+    return ("<div class='bar'>smoothing <input type='range' id='smoothing' min='0' max='0.99' "
+            "step='0.01' value='0.6'> <span id='smoothing-value'>0.60</span> <span class='note'>(x: the "
+            "step; an exponential moving average as TensorBoard's; the raw curve stays faint behind; "
+            "drag to zoom, double-click to reset)</span></div>")  # fmt: skip
+
+
+def _samples(run: Run, index: int, open_: bool) -> str:
+    val, train = grids(run, "val"), grids(run, "train")
+    parts = [
+        f"<details class='samples'{' open' if open_ else ''}><summary>{html.escape(run.label)}</summary>"
+    ]
+    if val:
+        first, last = val[0], val[-1]
+        parts.append(
+            "<h3>Validation</h3><p class='note'>The same prompts and the same initial noise every "
+            "time (ODE sampling): what differs between the grids is what the policy learnt.</p>"
+        )
+        pair = [first, last] if first is not last else [first]
+        parts.append("<div class='pair'>" + "".join(_grid_figure(g) for g in pair) + "</div>")
+        parts.append(_cell_table(first, last if last is not first else None))
+        between = val[1:-1]
+        if between:
+            inner = "".join(_grid_figure(g) + _cell_table(g) for g in between)
+            parts.append(
+                f"<details><summary>{len(between)} validation(s) in between</summary>{inner}</details>"
+            )
+    else:
+        parts.append("<p>No validation in this run (schedule.eval_every=0 or not reached).</p>")
+    if train:
+        parts.append(
+            f"<h3>Training samples</h3><div class='train-grids' data-run='{index}'>"
+            f"<input type='range' min='0' max='{len(train) - 1}' value='{len(train) - 1}' style='width:60%'> "
+            f"<b class='step'></b> <span class='note'>({len(train)} steps' grids)</span><br>"
+            "<img alt='training samples'><table><thead><tr><th>row, column</th><th>prompt</th>"
+            "<th>reward</th></tr></thead><tbody></tbody></table></div>"
+        )
+    return "".join(parts) + "</details>"
+
+
+def _grid_figure(grid: Grid) -> str:
+    label = "before training" if grid.step == 0 else f"after step {grid.step}"
+    source = f"data:image/png;base64,{grid.png_base64}"
+    return (f"<figure><figcaption><b>Step {grid.step}</b> ({label})</figcaption>"
+            f"<img alt='validation at step {grid.step}' src='{source}'></figure>")  # fmt: skip
+
+
+def _cell_table(grid: Grid, later: Grid | None = None) -> str:
     """Each cell's prompt and reward at ``grid``'s step (and at ``later``'s, with the change)."""
-    columns, cells = _cells(grid)
-    after = _cells(later)[1] if later is not None else []
-    if not cells:
+    if not grid.cells:
         return ""
-    head = ["row, column", "prompt", f"reward at step {_grid_step(grid)}"]
-    if later is not None and len(after) == len(cells):
-        head += [f"at step {_grid_step(later)}", "change"]
+    head = ["row, column", "prompt", f"reward at step {grid.step}"]
+    paired = later is not None and len(later.cells) == len(grid.cells)
+    if later is not None and paired:
+        head += [f"at step {later.step}", "change"]
     rows = []
-    for i, cell in enumerate(cells):
-        values = [f"{i // columns + 1}, {i % columns + 1}", html.escape(cell["prompt"]), _reward(cell)]
-        if len(head) > 3:
-            first, last = cell.get("reward"), after[i].get("reward")
-            change = "" if first is None or last is None else _change(first, last)
-            values += [_reward(after[i]), change]
-        rows.append("<tr>" + "".join(f"<td>{v}</td>" for v in values) + "</tr>")
-    header = "".join(f"<th>{h}</th>" for h in head)
-    return f"<table><tr>{header}</tr>{''.join(rows)}</table>"
+    for i, cell in enumerate(grid.cells):
+        cols = [
+            f"{i // grid.columns + 1}, {i % grid.columns + 1}",
+            html.escape(cell["prompt"]),
+            _reward(cell),
+        ]
+        if later is not None and paired:
+            a, b = cell.get("reward"), later.cells[i].get("reward")
+            change = "" if a is None or b is None or not a else f"{(b - a) / abs(a) * 100:+.1f}%"
+            cols += [_reward(later.cells[i]), change]
+        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cols) + "</tr>")
+    return "<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>" + "".join(rows) + "</table>"
 
 
 def _reward(cell: dict[str, Any]) -> str:
     return "" if cell.get("reward") is None else format(cell["reward"], "+.6g")
 
 
-def _figure(caption: str, png_base64: str) -> str:
-    return (
-        f"<figure><img alt='{html.escape(caption)}' src='data:image/png;base64,{png_base64}'>"
-        f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+def _grid_json(grid: Grid) -> dict[str, Any]:
+    return {"step": grid.step, "png": grid.png_base64, "columns": grid.columns, "cells": grid.cells}
+
+
+def _table(corner: str, columns: list[str], rows: list[tuple[str, list[str]]]) -> str:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in [corner, *columns])
+    body = "".join(
+        f"<tr><th>{html.escape(what)}</th>" + "".join(f"<td>{html.escape(v)}</td>" for v in vals) + "</tr>"
+        for what, vals in rows
     )
+    return f"<table class='summary'><tr>{head}</tr>{body}</table>"
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
+def _config(run: Run) -> str:
+    full = html.escape((run.dir / "config.yaml").read_text())
+    folded = f"<details><summary>the resolved config (config.yaml)</summary><pre>{full}</pre></details>"
+    if run.recipe is None:
+        note = "no recipe.yaml in the folder (a run from before it was written): the whole config below"
+        return f"<h3>{html.escape(run.label)}</h3><p class='note'>{note}</p>{folded}"
+    rows = config_diff(run.recipe, run.config)
+    return f"<h3>{html.escape(run.label)}</h3>" + _diff_table(rows, "recipe", "this run") + folded
 
 
-def _change(first: float, last: float) -> str:
-    return f"{(last - first) / abs(first) * 100:+.1f}%" if first else "n/a"
+def _between(runs: list[Run]) -> str:
+    if len(runs) < 2:
+        return ""
+    parts = ["<h2>Config: what differs between the runs</h2>"]
+    for run in runs[1:]:
+        rows = [r for r in config_diff(runs[0].config, run.config) if r[0] not in ("run_dir", "name")]
+        parts.append(f"<h3>{html.escape(run.label)} against {html.escape(runs[0].label)}</h3>")
+        parts.append(_diff_table(rows, runs[0].label, run.label))
+    return "".join(parts)
+
+
+def _diff_table(rows: list[tuple[str, str, str]], left: str, right: str) -> str:
+    if not rows:
+        return "<p>No difference.</p>"
+    body = "".join(
+        f"<tr><td class='mono'>{html.escape(k)}</td><td class='mono'>{html.escape(a)}</td>"
+        f"<td class='mono'>{html.escape(b)}</td></tr>"
+        for k, a, b in rows
+    )
+    return (f"<table class='diff'><tr><th>key</th><th>{html.escape(left)}</th><th>{html.escape(right)}</th>"
+            f"</tr>{body}</table>")  # fmt: skip

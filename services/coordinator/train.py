@@ -44,6 +44,7 @@ from flowgrpo.services.coordinator.resume import (
     tiny_model_folder,
 )
 from flowgrpo.services.coordinator.run import Coordinator, reward_summary, validation_keys
+from flowgrpo.services.coordinator.runmeta import Invocation, end_session, start_session
 from flowgrpo.telemetry import setup_tracing, shutdown_tracing
 from flowgrpo.v1 import coordinator_pb2_grpc
 
@@ -71,8 +72,10 @@ def prepare_model(cfg: RunConfig) -> RunConfig:
     return with_checkpoint(cfg, str(folder))
 
 
-def train(cfg: RunConfig, progress: Any = sys.stderr) -> list[dict[str, float]]:
-    return asyncio.run(train_async(cfg, progress))
+def train(
+    cfg: RunConfig, progress: Any = sys.stderr, invocation: Invocation | None = None
+) -> list[dict[str, float]]:
+    return asyncio.run(train_async(cfg, progress, invocation))
 
 
 def prepare_data(cfg: RunConfig) -> RunConfig:
@@ -94,10 +97,13 @@ def prepare_data(cfg: RunConfig) -> RunConfig:
     return replace(cfg, data=replace(cfg.data, dataset=str(folder), prompts=""))
 
 
-async def train_async(cfg: RunConfig, progress: Any = sys.stderr) -> list[dict[str, float]]:
+async def train_async(
+    cfg: RunConfig, progress: Any = sys.stderr, invocation: Invocation | None = None
+) -> list[dict[str, float]]:
     """The run, holding its folder's lock throughout (a second run there is refused). A folder
     that holds a run is checked first, before anything is written (:mod:`.resume`): a config it
-    cannot resume is refused (:class:`ResumeRefused`), a finished run returns no steps at once."""
+    cannot resume is refused (:class:`ResumeRefused`), a finished run returns no steps at once.
+    ``invocation`` (the command) goes to ``sessions.jsonl`` with this process's times (:mod:`.runmeta`)."""
     plan = plan_resume(cfg)
     if plan is not None and plan.refused:
         raise ResumeRefused(plan.refusal())
@@ -119,7 +125,7 @@ async def train_async(cfg: RunConfig, progress: Any = sys.stderr) -> list[dict[s
         if stopped:
             log.warning("stopped %s, left running by an earlier run of %s", ", ".join(stopped), cfg.run_dir)
         with run_credentials(cfg):
-            return await _train_holding_lock(cfg, progress, plan)
+            return await _train_holding_lock(cfg, progress, plan, invocation)
     finally:
         lock.release()
 
@@ -169,7 +175,7 @@ def _say(progress: Any, line: str) -> None:
 
 
 async def _train_holding_lock(
-    cfg: RunConfig, progress: Any, plan: ResumePlan | None
+    cfg: RunConfig, progress: Any, plan: ResumePlan | None, invocation: Invocation | None
 ) -> list[dict[str, float]]:
     task = asyncio.current_task()
     assert task is not None
@@ -191,6 +197,7 @@ async def _train_holding_lock(
         signals.remove()
         raise _interrupted(cfg, None, signals) from None
     outputs = _open_outputs(cfg, progress, plan, len(split))
+    session = start_session(cfg.run_dir, invocation)
     store = serve_store(cfg.bus)
     registry, server = _coordinator_server(cfg)
     try:
@@ -222,6 +229,7 @@ async def _train_holding_lock(
             await server.stop(REPLY_FLUSH_S)  # a goodbye in flight is answered, not cancelled
         store.close()
         outputs.end_session(ending)
+        end_session(cfg.run_dir, session, ending)
         outputs.close()
         shutdown_tracing()
 

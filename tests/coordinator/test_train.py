@@ -155,25 +155,36 @@ def test_the_report_renders_every_part_from_a_real_run(reference_dir: Path) -> N
     assert done.returncode == 0, done.stderr
     page = (reference_dir / "report.html").read_text()
     sources = re.findall(r"src='([^']+)'", page)
-    # seven plots (the sixth: the reward-hacking monitor; the last: busy time per service, from the
-    # traces), 3 grids
-    assert len(sources) == 7 + 3
+    assert len(sources) == 3  # the validation grids (steps 0, 4 and 2); the training ones are data
     for source in sources:  # every image is inside the page, and is a PNG
         assert source.startswith("data:image/png;base64,")
         assert Image.open(io.BytesIO(base64.b64decode(source.split(",", 1)[1]))).format == "PNG"
-    grid = Image.open(io.BytesIO(base64.b64decode(sources[7].split(",", 1)[1])))
+    grid = Image.open(io.BytesIO(base64.b64decode(sources[0].split(",", 1)[1])))
     assert grid.size == (4 * 256, 256)  # four 64 px images, each shown at 256 px
+    data = json.loads(re.search(r"id='report-data'>(.*?)</script>", page, re.DOTALL).group(1))  # type: ignore[union-attr]
+    assert [g["step"] for g in data["train_grids"][0]] == list(range(1, STEPS + 1))
+    titles = [p["title"] for p in data["panels"]]
+    assert titles[0] == "Optimised reward (critic/rewards/mean)"  # alone on its axis
+    assert {"image_brightness (weight 0: watched, not optimised)", "jpeg_compressibility (optimised)"} <= set(
+        titles
+    )
+    keys = {k for r in read_metrics(reference_dir) for k in r} - {"kind", "step", "time"}
+    flat = set(re.findall(r"<td class='mono'>([^<]+)</td><td>[^<]* throughout</td>", page))
+    assert keys <= set(titles) | flat  # every metric: a panel, or listed as flat
+    assert "actor/rollout_logp_gap/max" in flat and "trainer/lag/max" in flat  # sync: all zero
+    assert "services/trainer" in titles  # busy time per service, from the traces
     # before and after side by side, then the one in between folded away
-    before_h3, after_h3 = "<h3>Step 0 (before training)</h3>", "<h3>Step 4 (after step 4)</h3>"
-    assert page.index('<div class="pair">') < page.index(before_h3) < page.index(after_h3)
-    assert page.index(after_h3) < page.index("<details>") < page.index("<h3>Step 2")
-    before, after = (json.loads((reference_dir / "images" / f"val_{s:06d}.json").read_text()) for s in (0, 4))
-    assert len(after["cells"]) == 4 and all(html.escape(c["prompt"]) in page for c in after["cells"])
-    first, last = before["cells"][0]["reward"], after["cells"][0]["reward"]
+    before, after = "<b>Step 0</b> (before training)", "<b>Step 4</b> (after step 4)"
+    assert page.index("<div class='pair'>") < page.index(before) < page.index(after)
+    assert page.index(after) < page.index("validation(s) in between") < page.index("<b>Step 2</b>")
+    cells = [json.loads((reference_dir / "images" / f"val_{s:06d}.json").read_text()) for s in (0, 4)]
+    assert len(cells[1]["cells"]) == 4 and all(html.escape(c["prompt"]) in page for c in cells[1]["cells"])
+    first, last = cells[0]["cells"][0]["reward"], cells[1]["cells"][0]["reward"]
     change = (last - first) / abs(first) * 100
     assert f"<td>{first:+.6g}</td><td>{last:+.6g}</td><td>{change:+.1f}%</td>" in page
-    assert "schedule:" in page and "Each service&#x27;s busy time per step" in page
-    assert "Reward-hacking monitor" in page  # the demo watches brightness and edge density at weight 0
+    # the metadata: the command that ran, how it ended; the config against the recipe
+    assert f"flowgrpo train {RECIPE}" in page and "<td>success</td>" in page
+    assert "<td class='mono'>schedule.steps</td><td class='mono'>40</td><td class='mono'>4</td>" in page
     record = read_metrics(reference_dir)[-1]
     assert 0 < record["critic/score/image_brightness/mean"] < 1
     assert 0 <= record["critic/score/image_edge_density/mean"] <= 1
