@@ -36,7 +36,7 @@ class ServerConfig:
     concurrency: int = knob(64, 1, 1_000_000)
     # TCP connections held at once (gRPC closes new ones past it): a bound on idle strangers too
     max_connections: int = knob(4096, 1, 1_000_000)
-    # HTTP/2 streams one connection may have open (a caller's calls past it wait their turn)
+    # HTTP/2 streams one connection may have open, at least `concurrency` (calls past it wait)
     max_streams_per_connection: int = knob(256, 1, 1_000_000)
     # a connection with no call for this long is closed (GOAWAY; a client reconnects on its next call)
     idle_connection_s: float = knob(300.0, 0.1, 86_400.0)

@@ -204,13 +204,16 @@ class ServiceServer:
 
     def _options(self) -> list[tuple[str, int]]:
         handshake_ms = int(self.config.handshake_timeout_s * 1000)
+        streams = max(self.config.max_streams_per_connection, self.config.concurrency)
         return [
             ("grpc.max_send_message_length", self.config.max_message_bytes),
             ("grpc.max_receive_message_length", self.config.max_message_bytes),
             # what gRPC bounds before any call exists (docs/security.md, "Admission"): idle and
             # half-open connections, how many, and the streams of each
             ("grpc.max_allowed_incoming_connections", self.config.max_connections),
-            ("grpc.max_concurrent_streams", self.config.max_streams_per_connection),
+            # at least server.concurrency: a client's burst of calls sent before it has read this
+            # setting is reset past it (REFUSED_STREAM), which its caller reads as UNAVAILABLE
+            ("grpc.max_concurrent_streams", streams),
             ("grpc.max_connection_idle_ms", int(self.config.idle_connection_s * 1000)),
             ("grpc.server_handshake_timeout_ms", handshake_ms),
             ("grpc.http2.settings_timeout", handshake_ms),  # a peer that never acknowledges SETTINGS
