@@ -62,7 +62,7 @@ class AttackReport:
     long_stream: str = ""
 
 
-async def _trickle(i: int) -> AsyncIterator[reward_pb2.ScoreRequest]:
+async def trickle(i: int) -> AsyncIterator[reward_pb2.ScoreRequest]:
     """A stream that never half-closes: a message every 100 ms (the caller ends it)."""
     for k in range(1_000_000):
         yield reward_pb2.ScoreRequest(sample_id=f"flood{i}/{k}")
@@ -81,7 +81,7 @@ async def flood_streams(address: str, streams: int, seconds: float, report: Atta
         while time.monotonic() < end:
             n += 1
             if worker % 2:
-                requests: object = _trickle(worker)
+                requests: object = trickle(worker)
             else:
                 requests = iter([reward_pb2.ScoreRequest(sample_id=f"f{worker}/{n}/{k}") for k in range(3)])
             call = channels[worker % len(channels)].stream_stream(

@@ -14,9 +14,16 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
+import grpc.aio
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.security.flood import Legitimate, legitimate
+from flowgrpo import PROTOCOL_VERSION
+from flowgrpo.runtime import ServerConfig, Service, ServiceServer
+from flowgrpo.services.coordinator.registry import CoordinatorService
+from flowgrpo.v1 import common_pb2, common_pb2_grpc, coordinator_pb2_grpc, reward_pb2_grpc
+from tests.security.flood import SCORE, Legitimate, legitimate, trickle
 from tests.services.launch import spawn_service, stop_service
 
 TOKEN = "the-runs-token-" + "a" * 24
@@ -81,3 +88,47 @@ def test_legitimate_calls_are_answered_under_a_flood_and_a_slowloris(reward: str
     assert set(streams) <= {"three UNAUTHENTICATED", "trickle UNAUTHENTICATED", "trickle INTERNAL"}, figures
     assert (oversized["big_call"], oversized["long_stream"]) == ("UNAUTHENTICATED",) * 2, figures
     assert flood["slowloris_opened"] == 200 and flood["slowloris_closed_by_server"] == 200, figures
+
+
+def test_refused_streams_take_no_slot_of_server_concurrency() -> None:
+    """With ``server.concurrency=1``, 20 refused streams that never half-close (each drained for
+    up to 2 s) leave the one slot to the caller with the token; health needs no token."""
+
+    async def body() -> None:
+        registry = CoordinatorService("run-admission", heartbeat_interval_s=0.5, lost_after_s=5)
+        add = coordinator_pb2_grpc.add_CoordinatorServicer_to_server
+        # the Reward service's stubs: what is refused never reaches them
+        reward = Service("flowgrpo.v1.Reward", reward_pb2_grpc.RewardServicer(),
+                         reward_pb2_grpc.add_RewardServicer_to_server)  # fmt: skip
+        server = ServiceServer(registry, ServerConfig(port=0, concurrency=1, token=TOKEN),
+                               [Service("flowgrpo.v1.Coordinator", registry, add), reward])  # fmt: skip
+        address = await server.start()
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                score = channel.stream_stream(SCORE, request_serializer=lambda m: m.SerializeToString())
+                refused = [score(trickle(i), timeout=10) for i in range(20)]
+                await asyncio.sleep(0.3)  # the refused streams are being drained
+                lifecycle = common_pb2_grpc.LifecycleStub(channel)
+                request = common_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION)
+                for _ in range(5):
+                    await lifecycle.Handshake(
+                        request, timeout=5, metadata=(("authorization", f"Bearer {TOKEN}"),)
+                    )
+                health = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=5
+                )
+                assert health.status == health_pb2.HealthCheckResponse.SERVING
+                codes = []
+                for call in refused:
+                    try:
+                        async for _ in call:
+                            pass
+                    except grpc.aio.AioRpcError as error:
+                        codes.append(error.code())
+                assert set(codes) <= {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INTERNAL}
+                assert grpc.StatusCode.UNAUTHENTICATED in codes and len(codes) == 20
+        finally:
+            server.drain(0)
+            await server.wait_stopped()
+
+    asyncio.run(body())
