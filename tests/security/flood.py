@@ -48,7 +48,7 @@ def _code(error: BaseException | None) -> str:
     if error is None:
         return "OK"
     if isinstance(error, grpc.aio.AioRpcError):
-        return error.code().name
+        return str(error.code().name)
     return type(error).__name__
 
 
@@ -86,7 +86,7 @@ async def flood_streams(address: str, streams: int, seconds: float, report: Atta
                 requests = iter([reward_pb2.ScoreRequest(sample_id=f"f{worker}/{n}/{k}") for k in range(3)])
             call = channels[worker % len(channels)].stream_stream(
                 SCORE, request_serializer=reward_pb2.ScoreRequest.SerializeToString
-            )(requests, timeout=5)  # type: ignore[arg-type]
+            )(requests, timeout=5)
             error: BaseException | None = None
             try:
                 async for _ in call:

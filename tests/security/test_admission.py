@@ -98,7 +98,8 @@ def test_refused_streams_take_no_slot_of_server_concurrency() -> None:
         registry = CoordinatorService("run-admission", heartbeat_interval_s=0.5, lost_after_s=5)
         add = coordinator_pb2_grpc.add_CoordinatorServicer_to_server
         # the Reward service's stubs: what is refused never reaches them
-        reward = Service("flowgrpo.v1.Reward", reward_pb2_grpc.RewardServicer(),
+        stubs = reward_pb2_grpc.RewardServicer()  # type: ignore[abstract]
+        reward = Service("flowgrpo.v1.Reward", stubs,
                          reward_pb2_grpc.add_RewardServicer_to_server)  # fmt: skip
         server = ServiceServer(registry, ServerConfig(port=0, concurrency=1, token=TOKEN),
                                [Service("flowgrpo.v1.Coordinator", registry, add), reward])  # fmt: skip
