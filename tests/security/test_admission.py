@@ -91,8 +91,9 @@ def test_legitimate_calls_are_answered_under_a_flood_and_a_slowloris(reward: str
 
 
 def test_refused_streams_take_no_slot_of_server_concurrency() -> None:
-    """With ``server.concurrency=1``, 20 refused streams that never half-close (each drained for
-    up to 2 s) leave the one slot to the caller with the token; health needs no token."""
+    """With ``server.concurrency=1``, 20 refused streams that never half-close (held up to 2 s
+    each, drained or waiting) leave the one slot to the caller with the token; health needs no
+    token."""
 
     async def body() -> None:
         registry = CoordinatorService("run-admission", heartbeat_interval_s=0.5, lost_after_s=5)

@@ -9,13 +9,14 @@ other call is *refused* with UNAUTHENTICATED by a handler that parses nothing an
   sending 200 MiB reads UNAUTHENTICATED, where grpc.aio would have read the message first);
 - a streamed request is refused after its caller has had time to finish writing: grpc-python's
   client turns its own write that fails on a closed stream into "INTERNAL: Internal error from
-  Core", overwriting the UNAUTHENTICATED it was sent. So a refused stream is first drained (its
-  messages read as bytes and dropped until the caller half-closes, at most
-  ``REFUSED_DRAIN_BYTES`` and ``REFUSED_DRAIN_S``), while at most ``REFUSED_DRAINS`` refused
-  streams of the whole server and ``REFUSED_DRAINS_PER_CONNECTION`` of one connection are being
-  drained; past those it waits ``REFUSED_WAIT_S`` reading nothing (what the caller wrote by then
-  stays within the stream's flow-control window, which is all a small request needs), then the
-  status goes out.
+  Core", overwriting the UNAUTHENTICATED it was sent. So a refused stream waits
+  ``REFUSED_WAIT_S`` reading nothing (what its caller writes meanwhile stays within the stream's
+  flow-control window, which is all a small request needs) before the status goes out. A few are
+  drained instead, for callers that write more than a window before they half-close: their
+  messages read as bytes and dropped until the half-close, at most ``REFUSED_DRAIN_BYTES`` and
+  ``REFUSED_DRAIN_S``, while at most ``REFUSED_DRAINS`` refused streams of the whole server and
+  ``REFUSED_DRAINS_PER_CONNECTION`` of one connection are being drained. Few, because a stream
+  being read lets gRPC take in a whole message (up to ``server.max_message_bytes``) for it.
 
 Neither kind of refusal counts against ``server.concurrency``: a flood of strangers cannot starve
 the callers that hold the token. What gRPC bounds on its own (connections, streams per
@@ -40,13 +41,17 @@ from flowgrpo.runtime.interceptors import guard_handler
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 AUTH_KEY = "authorization"
 # a refused stream is drained at most this far, and at most this many at once (whole server, one
-# connection): each holds at most one message (<= server.max_message_bytes) in grpc's buffers.
-# 2 s, not less: on the loaded 2-core machine a 0.5 s drain cut 301 of 3,937 flooding 3-message
-# streams before their caller had half-closed, and each of those read INTERNAL
+# connection). Drained, each may make gRPC hold one whole message (<= server.max_message_bytes):
+# 32 refused streams of 15 MiB each on 32 connections grew the reward process by 491 MiB with 16
+# drains (798 MiB on main, which drained them all), by 140 MiB on one connection (889 MiB with 64
+# drains per connection, 512 in all). 2 s, not less: on the loaded 2-core machine a 0.5 s drain cut 301 of
+# 3,937 flooding 3-message streams before their caller had half-closed, and those read INTERNAL
 REFUSED_DRAIN_BYTES, REFUSED_DRAIN_S = 256 << 10, 2.0
-REFUSED_DRAINS, REFUSED_DRAINS_PER_CONNECTION = 512, 64
-# past those: time for the caller's writes in flight to land in the stream's window, unread
-REFUSED_WAIT_S = 0.1
+REFUSED_DRAINS, REFUSED_DRAINS_PER_CONNECTION = 16, 1
+# the others: time for the caller's writes to land in the stream's window, unread (0.1 s, with 4
+# drains per connection, left 788 of 1,225 flooding 3-message streams INTERNAL: their callers
+# were starved of CPU and had not written yet)
+REFUSED_WAIT_S = 1.0
 PROBES = 128  # health probes served at once (they need no token, so they cannot take a work slot)
 
 
