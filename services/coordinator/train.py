@@ -262,6 +262,8 @@ def _coordinator_server(cfg: RunConfig) -> tuple[CoordinatorService, ServiceServ
         cfg.server,
         ready_file=str(ready_file),
         concurrency=server_concurrency(cfg.server.concurrency, members),
+        # a connection or two from each member (docs/security.md, "Admission")
+        max_connections=max(cfg.server.max_connections, 2 * members + 64),
     )
     server = ServiceServer(registry, server_config, [
         Service("flowgrpo.v1.Coordinator", registry, coordinator_pb2_grpc.add_CoordinatorServicer_to_server)

@@ -31,8 +31,17 @@ class ServerConfig:
     host: str = "127.0.0.1"  # "0.0.0.0" in containers
     port: int = knob(0, 0, 65_535)  # 0: a free port, reported in the ready file and the logs
     advertise_host: str = ""  # host peers dial; default: host, or the hostname when host is a wildcard
-    # RPCs served at once (health and handshakes included); more are refused
+    # calls that carry the token (any call without a token set) served at once, handshakes
+    # included; more are refused (RESOURCE_EXHAUSTED). Refused strangers and health probes take none
     concurrency: int = knob(64, 1, 1_000_000)
+    # TCP connections held at once (gRPC closes new ones past it): a bound on idle strangers too
+    max_connections: int = knob(4096, 1, 1_000_000)
+    # HTTP/2 streams one connection may have open, at least `concurrency` (calls past it wait)
+    max_streams_per_connection: int = knob(256, 1, 1_000_000)
+    # a connection with no call for this long is closed (GOAWAY; a client reconnects on its next call)
+    idle_connection_s: float = knob(300.0, 0.1, 86_400.0)
+    # a new connection must finish its handshake (TLS, HTTP/2 SETTINGS acknowledged) within this
+    handshake_timeout_s: float = knob(10.0, 0.1, 3_600.0)
     # how long in-flight messages may finish after SIGTERM or Drain
     drain_grace_s: float = knob(30.0, 0.0, 86_400.0)
     # control plane only: bulk data goes on the bus

@@ -4,8 +4,8 @@ TLS authenticates the server (the client verifies it with the CA); mutual TLS al
 the client (the server demands a certificate signed by the CA). The shared token is a second,
 independent check for deployments without client certificates: every call but health probes
 must carry ``authorization: Bearer <token>``, compared in constant time. The token is checked
-when the call arrives, from its metadata, before a handler exists: a streamed call is refused
-like a unary one (UNAUTHENTICATED, every time), and no request message of it is ever read.
+when the call arrives, from its metadata, before a handler exists (``admission.py``: a refused call
+takes no slot of ``server.concurrency`` and no request of it is parsed).
 
 A server bound to anything but loopback must have a credential (mutual TLS, or the token:
 TLS beside it keeps the token from travelling in clear) or refuses to start, unless
@@ -15,19 +15,15 @@ needs nothing; the ``local`` launcher still gives its run a token of its own.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import hmac
 import ipaddress
 import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import grpc
 import grpc.aio
 
+from flowgrpo.runtime.admission import AUTH_KEY
 from flowgrpo.runtime.config import ServerConfig, TLSConfig
 from flowgrpo.runtime.interceptors import add_metadata, call_details_interceptors
 
@@ -35,8 +31,6 @@ log = logging.getLogger(__name__)
 
 TOKEN_ENV = "FLOWGRPO_TOKEN"
 TOKEN_FILE_ENV = "FLOWGRPO_TOKEN_FILE"  # a file holding the token (a mounted Kubernetes secret)
-HEALTH_PREFIX = "/grpc.health.v1.Health/"
-_AUTH_KEY = "authorization"
 
 
 class InsecureBindError(ValueError):
@@ -130,70 +124,9 @@ UNAUTHENTICATED = (
 )
 
 
-class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Refuse with UNAUTHENTICATED any call but a health probe whose bearer token is not ``token``,
-    from the call's metadata, with a handler of the call's own kind that reads nothing."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-    async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Any], details: grpc.HandlerCallDetails
-    ) -> grpc.RpcMethodHandler | None:
-        handler = await continuation(details)
-        if handler is None or details.method.startswith(HEALTH_PREFIX):
-            return handler
-        sent = next((v for k, v in details.invocation_metadata or () if k == _AUTH_KEY), "")
-        sent = sent.encode() if isinstance(sent, str) else bytes(sent)
-        if hmac.compare_digest(sent, self._expected):
-            return handler
-        return _refusal(handler)
-
-
-# A refused stream's queued request messages are read (as bytes, never parsed) and dropped before
-# the status goes out, at most this many for at most this long: a client whose messages are still
-# in flight when its stream ends would otherwise see grpc-core's "INTERNAL: Internal error from
-# Core" instead of UNAUTHENTICATED (measured: ~1 call in 4 with 3 queued messages, none after this).
-REFUSED_STREAM_MESSAGES, REFUSED_STREAM_S = 256, 1.0
-
-
-def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED)
-
-    async def deny_streamed(requests: Any, context: grpc.aio.ServicerContext) -> None:
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(REFUSED_STREAM_S):
-                count = 0
-                async for _ in requests:
-                    count += 1
-                    if count >= REFUSED_STREAM_MESSAGES:
-                        break
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED)
-
-    async def deny_to_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await deny(request, context)
-        yield  # an async generator, as streamed responses are
-
-    async def deny_streamed_to_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-        await deny_streamed(requests, context)
-        yield
-
-    kinds = {"unary_unary": (grpc.unary_unary_rpc_method_handler, deny),
-             "unary_stream": (grpc.unary_stream_rpc_method_handler, deny_to_stream),
-             "stream_unary": (grpc.stream_unary_rpc_method_handler, deny_streamed),
-             "stream_stream": (grpc.stream_stream_rpc_method_handler, deny_streamed_to_stream)}  # fmt: skip
-    for kind, (factory, behavior) in kinds.items():
-        if getattr(handler, kind) is not None:
-            streamed = kind.startswith("stream_")  # refused requests stay bytes: nothing is parsed
-            return factory(behavior, request_deserializer=None if streamed else handler.request_deserializer,
-                           response_serializer=handler.response_serializer)  # fmt: skip
-    return handler
-
-
 def token_client_interceptor(token: str) -> list[grpc.aio.ClientInterceptor]:
     """Send ``token`` as ``authorization: Bearer <token>`` with every call, streamed ones too."""
-    return call_details_interceptors(lambda details: add_metadata(details, _AUTH_KEY, f"Bearer {token}"))
+    return call_details_interceptors(lambda details: add_metadata(details, AUTH_KEY, f"Bearer {token}"))
 
 
 def _read(path: str, what: str) -> bytes:

@@ -34,12 +34,13 @@ from grpc_health.v1.health import aio as health_aio
 from flowgrpo import PROTOCOL_VERSION
 from flowgrpo.fileio import atomic_write
 from flowgrpo.runtime.actor import Actor
+from flowgrpo.runtime.admission import Admission
 from flowgrpo.runtime.config import ServerConfig
 from flowgrpo.runtime.errors import ServiceError, Unavailable
 from flowgrpo.runtime.interceptors import GuardInterceptor, MethodGuard
 from flowgrpo.runtime.membership import Membership
 from flowgrpo.runtime.security import (
-    TokenInterceptor,
+    UNAUTHENTICATED,
     check_bind_credentials,
     resolve_token,
     server_credentials,
@@ -181,15 +182,19 @@ class ServiceServer:
 
     def _build(self) -> grpc.aio.Server:
         where = f"{self.actor.role} {self.actor.replica_id}"
-        interceptors: list[grpc.aio.ServerInterceptor] = [grpc_server_interceptor()]
+        # admission first: a refused call gets no span, no guard, no slot (runtime/admission.py);
+        # no maximum_concurrent_rpcs: grpc.aio counts every call against it, refused ones too
+        busy = (f"{where}: more than server.concurrency={self.config.concurrency} calls at once; "
+                "retry later, or raise server.concurrency")  # fmt: skip
         token = resolve_token(self.config.token)
-        if token:
-            interceptors.append(TokenInterceptor(token))
-        interceptors.append(GuardInterceptor(call_policy(where), lambda m: m.startswith(FLOWGRPO_PREFIX)))
+        admission = Admission(token, self.config.concurrency, UNAUTHENTICATED, busy)
         server = grpc.aio.server(
-            interceptors=interceptors,
+            interceptors=[
+                admission,
+                grpc_server_interceptor(),
+                GuardInterceptor(call_policy(where), lambda m: m.startswith(FLOWGRPO_PREFIX)),
+            ],
             options=self._options(),
-            maximum_concurrent_rpcs=self.config.concurrency,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         common_pb2_grpc.add_LifecycleServicer_to_server(Lifecycle(self), server)
@@ -198,9 +203,20 @@ class ServiceServer:
         return server
 
     def _options(self) -> list[tuple[str, int]]:
+        handshake_ms = int(self.config.handshake_timeout_s * 1000)
+        streams = max(self.config.max_streams_per_connection, self.config.concurrency)
         return [
             ("grpc.max_send_message_length", self.config.max_message_bytes),
             ("grpc.max_receive_message_length", self.config.max_message_bytes),
+            # what gRPC bounds before any call exists (docs/security.md, "Admission"): idle and
+            # half-open connections, how many, and the streams of each
+            ("grpc.max_allowed_incoming_connections", self.config.max_connections),
+            # at least server.concurrency: a client's burst of calls sent before it has read this
+            # setting is reset past it (REFUSED_STREAM), which its caller reads as UNAVAILABLE
+            ("grpc.max_concurrent_streams", streams),
+            ("grpc.max_connection_idle_ms", int(self.config.idle_connection_s * 1000)),
+            ("grpc.server_handshake_timeout_ms", handshake_ms),
+            ("grpc.http2.settings_timeout", handshake_ms),  # a peer that never acknowledges SETTINGS
             ("grpc.keepalive_permit_without_calls", 1),
             (
                 "grpc.http2.min_ping_interval_without_data_ms",  # the server-side limit (not "min_recv_...")
