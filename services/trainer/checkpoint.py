@@ -69,6 +69,7 @@ from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, Hu
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.torch_version import TorchVersion
 
 from flowgrpo.models.bagel.peft_format import load_peft_adapter, save_peft_adapter
 from flowgrpo.models.bagel.policy import PolicyUpdate
@@ -334,24 +335,39 @@ class PendingCheckpoint:
         return self._result
 
 
-class HostStager:
-    """Host copies of tensors, taken synchronously into buffers kept from one save to the next
-    (DCP's ``DefaultStager``; pinned memory on a GPU, so the device-to-host copy runs at full
-    speed). A buffer is reused by the next save: wait for one save before staging the next."""
+# torch 2.11 and 2.12 close a DefaultStager's copier at the end of every stage
+# (`DefaultStager._stage` ends in `self._state_dict_stager.close()`, which empties its copy
+# dispatch: the next stage fails with `KeyError: <class 'type'>`, seen on the H200 at the second
+# save); from 2.13 on it stays open and keeps its host buffers from one save to the next.
+STAGER_STAGES_MORE_THAN_ONCE = TorchVersion(torch.__version__) >= "2.13"
 
-    def __init__(self, pinned: bool) -> None:
-        options = StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
-                                 use_async_staging=False, use_non_blocking_copy=False)  # fmt: skip
-        self._stager = DefaultStager(options)
+
+class HostStager:
+    """Host copies of tensors, taken synchronously (DCP's ``DefaultStager``; pinned memory on a
+    GPU, so the device-to-host copy runs at full speed). Where torch allows it (``reuse``, torch
+    2.13 on) the buffers are kept from one save to the next, and a buffer is reused by the next
+    save: wait for one save before staging the next; before, each stage has a stager of its own."""
+
+    def __init__(self, pinned: bool, reuse: bool = STAGER_STAGES_MORE_THAN_ONCE) -> None:
+        self._options = StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                       use_async_staging=False, use_non_blocking_copy=False)  # fmt: skip
+        self._reuse = reuse
+        self._stager: DefaultStager | None = None
 
     def __call__(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        if self._stager is None:
+            self._stager = DefaultStager(self._options)
         staged = self._stager.stage(tensors)
+        if not self._reuse:
+            self.close()
         if not isinstance(staged, dict):  # a Future only with asynchronous staging, not asked for
             raise TypeError(f"DCP's stager returned a {type(staged).__name__}")
         return staged
 
     def close(self) -> None:
-        self._stager.close()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
 
 @dataclass

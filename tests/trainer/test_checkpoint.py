@@ -18,11 +18,13 @@ import torch
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 from safetensors import safe_open
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from flowgrpo.models.bagel.model import BagelModel
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
 from flowgrpo.services.trainer import checkpoint as checkpoint_module
 from flowgrpo.services.trainer.checkpoint import (
+    STAGER_STAGES_MORE_THAN_ONCE,
     CheckpointError,
     CheckpointWriteError,
     HostStager,
@@ -193,12 +195,50 @@ def test_storage_causes_are_named_from_every_writer_that_reports_them() -> None:
     assert storage_cause(ValueError("not storage")) is None  # a bug is not called a full disk
 
 
-@pytest.fixture
-def stager() -> Iterator[HostStager]:
-    """As the trainer makes it on a CPU: host buffers kept from one save to the next."""
-    made = HostStager(pinned=False)
+def close_after_every_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DCP's stager as torch 2.11 and 2.12 have it: `DefaultStager._stage` closes its copier
+    when it has staged (their source, the line 2.13 removed)."""
+    stage = DefaultStager._stage
+
+    def closing(self: DefaultStager, state_dict: dict[str, object], **kwargs: object) -> object:
+        staged = stage(self, state_dict, **kwargs)
+        self._state_dict_stager.close()
+        return staged
+
+    monkeypatch.setattr(DefaultStager, "_stage", closing)
+
+
+@pytest.fixture(params=["this torch", "torch 2.11"])
+def stager(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[HostStager]:
+    """As the trainer makes it on a CPU, with this torch's DCP stager and with torch 2.11's,
+    which stages once (host buffers kept from one save to the next where torch allows it)."""
+    if request.param == "torch 2.11":
+        close_after_every_stage(monkeypatch)
+    made = HostStager(pinned=False, reuse=request.param == "this torch" and STAGER_STAGES_MORE_THAN_ONCE)
     yield made
     made.close()
+
+
+def test_whether_a_dcp_stager_stages_twice_is_known_for_this_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """STAGER_STAGES_MORE_THAN_ONCE says what this torch's DefaultStager does; with torch 2.11's
+    behaviour a reused stager fails as it did on the H200 (`KeyError: <class 'type'>`)."""
+    tensors = {"w": torch.arange(4.0), "m": torch.ones(2)}
+
+    def stage_twice(stager: DefaultStager) -> bool:
+        try:
+            return all(torch.equal(stager.stage(tensors)[k], v) for _ in range(2) for k, v in tensors.items())
+        except KeyError:
+            return False
+        finally:
+            stager.close()
+
+    options = StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+                             use_non_blocking_copy=False)  # fmt: skip
+    assert stage_twice(DefaultStager(options)) == STAGER_STAGES_MORE_THAN_ONCE
+    close_after_every_stage(monkeypatch)
+    assert not stage_twice(DefaultStager(options))
+    once = HostStager(pinned=False, reuse=False)
+    assert all(torch.equal(once(tensors)[k], v) for _ in range(3) for k, v in tensors.items())
 
 
 def contents_of(path: Path) -> dict[str, object]:
@@ -254,6 +294,13 @@ def test_an_async_save_holds_its_steps_state_while_the_next_step_trains(
     assert all(torch.equal(p, state(step)[n]) for n, p in state(resumed).items())
     numbers = {k: v for k, v in metrics.items() if not k.startswith("timing_s/")}
     assert numbers == {k: v for k, v in expected.items() if not k.startswith("timing_s/")}
+
+    # the next step's save, through the same stager (the trainer's every step with async_save)
+    again = start_checkpoint(tmp_path / "async", step, 2, stager)
+    synced = save_checkpoint(tmp_path / "sync", step, step=2)
+    path = again.wait()
+    assert synced is not None and path is not None
+    assert_same_contents(contents_of(path), contents_of(synced))
 
 
 @pytest.fixture
