@@ -154,12 +154,15 @@ async def running(actor: ProbeActor, config: ServerConfig | None = None) -> Asyn
         await server.stop()
 
 
-def spawn(mode: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def spawn(
+    mode: str, *args: str, env: dict[str, str] | None = None, pass_fds: tuple[int, ...] = ()
+) -> subprocess.Popen[str]:
     """Run this module in a subprocess; the caller ends it by its handle."""
     return subprocess.Popen(
         [sys.executable, "-m", "runtime.probe", mode, *args],
         cwd=TESTS_DIR,
         env=env,
+        pass_fds=pass_fds,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -210,7 +213,8 @@ def _serve(args: argparse.Namespace) -> None:
     actor = ProbeActor(events_file=args.events_file)
     config = ServerConfig(ready_file=args.ready_file, drain_grace_s=args.grace)
     try:
-        asyncio.run(serve(actor, config, services(actor)))
+        parent_fd = args.parent_fd if args.parent_fd >= 0 else None
+        asyncio.run(serve(actor, config, services(actor), parent_fd=parent_fd))
     finally:
         shutdown_tracing()
 
@@ -240,6 +244,7 @@ def main() -> None:
     parser.add_argument("--events-file", default="")
     parser.add_argument("--grace", type=float, default=10.0)
     parser.add_argument("--address", default="")
+    parser.add_argument("--parent-fd", type=int, default=-1)  # an inherited pipe's read end
     args = parser.parse_args()
     if args.mode == "serve":
         _serve(args)

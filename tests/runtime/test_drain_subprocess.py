@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from pathlib import Path
 
 import grpc
@@ -93,3 +94,39 @@ async def _outlive_the_drain(
         with pytest.raises(grpc.aio.AioRpcError) as failed:
             await stuck
         return failed.value.code(), failed.value.details()
+
+
+def test_an_orphan_cancels_its_message_in_flight_without_waiting_out_the_drain_grace(
+    tmp_path: Path,
+) -> None:
+    """The launcher's pipe closes (the coordinator was SIGKILLed) while a message runs: no one will
+    read its reply, so the replica exits in about a second, not after its 60 s drain grace."""
+    ready_file, events = tmp_path / "ready.json", tmp_path / "events"
+    read_end, write_end = os.pipe()
+    proc = spawn("serve", "--ready-file", str(ready_file), "--events-file", str(events),
+                 "--grace", "60", "--parent-fd", str(read_end), pass_fds=(read_end,))  # fmt: skip
+    os.close(read_end)
+    try:
+        address = read_ready_file(ready_file, proc)["grpc_address"]
+        code, took = asyncio.run(_orphan_mid_message(address, write_end, events))
+        _, stderr = proc.communicate(timeout=10)
+        assert proc.returncode == 0, stderr
+    finally:
+        kill_if_running(proc)
+    assert code == grpc.StatusCode.UNAVAILABLE
+    assert took < 10, f"the orphan's message ran on for {took:.1f} s"
+    assert "the coordinator that launched this replica is gone (its pipe closed)" in stderr
+    assert "cancelling 1 message(s)" in stderr
+
+
+async def _orphan_mid_message(address: str, write_end: int, events: Path) -> tuple[grpc.StatusCode, float]:
+    async with open_channel(address) as channel:
+        await wait_ready(address, role="coordinator", timeout_s=10, channel=channel)
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        stuck = asyncio.ensure_future(stub.Heartbeat(heartbeat("sleep 60", 1), timeout=30))
+        await until(lambda: events.exists() and "begin 1" in events.read_text(), "begin 1")
+        os.close(write_end)
+        orphaned = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await stuck
+        return failed.value.code(), time.monotonic() - orphaned

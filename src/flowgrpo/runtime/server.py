@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 FLOWGRPO_PREFIX = "/flowgrpo."
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 REPLY_FLUSH_S = 1.0  # after the last message: time for its reply to reach the caller
+ORPHAN_GRACE_S = 1.0  # a replica whose coordinator is gone: its replies have no reader
 
 
 @dataclass(frozen=True)
@@ -395,4 +396,6 @@ def _watch_parent(server: ServiceServer, fd: int) -> None:
 
 def _orphaned(server: ServiceServer, why: str) -> None:
     log.warning("%s: draining and exiting", why)
-    server.drain()
+    # no one is left to read a reply: a message in flight is cancelled after ORPHAN_GRACE_S, not
+    # after the full drain grace (30 s by default), so an orphan never outlives launch.lost_after_s
+    server.drain(ORPHAN_GRACE_S)
