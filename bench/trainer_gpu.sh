@@ -63,14 +63,18 @@ if [[ ${LORA:-1} == 1 ]]; then
         2>&1 | tee "$OUT/trainer_lora.log"
     status=$?
 fi
-if [[ $NGPU -ge 2 && ${FULL:-1} == 1 ]]; then
+# FULL_NPROC=1 FULL_LAYERS=N: the full gen path on ONE GPU, the 7B geometry cut to N of its 28
+# decoder layers (28 do not fit one H200 with AdamW: ~16 bytes a trained parameter);
+# FULL_EXTRA: more options for that run, split on spaces (e.g. "--no-publish")
+FULL_NPROC=${FULL_NPROC:-2}
+if [[ ${FULL:-1} == 1 && $NGPU -ge $FULL_NPROC && ($FULL_NPROC -ge 2 || -n ${FULL_LAYERS:-}) ]]; then
     if [[ $DEVICE == cuda* ]]; then FULL_ARGS=(--store-gib 48); else FULL_ARGS=("${SMOKE[@]}"); FULL_VARIANTS=ac1-compile; fi
     # a random checkpoint in the published layout, then loaded through the trainer's loader
     CKPT=${CKPT:-/tmp/bagel-random}
-    $PY -m flowgrpo.services.bench.trainer "${FULL_ARGS[@]}" --write-checkpoint "$CKPT" 2>&1 | tee "$OUT/trainer_full.log"
-    timeout -k 10 "${FULL_TIMEOUT:-400}" $PY -m torch.distributed.run --standalone --nproc_per_node 2 -m flowgrpo.services.bench.trainer --policy full \
+    $PY -m flowgrpo.services.bench.trainer "${FULL_ARGS[@]}" --write-checkpoint "$CKPT" ${FULL_LAYERS:+--layers "$FULL_LAYERS"} 2>&1 | tee "$OUT/trainer_full.log"
+    timeout -k 10 "${FULL_TIMEOUT:-400}" $PY -m torch.distributed.run --standalone --nproc_per_node "$FULL_NPROC" -m flowgrpo.services.bench.trainer --policy full \
         --variants "${FULL_VARIANTS:-ac4-compile}" --compile --trajectories random --reps 3 --publish-reps 3 \
-        --deadline-s "${FULL_DEADLINE:-240}" --checkpoint "$CKPT" "${FULL_ARGS[@]}" "${FULL_SAVE[@]}" \
+        --deadline-s "${FULL_DEADLINE:-240}" --checkpoint "$CKPT" "${FULL_ARGS[@]}" "${FULL_SAVE[@]}" ${FULL_EXTRA:-} \
         --json "$OUT/trainer_full_fsdp2.json" 2>&1 | tee -a "$OUT/trainer_full.log"
     status=$((status || $?))
 fi
