@@ -162,7 +162,8 @@ def _build_policy(
     report["once_s"]["build"] = time.perf_counter() - begin
     report["trainable_params"] = sum(p.numel() for p in policy.trainable().values())  # DTensors: global
     if args.policy == "lora":
-        report["lora_params_formula"] = lora_parameters(cfg, args.lora_rank, list(DEFAULT_LORA_TARGETS))
+        targets = list(DEFAULT_LORA_TARGETS)
+        report["lora_params_formula"] = lora_parameters(policy.model.config, args.lora_rank, targets)
     if device.type == "cuda":
         report["model_gib"] = torch.cuda.memory_allocated(device) / GiB
     say(f"model built in {report['once_s']['build']:.1f} s, "
@@ -174,8 +175,8 @@ def _step_bench(
     args: argparse.Namespace, policy: TrainablePolicy, dist: Dist, report: dict[str, Any], say: Say
 ) -> StepBench:
     """The batch every variant trains on (drawn by the sampler, or random) and its FLOPs."""
-    seven_b = args.model == "7b"
-    cfg, special = (bagel_7b(), SPECIAL_7B) if seven_b else (tiny(), SPECIAL_TINY)
+    special = SPECIAL_7B if args.model == "7b" else SPECIAL_TINY
+    cfg = policy.model.config  # what was built or loaded: a --checkpoint may have fewer layers
     params = SamplerParams(
         num_points=args.num_points,
         height=args.resolution,

@@ -20,7 +20,7 @@ SIZES = ["--resolution", "32", "--num-points", "8", "--batch", "4", "--group", "
 TINY = MODEL + SIZES
 
 
-def expected_pass_flops() -> dict[str, float]:
+def expected_pass_flops(layers: int = tiny().layers) -> dict[str, float]:
     """The logp_old and update passes of TINY, written out from the shapes rather than taken from
     the report: 4 trajectories of two prompts (6 and 14 tokens: --prompt-len 6, the next + 8),
     each a conditional and an empty-context row, at each of the 2 window steps, T = 4 latent
@@ -29,13 +29,7 @@ def expected_pass_flops() -> dict[str, float]:
     gradients (every matmul again but layer 0's q/k/v, whose input needs none; attention twice)
     and the LoRA weight gradients (the LoRA matmuls again)."""
     cfg = tiny()
-    q, kv, h, i, layers = (
-        cfg.heads * cfg.head_dim,
-        cfg.kv_heads * cfg.head_dim,
-        cfg.hidden,
-        cfg.intermediate,
-        cfg.layers,
-    )
+    q, kv, h, i = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.hidden, cfg.intermediate
     gen_params = layers * (2 * h * q + 2 * h * kv + 3 * h * i)  # q, o; k, v; gate, up, down
     layer0_qkv = h * q + 2 * h * kv
     in_plus_out = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)
@@ -147,3 +141,20 @@ def test_a_checkpoint_every_step_is_timed_three_ways(
             median(cycle) / median(cost["none"]["cycle_s"])
         )
     assert "a checkpoint every step (none2" in capsys.readouterr().out
+
+
+def test_a_checkpoint_with_fewer_layers_is_counted_by_its_own_layers(tmp_path: Path) -> None:
+    """``--checkpoint`` of a geometry cut to 1 decoder layer (``--write-checkpoint --layers 1``):
+    the FLOPs, and so the MFU, are those of the layers loaded, not of the full geometry's."""
+    assert tiny().layers > 1
+    ckpt, out = tmp_path / "one-layer", tmp_path / "trainer.json"
+    assert trainer.main([*MODEL, "--write-checkpoint", str(ckpt), "--layers", "1"]) == 0
+    args = [*TINY, "--variants", "none2", "--no-publish", "--checkpoint", str(ckpt), "--reps", "3"]
+    assert trainer.main([*args, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    flops, expected = report["flops"], expected_pass_flops(layers=1)
+    assert report["lora_params_formula"] == report["trainable_params"]
+    assert (flops["old"], flops["update"]) == (
+        pytest.approx(expected["old"]),
+        pytest.approx(expected["update"]),
+    )
