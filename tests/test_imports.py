@@ -56,6 +56,18 @@ def test_torch_free_modules_import_without_torch() -> None:
     assert out.returncode == 0, out.stderr
 
 
+def test_the_configs_import_without_the_judge_clients_http_libraries() -> None:
+    """The coordinator's image has no httpx or tenacity (the reward extra brings them); it still
+    imports the reward configs, the judge's among them."""
+    code = (
+        "import sys; sys.modules['httpx'] = None; sys.modules['tenacity'] = None\n"
+        "import flowgrpo.rewards.judge, flowgrpo.services.coordinator.config\n"
+        "assert sys.modules['httpx'] is None and sys.modules['tenacity'] is None\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
 def test_cli_help_explains_itself() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "flowgrpo.services.cli", "--help"], capture_output=True, text=True, timeout=60

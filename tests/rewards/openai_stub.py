@@ -1,8 +1,9 @@
 """A real HTTP server speaking the OpenAI chat-completions API, for judge-client tests.
 
-Each test scripts the answers: a queue of behaviours ("ok", "500", "slow", "malformed", "401"),
+Each test scripts the answers: a queue of behaviours ("ok", "500", "429", "slow", "malformed", "401"),
 consumed one per request; when the queue is empty the server answers "ok" with the text set
-in ``text``. It records every request body and the highest number of requests in flight.
+in ``text``; a "429" carries ``retry_after`` as its Retry-After header when set. It records every
+request body, its headers and arrival time, and the highest number of requests in flight.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ class ChatStub:
         self.script: list[str] = []
         self.text = "HELLO"
         self.slow_s = 1.0
+        self.retry_after = ""  # the Retry-After header of a "429"; none when empty
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
+        self.arrivals: list[float] = []  # time.monotonic() of each request
         self.in_flight = 0
         self.max_in_flight = 0
         self.hold_s = 0.0  # every answer waits this long (to observe concurrency)
@@ -34,6 +37,7 @@ class ChatStub:
 
     def enter(self, body: dict[str, Any], headers: dict[str, str]) -> None:
         with self.lock:
+            self.arrivals.append(time.monotonic())
             self.bodies.append(body)
             self.headers.append(headers)
             self.in_flight += 1
@@ -54,30 +58,35 @@ def _handler(stub: ChatStub) -> type[BaseHTTPRequestHandler]:
             body = json.loads(self.rfile.read(length))
             stub.enter(body, dict(self.headers))
             try:
-                status, payload = self._answer(stub.next_behaviour(), body)
+                status, payload, headers = self._answer(stub.next_behaviour(), body)
             finally:
                 # left before the answer is written: once the client reads it, it may send its
                 # next request at once, which must not find this one still counted in flight
                 stub.leave()
-            self._send(status, payload)
+            self._send(status, payload, headers)
 
-        def _answer(self, behaviour: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        def _answer(self, behaviour: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, str]]:
             time.sleep(stub.hold_s)
             if behaviour == "slow":
                 time.sleep(stub.slow_s)
+            if behaviour == "429":
+                headers = {"Retry-After": stub.retry_after} if stub.retry_after else {}
+                return 429, {"error": {"message": "scripted 429"}}, headers
             if behaviour in ("500", "401"):
-                return int(behaviour), {"error": {"message": f"scripted {behaviour}"}}
+                return int(behaviour), {"error": {"message": f"scripted {behaviour}"}}, {}
             if behaviour == "malformed":
-                return 200, {"choices": []}
+                return 200, {"choices": []}, {}
             choice = {"index": 0, "message": {"role": "assistant", "content": stub.text}}
-            return 200, {"object": "chat.completion", "model": body["model"], "choices": [choice]}
+            return 200, {"object": "chat.completion", "model": body["model"], "choices": [choice]}, {}
 
-        def _send(self, status: int, payload: dict[str, Any]) -> None:
+        def _send(self, status: int, payload: dict[str, Any], headers: dict[str, str]) -> None:
             data = json.dumps(payload).encode()
             try:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                for name, value in headers.items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(data)
             except (BrokenPipeError, ConnectionResetError):  # the client timed out and left

