@@ -9,8 +9,10 @@
 #   run(command="bash bench/sft_compose_gpu.sh", carry=[".whl"], kind="nvidia-h200", timeout_s=600)
 # Outputs under OUT (default /tmp/sft-compose): <variant>/metrics.jsonl and eval grids, model/
 # (the chosen base, published layout), choice.json; a summary line last.
-# Environment: OUT, STEPS (4000), EVAL_EVERY (250), TARGET (0.4), VARIANTS (name:overrides;...),
-# DEVICE (cuda; cpu to try the script here with a few STEPS).
+# Environment: OUT, STEPS (4000), EVAL_EVERY (250), TARGET (0.4), VARIANTS (name:overrides;...; an
+# override unmentioned=S trains on pairs of which the share S hold a blob their prompt does not
+# name: data compose-images --unmentioned S), LIMIT_S (480: each variant's sft is stopped then, its
+# curve kept), DEVICE (cuda; cpu to try the script here with a few STEPS).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/sft-compose}
@@ -27,18 +29,31 @@ started=$SECONDS
 $PY -c 'import torch, scipy; print("torch", torch.__version__, torch.cuda.get_device_name(0), "scipy", scipy.__version__)' \
     | tee "$OUT/env.txt"
 $PY -m flowgrpo.services.cli make-tiny-bagel "$WORK/drawer" --drawer examples/data/compose/train.txt || exit 1
-$PY -m flowgrpo.services.cli data compose-images "$WORK/pairs" --layouts 32 || exit 1
+# the pairs of one share of unmentioned blobs (made once, shared by the variants that ask for it)
+pairs_of() {
+    local dir="$WORK/pairs-$1"
+    [ -d "$dir" ] || $PY -m flowgrpo.services.cli data compose-images "$dir" --layouts 32 --unmentioned "$1" >&2 || return 1
+    echo "$dir"
+}
+# a variant's sft overrides, with unmentioned=S turned into data.images of those pairs
+variant_args() {
+    local share=0 args=()
+    for word in $1; do
+        case $word in unmentioned=*) share=${word#unmentioned=} ;; *) args+=("$word") ;; esac
+    done
+    echo "data.images=$(pairs_of "$share")" "${args[@]}"
+}
 
-common=("device=${DEVICE:-cuda}" dtype=float32 "model=$WORK/drawer" "data.images=$WORK/pairs" "steps=$STEPS"
+common=("device=${DEVICE:-cuda}" dtype=float32 "model=$WORK/drawer" "steps=$STEPS"
         "eval.every=$EVAL_EVERY" "save_every=$EVAL_EVERY" keep_last=1000 log_every=50)
 declare -A pids
 IFS=';' read -ra specs <<< "$VARIANTS"
 for spec in "${specs[@]}"; do
     name=${spec%%:*}
-    read -ra extra <<< "${spec#*:}"
+    read -ra extra <<< "$(variant_args "${spec#*:}")" || exit 1
     mkdir -p "$OUT/$name"
-    $PY -m flowgrpo.services.cli sft examples/sft_compose.yaml "${common[@]}" "run_dir=$WORK/$name" "${extra[@]}" \
-        > "$OUT/$name/sft.log" 2>&1 &
+    timeout "${LIMIT_S:-480}" $PY -m flowgrpo.services.cli sft examples/sft_compose.yaml "${common[@]}" \
+        "run_dir=$WORK/$name" "${extra[@]}" > "$OUT/$name/sft.log" 2>&1 &
     pids[$name]=$!
 done
 for name in "${!pids[@]}"; do
@@ -69,7 +84,7 @@ EOF
 name=$($PY -c "import json,sys; print(json.load(open('$OUT/choice.json'))['variant'])")
 step=$($PY -c "import json,sys; print(json.load(open('$OUT/choice.json'))['step'])")
 extra=$($PY -c "import json,sys; print(json.load(open('$OUT/choice.json'))['overrides'])")
-read -ra extra <<< "$extra"
+read -ra extra <<< "$(variant_args "$extra")"
 $PY -m flowgrpo.services.cli sft examples/sft_compose.yaml "${common[@]}" "run_dir=$WORK/$name" "${extra[@]}" \
     "steps=$step" > "$OUT/export.log" 2>&1 || { tail "$OUT/export.log"; exit 1; }
 cp -r "$WORK/$name/model" "$OUT/model"

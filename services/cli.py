@@ -532,8 +532,13 @@ def _cmd_data_compose_images(args: argparse.Namespace) -> int:
     prompts = _read_prompt_file(args.prompts)
     if not prompts:
         raise UsageError(f"--prompts {args.prompts}: the file holds no prompt")
-    count = write_rendered_folder(args.output_dir, prompts, args.layouts, seed=args.seed, size=args.size)
-    print(f"wrote {count} images ({args.layouts} layouts of {len(prompts)} prompts) to {args.output_dir}")
+    if not 0.0 <= args.unmentioned <= 1.0:
+        raise UsageError(f"--unmentioned {args.unmentioned}: give a share in [0, 1]")
+    count = write_rendered_folder(
+        args.output_dir, prompts, args.layouts, seed=args.seed, size=args.size, unmentioned=args.unmentioned
+    )
+    extra = f", {args.unmentioned:.0%} with a blob the prompt does not name" if args.unmentioned else ""
+    print(f"wrote {count} images ({args.layouts} layouts of {len(prompts)} prompts{extra}) to {args.output_dir}")
     return 0
 
 
@@ -576,6 +581,13 @@ def _add_compose_commands(actions: argparse._SubParsersAction[argparse.ArgumentP
     images.add_argument("--layouts", type=int, default=32, help="images per prompt (default: %(default)s)")
     images.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     images.add_argument("--size", type=int, default=64, help="image side in px (default: %(default)s)")
+    images.add_argument(
+        "--unmentioned",
+        type=float,
+        default=0.0,
+        help="share of images that also hold a blob of a colour their prompt does not name, as web "
+        "captions leave objects out (default: %(default)s)",
+    )
     verifier = actions.add_parser(
         "compose-verifier",
         help="measure the compose verifier's accuracy per category (a markdown table)",

@@ -182,8 +182,12 @@ class FlowMatchingStep:
         }
 
     def _set_lr(self, step: int) -> None:
-        warmup = self.cfg.warmup_steps
+        warmup, steps = self.cfg.warmup_steps, self.cfg.steps
         scale = min(1.0, (step + 1) / warmup) if warmup else 1.0
+        if self.cfg.lr_decay == "cosine" and step >= warmup and steps > warmup:
+            floor = self.cfg.min_lr_ratio
+            progress = (step - warmup) / (steps - warmup)
+            scale = floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
         for group in self.optimizer.param_groups:
             group["lr"] = self.optim_config.lr * scale
 

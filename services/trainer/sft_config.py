@@ -65,6 +65,10 @@ class SftConfig:
     batch_size: int = knob(64, 1, 1_000_000)  # samples per optimizer step, over every rank
     micro_batch_size: int = knob(64, 1, 65_536)  # samples per forward on one rank (at most its share)
     warmup_steps: int = knob(0, 0, 10**9)  # linear learning-rate warm-up from 0
+    # after the warm-up: "constant", or "cosine" from lr down to lr * min_lr_ratio at ``steps``
+    # (a run resumed with more steps stretches the rest of its cosine to the new end)
+    lr_decay: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = knob(0.0, 0.0, 1.0)
     # BAGEL's training times: t = sigmoid(N(0, 1)) ("logit_normal") or U(0, 1), then shifted
     # t <- s t / (1 + (s - 1) t) by timestep_shift (1: none, BAGEL's published setting)
     timesteps: Literal["logit_normal", "uniform"] = "logit_normal"

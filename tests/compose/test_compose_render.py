@@ -20,6 +20,8 @@ from flowgrpo.compose.grammar import (
     Spec,
     all_specs,
     blobs_of,
+    parse,
+    prompt_of,
 )
 from flowgrpo.compose.palette import BACKGROUND, PALETTE
 from flowgrpo.compose.render import Disc, layout, paint, render
@@ -95,3 +97,36 @@ def test_every_spec_has_a_layout_at_64_px_for_many_seeds() -> None:
             layout(spec, np.random.default_rng(seed))
     with pytest.raises(ValueError, match="image size 16 is outside"):
         layout(Single("red"), np.random.default_rng(0), size=16)
+
+
+def test_unmentioned_blobs_fail_only_nothing_else_and_keep_the_prompts_own_layout() -> None:
+    """compose-images --unmentioned S: the share S of images hold one more blob, of a colour the
+    prompt does not name; the prompt's own blobs are drawn as at share 0 (the extra blob has its
+    own random stream), and the verifier passes every check but "nothing else" on them."""
+    from flowgrpo.compose.images import rendered_pairs
+    from flowgrpo.compose.verify import analyse, verify
+
+    prompts = [prompt_of(spec) for spec in all_specs()][::7]
+    plain = list(rendered_pairs(prompts, 4))
+    every = list(rendered_pairs(prompts, 4, unmentioned=1.0))
+    half = list(rendered_pairs(prompts, 4, unmentioned=0.5))
+    extra = 0
+    for a, b, c in zip(plain, every, half, strict=True):
+        spec = parse(a.text)
+        assert verify(spec, a.image).correct
+        named = {blob.colour for blob in blobs_of(spec)}
+        found = [obj.colour for obj in analyse(b.image).blobs]
+        if len(found) == len(blobs_of(spec)):  # no place left for it (a crowded count): unchanged
+            assert np.array_equal(a.image, b.image)
+            continue
+        extra += 1
+        assert len(found) == len(blobs_of(spec)) + 1 and len(set(found) - named) == 1
+        failed = [check.kind for check in verify(spec, b.image).checks if not check.met]
+        assert failed == ["nothing_else"], (a.text, failed)
+        # where both images hold the prompt's blobs alone, they are the same image
+        assert np.array_equal(c.image, a.image) or np.array_equal(c.image, b.image)
+    assert extra >= 0.9 * len(plain)
+    share = np.mean([not np.array_equal(a.image, c.image) for a, c in zip(plain, half, strict=True)])
+    assert 0.35 <= share <= 0.6, share  # binomial: n = 204, sd 0.035 around 0.5 (less the crowded)
+    with pytest.raises(ValueError, match="unmentioned=1.5"):
+        next(rendered_pairs(prompts, 1, unmentioned=1.5))

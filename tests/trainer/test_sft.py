@@ -192,3 +192,17 @@ def test_at_the_cli_a_bad_image_folder_is_one_line_and_exit_status_2(tmp_path: P
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "metadata.jsonl:2" in lines[0], done.stderr
+
+
+def test_the_cosine_decay_follows_its_formula_written_out(setup: tuple[Path, Path]) -> None:
+    """lr_decay=cosine: the warm-up, then lr * (m + (1 - m) (1 + cos(pi p)) / 2) with p the share
+    of the steps after the warm-up done, down to lr * m (m = min_lr_ratio) at the last step."""
+    model_dir, root = setup
+    records = sft(root, model_dir, "cosine", "steps=12", "warmup_steps=2", "lr_decay=cosine",
+                  "min_lr_ratio=0.1", "optim.lr=1e-3")  # fmt: skip
+    got = [r["sft/lr"] for r in records if "sft/lr" in r]
+    expected = [1e-3 * 0.5, 1e-3] + [
+        1e-3 * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * (step - 2) / 10))) for step in range(2, 12)
+    ]
+    assert got == pytest.approx(expected, rel=1e-9)
+    assert got[-1] < 0.13e-3 and got[2] == pytest.approx(1e-3)  # the floor is neared, the peak kept

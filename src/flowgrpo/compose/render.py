@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from flowgrpo.compose.grammar import (
+    COLOURS,
     Attribution,
     Blob,
     Colour,
@@ -78,6 +79,23 @@ def layout(spec: Spec, rng: np.random.Generator, size: int = 64) -> tuple[Disc, 
         if discs is not None and _separated(discs, size):
             return discs
     raise RuntimeError(f"no layout of {spec} found in {MAX_TRIES} tries at {size} px")
+
+
+def add_unmentioned(
+    discs: tuple[Disc, ...], spec: Spec, rng: np.random.Generator, size: int = 64
+) -> tuple[Disc, ...]:
+    """``discs`` and one more blob of a colour the prompt does not name, where it keeps its gaps:
+    the image a caption describes in part (web alt-text names the main objects and leaves the
+    rest out). Unchanged when no place is found in PLACE_TRIES draws (a crowded counting layout)."""
+    named = {blob.colour for blob in blobs_of(spec)}
+    others = [colour for colour in COLOURS if colour not in named]
+    colour = others[int(rng.integers(len(others)))]
+    diameter = _diameter(FREE_DIAMETER, rng, size)
+    for _ in range(PLACE_TRIES):
+        extra = _anywhere(colour, diameter, rng, size)
+        if _separated((*discs, extra), size):
+            return (*discs, extra)
+    return discs
 
 
 def paint(discs: tuple[Disc, ...], size: int) -> npt.NDArray[np.uint8]:
