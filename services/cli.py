@@ -538,7 +538,8 @@ def _cmd_data_compose_images(args: argparse.Namespace) -> int:
         args.output_dir, prompts, args.layouts, seed=args.seed, size=args.size, unmentioned=args.unmentioned
     )
     extra = f", {args.unmentioned:.0%} with a blob the prompt does not name" if args.unmentioned else ""
-    print(f"wrote {count} images ({args.layouts} layouts of {len(prompts)} prompts{extra}) to {args.output_dir}")
+    what = f"{args.layouts} layouts of {len(prompts)} prompts{extra}"
+    print(f"wrote {count} images ({what}) to {args.output_dir}")
     return 0
 
 

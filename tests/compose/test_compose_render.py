@@ -128,5 +128,5 @@ def test_unmentioned_blobs_fail_only_nothing_else_and_keep_the_prompts_own_layou
     assert extra >= 0.9 * len(plain)
     share = np.mean([not np.array_equal(a.image, c.image) for a, c in zip(plain, half, strict=True)])
     assert 0.35 <= share <= 0.6, share  # binomial: n = 204, sd 0.035 around 0.5 (less the crowded)
-    with pytest.raises(ValueError, match="unmentioned=1.5"):
+    with pytest.raises(ValueError, match=r"unmentioned=1\.5"):
         next(rendered_pairs(prompts, 1, unmentioned=1.5))

@@ -26,7 +26,7 @@ MAX_LAYOUTS = 10_000
 
 
 def rendered_pairs(
-    prompts: Sequence[str], layouts: int, seed: int = 0, size: int = 64, unmentioned: float = 0.0
+    prompts: Sequence[str], layouts: int, seed: int = 0, size: int = 64, *, unmentioned: float = 0.0
 ) -> Iterator[ImageText]:
     """``layouts`` rendered images of every prompt, prompt by prompt. A prompt outside the
     grammar raises PromptError naming it (before any image of it is drawn)."""
@@ -48,9 +48,10 @@ def write_rendered_folder(
     folder: str | Path,
     prompts: Sequence[str],
     layouts: int,
+    *,
     seed: int = 0,
     size: int = 64,
     unmentioned: float = 0.0,
 ) -> int:
     """The pairs of :func:`rendered_pairs` as an image folder (atomically); returns the count."""
-    return write_image_folder(folder, rendered_pairs(prompts, layouts, seed, size, unmentioned))
+    return write_image_folder(folder, rendered_pairs(prompts, layouts, seed, size, unmentioned=unmentioned))
