@@ -38,9 +38,10 @@ def rendered_pairs(
     for i, (prompt, spec) in enumerate(zip(prompts, specs, strict=True)):
         for k in range(layouts):
             discs = layout(spec, np.random.default_rng((seed, i, k)), size)
-            extra_rng = np.random.default_rng((seed, i, k, 1))
-            if unmentioned > 0 and extra_rng.random() < unmentioned:
-                discs = add_unmentioned(discs, spec, extra_rng, size)
+            if unmentioned > 0:
+                extra_rng = np.random.default_rng((seed, i, k, 1))
+                if extra_rng.random() < unmentioned:
+                    discs = add_unmentioned(discs, spec, extra_rng, size)
             yield ImageText(prompt, paint(discs, size))
 
 
