@@ -24,10 +24,16 @@ class PolicyConfig:
     # full: also train the generation heads (vae2llm, llm2vae, time_embedder), as a model's own
     # pre-training does (flowgrpo sft from a random model). FlowGRPO trains the gen path alone
     heads: bool = False
+    # full: also train the language half (token embeddings and the und path), as a model's
+    # pre-training does; without it the prompt is read by whatever und path the folder holds
+    # (a random one in a drawer just made). flowgrpo sft only: FlowGRPO leaves und frozen
+    text: bool = False
 
     def validate(self) -> None:
         if self.heads and self.kind != "full":
             raise ValueError("trainer.policy.heads=true trains the heads in full: set policy.kind=full")
+        if self.text and self.kind != "full":
+            raise ValueError("trainer.policy.text=true trains the und path in full: set policy.kind=full")
         if self.kind == "lora" and (self.lora_rank < 1 or self.lora_alpha <= 0):
             raise ValueError(
                 f"trainer.policy.lora_rank={self.lora_rank} / lora_alpha={self.lora_alpha} must be > 0"
@@ -172,11 +178,12 @@ class TrainerConfig:
     release_memory: bool = False
 
     def validate(self) -> None:
-        if self.policy.heads:
-            raise ValueError(
-                "trainer.policy.heads=true is for flowgrpo sft: a FlowGRPO run publishes the gen path "
-                "alone, which is all its rollouts take"
-            )
+        for knob_name in ("heads", "text"):
+            if getattr(self.policy, knob_name):
+                raise ValueError(
+                    f"trainer.policy.{knob_name}=true is for flowgrpo sft: a FlowGRPO run publishes the "
+                    "gen path alone, which is all its rollouts take"
+                )
         if (self.share_base or self.release_memory) and not self.device.startswith("cuda"):
             raise ValueError(
                 f"trainer.share_base and trainer.release_memory are for a GPU trainer "

@@ -28,7 +28,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import Tensor, nn
 
 from flowgrpo.bus.cuda_ipc import BucketWriter
-from flowgrpo.models.bagel.config import is_gen_path
+from flowgrpo.models.bagel.config import is_gen_path, is_text_path
 from flowgrpo.models.bagel.model import BagelModel
 from flowgrpo.models.bagel.policy import LORA_A, LORA_B
 from flowgrpo.services.trainer.config import PolicyConfig
@@ -47,7 +47,9 @@ class TrainablePolicy:
             p.requires_grad_(False)
         # LoRA adapters are injected in place: the policy's model stays the BagelModel
         self.model = (
-            _add_lora(model, config) if config.kind == "lora" else _unfreeze_gen_path(model, config.heads)
+            _add_lora(model, config)
+            if config.kind == "lora"
+            else _unfreeze_gen_path(model, config.heads, config.text)
         )
         self._reference: dict[str, Tensor] | None = None
         self._old: dict[str, Tensor] | None = None  # DiffusionNFT's old policy (keep_old)
@@ -224,9 +226,9 @@ def _add_lora(model: BagelModel, config: PolicyConfig) -> BagelModel:
 HEADS = ("vae2llm.", "llm2vae.", "time_embedder.")
 
 
-def _unfreeze_gen_path(model: BagelModel, heads: bool = False) -> BagelModel:
+def _unfreeze_gen_path(model: BagelModel, heads: bool = False, text: bool = False) -> BagelModel:
     for name, param in model.named_parameters():
-        if is_gen_path(name) or (heads and name.startswith(HEADS)):
+        if is_gen_path(name) or (heads and name.startswith(HEADS)) or (text and is_text_path(name)):
             param.data = param.data.float()
             param.requires_grad_(True)
     return model

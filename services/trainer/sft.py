@@ -203,7 +203,8 @@ class FlowMatchingStep:
         t = torch.tensor([draws[i].t for i in order], dtype=torch.float32, device=device)
         x_t = (1.0 - t[:, None, None]) * x0 + t[:, None, None] * noise
         autocast = compute_autocast(model)
-        with torch.no_grad(), autocast:  # the prompt cache: the frozen und path only
+        # the prompt cache: without gradients unless the und path trains too (policy.text)
+        with torch.set_grad_enabled(self.policy.config.text), autocast:
             context = self._context(kept, len(rows) - len(kept))
         side = math.isqrt(x0.shape[1])
         pos_ids = latent_position_ids(side, side, model.config.max_latent_size, device)

@@ -84,6 +84,6 @@ class SftConfig:
             raise ValueError("model is empty: set it to the BAGEL folder to fine-tune")
         if self.dtype == "bfloat16" and not self.device.startswith("cuda"):
             raise ValueError("dtype=bfloat16 is for a GPU (device=cuda); use float32 on the CPU")
-        if self.dtype == "bfloat16" and self.policy.heads:
-            # the frozen vae2llm's dtype is what tells the sampler and trainer to autocast
-            raise ValueError("policy.heads=true trains in float32: set dtype=float32")
+        if self.dtype == "bfloat16" and (self.policy.heads or self.policy.text):
+            # the frozen vae2llm's and embeddings' dtypes are what tell the sampler and trainer to autocast
+            raise ValueError("policy.heads=true and policy.text=true train in float32: set dtype=float32")

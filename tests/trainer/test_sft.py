@@ -206,3 +206,42 @@ def test_the_cosine_decay_follows_its_formula_written_out(setup: tuple[Path, Pat
     ]
     assert got == pytest.approx(expected, rel=1e-9)
     assert got[-1] < 0.13e-3 and got[2] == pytest.approx(1e-3)  # the floor is neared, the peak kept
+
+
+def test_policy_text_trains_the_language_half_and_nothing_the_image_never_reads(
+    setup: tuple[Path, Path],
+) -> None:
+    """``policy.text=true``: the token embeddings and the und expert learn from the image loss
+    (through the prompt's cache); the und final norm and ``lm_head`` make text logits only, so
+    they stay as they were; without it every und tensor stays bitwise the base's."""
+    from flowgrpo.models.bagel.config import is_gen_path, is_text_path
+
+    model_dir, root = setup
+    with_text = losses(sft(root, model_dir, "text", "steps=3", "policy.heads=true", "policy.text=true"))
+    without = losses(sft(root, model_dir, "no-text", "steps=3", "policy.heads=true"))
+    assert with_text[0] == without[0]  # the same weights, batch and draws: step 0's loss is equal
+    assert with_text[1:] != without[1:]  # the prompt's reading changed what step 1 saw
+    base = load_bagel_model(model_dir, dtype=torch.float32).state_dict()
+    for run, trains_text in (("text", True), ("no-text", False)):
+        tuned = load_bagel_model(root / run / "model", dtype=torch.float32).state_dict()
+        changed = {n for n, p in tuned.items() if not torch.equal(p, base[n])}
+        und = {n for n in base if is_text_path(n)}
+        assert "language_model.model.embed_tokens.weight" in und and not any(is_gen_path(n) for n in und)
+        assert any(".self_attn.q_proj.weight" in n for n in und) and any(".mlp.up_proj." in n for n in und)
+        # the image reads the last layer's und keys and values, not what that layer computes after
+        last = f"language_model.model.layers.{max(int(n.split('.')[3]) for n in und if '.layers.' in n)}."
+        unread = ("self_attn.q_", "self_attn.o_proj", "mlp.", "post_attention_layernorm")
+        read = {n for n in und if not (n.startswith(last) and n.removeprefix(last).startswith(unread))}
+        assert len(read) > len(und) / 2 and last + "self_attn.k_proj.weight" in read
+        assert (read <= changed) is trains_text and (not und & changed) is (not trains_text), run
+        assert not changed & {"language_model.lm_head.weight", "language_model.model.norm.weight"}
+        assert {n for n in changed if is_gen_path(n)}  # the gen path trains either way
+
+
+def test_policy_text_is_for_sft_alone() -> None:
+    from flowgrpo.services.trainer.config import PolicyConfig, TrainerConfig
+
+    with pytest.raises(ValueError, match="policy.text=true is for flowgrpo sft"):
+        TrainerConfig(policy=PolicyConfig(kind="full", text=True)).validate()
+    with pytest.raises(ValueError, match="set policy.kind=full"):
+        PolicyConfig(kind="lora", text=True).validate()

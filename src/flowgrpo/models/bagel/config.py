@@ -195,6 +195,17 @@ def is_gen_path(name: str) -> bool:
     return GEN_PATH_MARKER in name
 
 
+TEXT_EMBEDDING = "language_model.model.embed_tokens."
+
+
+def is_text_path(name: str) -> bool:
+    """A parameter of the language half that reads the prompt: the token embeddings and the und
+    expert of every decoder layer. Image generation reads the text through each layer's und keys
+    and values, so the und final norm, ``lm_head`` and the last layer's queries, output and MLP
+    (which make text logits) get no gradient from it."""
+    return name.startswith(TEXT_EMBEDDING) or (".layers." in name and not is_gen_path(name))
+
+
 # The gen path's linear modules inside each decoder layer (LoRA targets are suffixes of these);
 # a test checks the list against the model's modules.
 GEN_PATH_LINEARS = (
