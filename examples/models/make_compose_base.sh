@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Make examples/models/compose-base, the tiny BAGEL that has learnt to draw the compose task's
-# prompts (docs/compose_task.md), from nothing, with the project's own commands (about 6 minutes
-# on 2 CPU cores; the committed model: 32.0% held-out accuracy at step 4,000):
+# prompts (docs/compose_task.md), from nothing, with the project's own commands (about 5 minutes
+# on 2 quiet CPU cores; the committed model: 36.4% held-out accuracy at step 1,500):
 #   1. the untrained tiny drawer (random weights of seed 0, the cell codec, a tokenizer of the
 #      training prompts): flowgrpo make-tiny-bagel --drawer;
 #   2. 32 rendered layouts of every training prompt (7,776 pairs): flowgrpo data compose-images;
-#   3. flowgrpo sft examples/sft_compose.yaml for STEPS steps (4,000: 0.065 s a step on 2 quiet
-#      CPU cores), evaluated on the held-out combinations every 250 steps.
+#   3. flowgrpo sft examples/sft_compose.yaml for STEPS steps (1,500), evaluated on the held-out
+#      combinations every 250 steps.
 # Then the model folder (published layout), the training curve and evaluations (sft_metrics.jsonl)
 # and provenance.json (the command, the digests of what went in and came out) are copied into
 # examples/models/compose-base. tests/trainer/test_compose_base.py checks that a short run of the
@@ -15,7 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 WORK=${WORK:-/tmp/compose-base}
-STEPS=${STEPS:-4000}
+STEPS=${STEPS:-1500}
 OUT=examples/models/compose-base
 FLOWGRPO=${FLOWGRPO:-flowgrpo}
 mkdir -p "$WORK"

@@ -1,6 +1,7 @@
 """``flowgrpo sft``: supervised fine-tuning of BAGEL's gen path with flow matching on (prompt,
 image) pairs, on the trainer's own machinery: the policy of ``load.py`` (full gen path or LoRA,
-FSDP2 under torchrun), the AdamW settings of ``trainer.optim``, the velocity the sampler and the
+FSDP2 under torchrun; ``policy.heads`` and ``policy.text`` add the heads and the language half
+for a model trained from scratch), the AdamW settings of ``trainer.optim``, the velocity the sampler and the
 RL trainer compute (a prefilled prompt cache + ``predict_velocity``, under the same autocast),
 and the trainer's atomic, verified checkpoints (a run resumes where it stopped).
 
