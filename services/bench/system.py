@@ -199,11 +199,11 @@ def pass_rows(work: Workload, lengths: list[int], lora: Lora) -> dict[str, float
 
 def step_prompts(cfg: RunConfig, steps: int) -> list[list[tuple[str, int]]]:
     """The (uid, token count) of the prompt groups each step drew: the coordinator's training
-    order (a function of the split and the seed) read at the step's cursor."""
+    order (a function of the split and the seed) at the step."""
     cfg = prepare_data(prepare_model(cfg))  # the run made both already: this only resolves them
     split = load_split(cfg.data.dataset, "train", model_path=cfg.model.checkpoint)
-    order, per_step = PromptOrder(len(split), cfg.schedule.seed), cfg.data.prompts_per_step
-    rows = [[split[order[(s - 1) * per_step + i]] for i in range(per_step)] for s in range(1, steps + 1)]
+    order = PromptOrder(len(split), cfg.schedule.seed, cfg.data.prompts_per_step)
+    rows = [[split[row] for row in order.batch(s)] for s in range(1, steps + 1)]
     return [[(r.prompt_uid, int(r.prompt_ids.size)) for r in step] for step in rows]
 
 

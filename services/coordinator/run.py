@@ -49,19 +49,29 @@ STORE_STATS_TIMEOUT_S = 2.0  # reading the trainer store's counters (publication
 
 
 class PromptOrder:
-    """The training order: epoch e is a permutation of the split drawn from (seed, e) alone, so
-    the prompt at any cursor is known without replaying the run."""
+    """The training order, ``per_step`` prompts a step: epoch e is a permutation of the split
+    drawn from (seed, e) alone, cut into ``size // per_step`` steps' batches, so the prompts of
+    any step are known without replaying the run. The ``size % per_step`` prompts left at an
+    epoch's end are not drawn in it (other ones each epoch, as a DataLoader's ``drop_last``): a
+    batch that ran on into the next epoch could hold a prompt twice, which a rollout refuses
+    (two groups would be one (prompt, sample index))."""
 
-    def __init__(self, size: int, seed: int) -> None:
-        self.size, self.seed = size, seed
+    def __init__(self, size: int, seed: int, per_step: int) -> None:
+        if not 1 <= per_step <= size:
+            raise ValueError(
+                f"data.prompts_per_step={per_step} with {size} training prompts: a step draws each "
+                f"prompt at most once, so at most {size}"
+            )
+        self.size, self.seed, self.per_step = size, seed, per_step
         self._epoch, self._perm = -1, np.arange(0)
 
-    def __getitem__(self, cursor: int) -> int:
-        epoch = cursor // self.size
+    def batch(self, step: int) -> list[int]:
+        """The rows of step ``step``'s prompts (steps count from 1)."""
+        epoch, place = divmod(step - 1, self.size // self.per_step)
         if epoch != self._epoch:
             self._epoch = epoch
             self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.size)
-        return int(self._perm[cursor % self.size])
+        return [int(row) for row in self._perm[place * self.per_step : (place + 1) * self.per_step]]
 
 
 @dataclass
@@ -95,7 +105,7 @@ class Coordinator:
         self.train = train
         # validation: a fixed subset (the first val_prompts of the test split), ODE, fixed noise
         self.val_rows = list(test.rows[: config.data.val_prompts]) if test is not None else []
-        self.order = PromptOrder(len(train), config.schedule.seed)
+        self.order = PromptOrder(len(train), config.schedule.seed, config.data.prompts_per_step)
         self.pool = ReplicaPool(config.launch, list(rollouts), list(rewards), trainer, outputs.say,
                                 publication=config.publication)  # fmt: skip
         self.store = store  # prompt ids, put once per prompt, fetched by rollouts and the trainer
@@ -245,8 +255,7 @@ class Coordinator:
         return metrics
 
     async def _draw(self, step: int) -> tuple[list[Group], dict[str, float]]:
-        """The prompt groups of ``step``, generated and scored (the prompts at cursor
-        (step - 1) x prompts_per_step of the training order)."""
+        """The prompt groups of ``step``, generated and scored (its batch of the training order)."""
         with tracer.start_as_current_span("coordinator.draw", attributes={"step": step}):
             samples = self.config.data.prompts_per_step * self.config.data.group_size
             self.progress.begin(f"step{step}", f"step {step}/{self.config.schedule.steps}", samples)
@@ -258,8 +267,7 @@ class Coordinator:
 
     async def _draw_now(self, step: int) -> tuple[list[Group], dict[str, float]]:
         started = time.perf_counter()
-        first = (step - 1) * self.config.data.prompts_per_step
-        groups = [self._group(self.order[first + i]) for i in range(self.config.data.prompts_per_step)]
+        groups = [self._group(row) for row in self.order.batch(step)]
         timing: dict[str, float] = {"timestamp_s/drawn_from": started}
         groups = await self._rollout_and_score(step, groups, timing)
         timing["timestamp_s/drawn_until"] = time.perf_counter()

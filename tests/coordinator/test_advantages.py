@@ -48,11 +48,25 @@ def test_ddof_0_and_global_std() -> None:
     )
 
 
-def test_the_prompt_order_is_a_function_of_seed_and_cursor() -> None:
-    order = PromptOrder(10, seed=3)
-    first = [order[c] for c in range(25)]
-    assert sorted(first[:10]) == list(range(10)) and sorted(first[10:20]) == list(range(10))
-    assert first[:10] != first[10:20]  # a new permutation each epoch
-    fresh = PromptOrder(10, seed=3)
-    assert [fresh[c] for c in (24, 3, 17)] == [first[24], first[3], first[17]]  # random access
-    assert [PromptOrder(10, seed=4)[c] for c in range(10)] != first[:10]
+def test_the_prompt_order_is_a_function_of_seed_and_step() -> None:
+    order = PromptOrder(10, seed=3, per_step=5)
+    first = [order.batch(step) for step in range(1, 6)]
+    assert sorted(first[0] + first[1]) == list(range(10)) and sorted(first[2] + first[3]) == list(range(10))
+    assert first[0] + first[1] != first[2] + first[3]  # a new permutation each epoch
+    fresh = PromptOrder(10, seed=3, per_step=5)
+    assert [fresh.batch(s) for s in (5, 1, 4)] == [first[4], first[0], first[3]]  # random access
+    assert PromptOrder(10, seed=4, per_step=5).batch(1) != first[0]
+
+
+def test_a_step_never_draws_a_prompt_twice_where_the_batch_does_not_divide_the_epoch() -> None:
+    """16 of 243 prompts a step (the compose recipes): 15 whole batches an epoch, the 3 left over
+    not drawn that epoch. Ran on into the next epoch, a batch held a prompt twice and the rollout
+    refused the step (a run died at step 76)."""
+    order = PromptOrder(243, seed=0, per_step=16)
+    for step in range(1, 400):
+        batch = order.batch(step)
+        assert len(batch) == 16 and len(set(batch)) == 16, step
+    epoch = [row for step in range(16, 31) for row in order.batch(step)]  # steps 16-30: epoch 1
+    assert len(set(epoch)) == 240 and set(epoch) <= set(range(243))
+    with pytest.raises(ValueError, match="prompts_per_step=11 with 10 training prompts"):
+        PromptOrder(10, seed=0, per_step=11)
