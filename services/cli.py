@@ -20,7 +20,7 @@ reward, trainer and coordinator services talking gRPC and moving tensors over a 
 
 EPILOG = """\
 examples:
-  flowgrpo train examples/tiny_demo.yaml        the CPU demo: a tiny BAGEL learns JPEG compressibility
+  flowgrpo train examples/tiny_demo.yaml        the CPU demo: a tiny BAGEL learns prompt following
   flowgrpo train examples/bagel_pickscore_lora.yaml model.checkpoint=/ckpt/BAGEL-7B-MoT data.dataset=/data/ps
   flowgrpo sft examples/sft_compose.yaml   teach a BAGEL to draw from (prompt, image) pairs (flow matching)
   flowgrpo status runs/tiny-demo  the run state, the last metrics, every replica (live while it runs)
@@ -409,7 +409,7 @@ exit status: 0 when written; 2 on bad input (a one-line message says what and ho
 
 DATA_PREPARE_EPILOG = """\
 examples:
-  flowgrpo train examples/tiny_demo.yaml        the CPU demo: a tiny BAGEL learns JPEG compressibility
+  flowgrpo train examples/tiny_demo.yaml        the CPU demo: a tiny BAGEL learns prompt following
   flowgrpo train examples/bagel_pickscore_lora.yaml model.checkpoint=/ckpt/BAGEL-7B-MoT data.dataset=/data/ps
   flowgrpo make-tiny-bagel /tmp/tiny
   flowgrpo data prepare pickscore --model-path /tmp/tiny --input-dir examples/data/tiny \\

@@ -19,7 +19,7 @@ from flowgrpo.services import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "flowgrpo.services.cli"]
-RECIPE = ROOT / "examples" / "tiny_demo.yaml"
+RECIPE = ROOT / "examples" / "tiny_jpeg.yaml"
 MISSING_PLUGIN = "reward.scorers=[{name: mine, plugin: /no/such/dir/reward.py:score}]"
 
 

@@ -28,7 +28,7 @@ import pytest
 from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "examples" / "tiny_demo.yaml"
+RECIPE = ROOT / "examples" / "tiny_jpeg.yaml"
 RUN = ["schedule.steps=4", "schedule.save_every=1", "schedule.eval_every=100", "data.group_size=4"]
 # what is left on the tmpfs, read inside the namespace before it goes: every checkpoint verified
 INSPECT = """

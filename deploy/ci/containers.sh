@@ -188,7 +188,7 @@ for service in rollout-0 rollout-1 reward trainer; do
 done
 
 # --- the metrics: the same run in one process here gives the same numbers ----------------------
-"$PY" -m flowgrpo.services.cli train "$ROOT/examples/tiny_demo.yaml" launch.launcher=inprocess \
+"$PY" -m flowgrpo.services.cli train "$ROOT/examples/tiny_jpeg.yaml" launch.launcher=inprocess \
     "run_dir=$WORK/reference" "schedule.steps=$STEPS" >"$WORK/reference.log" 2>&1 \
     || fail "the in-process reference run: $(tail -20 "$WORK/reference.log")"
 steps=$(grep -c '"kind": "train"' "$WORK/runs/tiny-demo/metrics.jsonl")

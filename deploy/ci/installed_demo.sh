@@ -40,5 +40,20 @@ lines=$(grep -c '"kind": "train"' "$WORK/run/metrics.jsonl")
 [[ $lines == "$expected" ]] || fail "$lines steps in metrics.jsonl, expected $expected"
 [[ -d $WORK/run/checkpoints ]] || fail "no checkpoints/ in the run folder"
 say "trained $expected steps in $((SECONDS - start)) s from the repository root: $(grep -m1 "mean reward of the first" "$WORK/train.log")"
+if [[ -z ${STEPS:-} ]]; then
+    # held-out accuracy (test combinations, ODE, the same noise every time) at the last validation
+    # against step 0, which is the lr = 0 control's at every step (tests/bench/test_learning.py)
+    read -r points first last < <("$WORK/venv/bin/python" - "$WORK/run/metrics.jsonl" <<'EOF'
+import json, sys
+key = "val-aux/compose/accuracy/mean@1"
+rows = [json.loads(line) for line in open(sys.argv[1])]
+held_out = {r["step"]: r[key] for r in rows if r.get("kind") == "val" and key in r}
+first, last = held_out[0], held_out[max(held_out)]
+print(f"{(last - first) * 100:.1f} {first:.3f} {last:.3f}")
+EOF
+)
+    say "held-out accuracy $first at step 0 (the lr = 0 control's), $last at the end: $points points"
+    awk -v p="$points" 'BEGIN {exit !(p >= 5)}' || fail "the demo gained $points points held-out (5 or more expected)"
+fi
 "$WORK/venv/bin/flowgrpo" report "$WORK/run" >/dev/null || fail "flowgrpo report"
 say "OK: the installed package trains the demo from the repository root"

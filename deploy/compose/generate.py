@@ -282,7 +282,7 @@ def cpu_compose(rollout_replicas: int) -> dict[str, Any]:
         "OTEL_EXPORTER_OTLP_ENDPOINT": "${OTEL_EXPORTER_OTLP_ENDPOINT:-}",
         **CREDENTIALS,
     }
-    volumes = ["${RECIPE:-../../examples/tiny_demo.yaml}:/config/recipe.yaml:ro", "${RUNS_DIR:-./runs}:/runs"]
+    volumes = ["${RECIPE:-../../examples/tiny_jpeg.yaml}:/config/recipe.yaml:ro", "${RUNS_DIR:-./runs}:/runs"]
     after_setup = {"setup": {"condition": "service_completed_successfully"}}
     services: dict[str, Any] = {
         # the tiny model every service loads: made once, before anything else starts

@@ -13,6 +13,15 @@ the control's step-to-step spread (standard deviation of its per-step means) and
 units of it, the steps after the first quarter at which the trained run is ahead, and a digest of
 the trained run's rewards (equal digests: bitwise the same trajectory).
 
+With ``--held-out`` (the prompt-following demo, ``examples/tiny_demo.yaml``) what is compared is
+the held-out validation (``--val-key``: the compose verifier's accuracy on combinations no
+training prompt has, ODE, the same noise every time), every ``schedule.eval_every`` steps of the
+recipe. The control's weights never move, so its validation is the same at every step: it is run
+for 2 steps with a validation at each, the three are checked bitwise equal, and that value is the
+control at every step (the step-0 validation of the trained run must equal it too). Per row: the
+held-out accuracy at step 0 and at the last step, the control, the paired gain (last minus
+control, in points), the validations after step 0 at which the trained run is ahead, the best.
+
 Every run is its own ``flowgrpo train`` process (the ``inprocess`` launcher: the same numbers
 as local processes), so the capability and thread count apply from its first kernel.
 """
@@ -33,7 +42,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-RECIPE = Path(__file__).resolve().parents[2] / "examples" / "tiny_demo.yaml"
+RECIPE = Path(__file__).resolve().parents[2] / "examples" / "tiny_jpeg.yaml"
+HELD_OUT_KEY = "val-aux/compose/accuracy/mean@1"
+CONTROL_VALIDATIONS = ["schedule.steps=2", "schedule.eval_every=1"]  # an lr = 0 run: the same every time
 CLI = [sys.executable, "-m", "flowgrpo.services.cli"]
 
 
@@ -77,21 +88,78 @@ def rewards_of(run_dir: Path) -> list[float]:
     return [steps[k] for k in sorted(steps)]
 
 
+def validations_of(run_dir: Path, key: str) -> dict[int, float]:
+    """The held-out figure ``key`` of each validation, by step (step 0: before any update)."""
+    found: dict[int, float] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("kind") == "val" and key in record:
+            found[int(record["step"])] = record[key]
+    if not found:
+        raise SystemExit(f"{run_dir}: no validation holds {key!r} (is the recipe's eval_every 0?)")
+    return found
+
+
 def run_case(case: Case, args: argparse.Namespace, folder: Path) -> tuple[list[float], float]:
+    """The run's per-step mean rewards, or with ``--held-out`` its validations in step order."""
     run_dir = folder / case.label
     env = {**os.environ, "OMP_NUM_THREADS": str(case.threads)}
     env.pop("ATEN_CPU_CAPABILITY", None)
     if case.isa:
         env["ATEN_CPU_CAPABILITY"] = case.isa
+    schedule = ["schedule.eval_every=0"] if not args.held_out else CONTROL_VALIDATIONS if case.control else []
     cmd = [*CLI, "train", args.recipe, f"run_dir={run_dir}", f"schedule.seed={case.seed}",
-           "launch.launcher=inprocess", "schedule.save_every=0", "schedule.eval_every=0",
-           *args.overrides, *(["trainer.optim.lr=0"] if case.control else [])]  # fmt: skip
+           "launch.launcher=inprocess", "schedule.save_every=0", *args.overrides, *schedule,
+           *(["trainer.optim.lr=0"] if case.control else [])]  # fmt: skip
     # the control's lr = 0 comes last: an override of the lr applies to the trained run only
     start = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"{case.label} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return rewards_of(run_dir), time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if not args.held_out:
+        return rewards_of(run_dir), seconds
+    found = validations_of(run_dir, args.val_key)
+    return [found[step] for step in sorted(found)], seconds
+
+
+@dataclass
+class HeldOutRow:
+    seed: int
+    isa: str
+    threads: int
+    first: float  # the held-out figure at step 0
+    last: float  # at the last validation
+    control: float
+    gain_points: float  # (last - control) x 100
+    best: float
+    ahead: str  # validations after step 0 at which the trained run is above its control
+    digest: str
+    once_s: dict[str, float]
+
+
+def held_out_row(
+    case: Case, trained: list[float], seconds: float, control: list[float], control_s: float
+) -> HeldOutRow:
+    if len(set(control)) != 1 or trained[0] != control[0]:
+        raise SystemExit(
+            f"seed {case.seed}: the lr = 0 control's validations {control} must all equal the trained "
+            f"run's step 0 ({trained[0]}): the same weights, prompts and noise"
+        )
+    later = trained[1:]
+    return HeldOutRow(
+        seed=case.seed,
+        isa=case.isa or "native",
+        threads=case.threads,
+        first=trained[0],
+        last=trained[-1],
+        control=control[0],
+        gain_points=(trained[-1] - control[0]) * 100,
+        best=max(trained),
+        ahead=f"{sum(v > control[0] for v in later)}/{len(later)}",
+        digest=digest(trained),
+        once_s={"trained_run": seconds, "control_run": control_s},
+    )
 
 
 def paired_row(
@@ -135,6 +203,22 @@ COLUMNS = (  # header, width, format of each Row field
 )  # fmt: skip
 
 
+HELD_OUT_COLUMNS = (
+    ("seed", 4, "d"), ("isa", 7, "s"), ("threads", 7, "d"), ("first", 7, ".1%"), ("last", 7, ".1%"),
+    ("control", 7, ".1%"), ("gain_points", 11, "+.1f"), ("best", 7, ".1%"), ("ahead", 6, "s"),
+    ("digest", 10, "s"),
+)  # fmt: skip
+
+
+def print_held_out_table(rows: list[HeldOutRow]) -> None:
+    print(" ".join(f"{name:>{width}}" for name, width, _ in HELD_OUT_COLUMNS))
+    for row in rows:
+        print(" ".join(f"{format(getattr(row, n), fmt):>{width}}" for n, width, fmt in HELD_OUT_COLUMNS))
+    gains = sorted(r.gain_points for r in rows)
+    median = statistics.median(gains)
+    print(f"paired gain: median {median:+.1f} points, range {gains[0]:+.1f} to {gains[-1]:+.1f}")
+
+
 def print_table(rows: list[Row]) -> None:
     print(" ".join(f"{name:>{width}}" for name, width, _ in COLUMNS))
     for row in rows:
@@ -155,11 +239,16 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(args.keep) if args.keep else Path(tmp)
         with ThreadPoolExecutor(args.jobs) as pool:
             results = dict(zip(cases, pool.map(lambda c: run_case(c, args, folder), cases), strict=True))
-    rows = [paired_row(case, *results[case], *results[replace(case, control=True)]) for case in cases[::2]]
-    print_table(rows)
+    rows: list[Row] | list[HeldOutRow]
+    if args.held_out:
+        rows = [held_out_row(c, *results[c], *results[replace(c, control=True)]) for c in cases[::2]]
+        print_held_out_table(rows)
+    else:
+        rows = [paired_row(c, *results[c], *results[replace(c, control=True)]) for c in cases[::2]]
+        print_table(rows)
     if args.json:
         steps = {case.label: results[case][0] for case in cases}
-        report = {"rows": [asdict(r) for r in rows], "rewards": steps}
+        report = {"rows": [asdict(r) for r in rows], "validations" if args.held_out else "rewards": steps}
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
@@ -174,6 +263,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--jobs", type=int, default=1, help="runs at once (each deterministic run computes on 1 thread)"
     )
+    parser.add_argument(
+        "--held-out", action="store_true", help="compare the held-out validation (--val-key), not the reward"
+    )
+    parser.add_argument("--val-key", default=HELD_OUT_KEY, help="the validation figure --held-out compares")
     parser.add_argument("--json", help="also write every row and every step's rewards here")
     parser.add_argument("--keep", metavar="DIR", help="keep the run folders under DIR (default: removed)")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE overrides of both runs of every pair")

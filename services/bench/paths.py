@@ -19,7 +19,7 @@ from flowgrpo.services.coordinator.compare import compare_runs
 from flowgrpo.services.coordinator.config import load_run_config
 from flowgrpo.services.coordinator.train import train
 
-RECIPE = Path(__file__).resolve().parents[2] / "examples" / "tiny_demo.yaml"
+RECIPE = Path(__file__).resolve().parents[2] / "examples" / "tiny_jpeg.yaml"
 PATHS = {  # name -> overrides; the first is the reference
     "inprocess": ["launch.launcher=inprocess"],
     "local, 1 rollout": ["launch.launcher=local"],
@@ -130,7 +130,7 @@ def page(text: str, steps: int, picture: str) -> str:
     """The markdown page (docs/sync-paths.md): what was run, the table, the plot."""
     return (
         f"# Do the ways of running one recipe train the same?\n\n"
-        f"`flowgrpo bench paths --steps {steps}`: the tiny CPU demo recipe (`examples/tiny_demo.yaml`, "
+        f"`flowgrpo bench paths --steps {steps}`: the tiny CPU demo recipe (`examples/tiny_jpeg.yaml`, "
         "deterministic mode), each path compared with the `inprocess` run step for step, bitwise "
         "(`flowgrpo compare`). Async with eta = 1 trains on samples one policy version old: it is "
         "expected to part from the first step it trains at lag 1.\n\n"

@@ -71,7 +71,7 @@ from flowgrpo.services.coordinator.run import Coordinator
 from flowgrpo.services.coordinator.train import prepare_data, prepare_model, secrets_in_environment
 from flowgrpo.v1 import common_pb2, coordinator_pb2_grpc
 
-RECIPE = Path(__file__).resolve().parents[2] / "examples" / "tiny_demo.yaml"
+RECIPE = Path(__file__).resolve().parents[2] / "examples" / "tiny_jpeg.yaml"
 HOST_MODULE = "flowgrpo.services.bench.scale_host"
 KILL_STEP = 2
 

@@ -108,7 +108,7 @@ def steps_arg(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flowgrpo bench schedule", description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--recipe", default=str(Path(__file__).resolve().parents[2] / "examples" / "tiny_demo.yaml")
+        "--recipe", default=str(Path(__file__).resolve().parents[2] / "examples" / "tiny_jpeg.yaml")
     )
     parser.add_argument("--steps", type=steps_arg, default=8, help="steps per schedule (0: the recipe's)")
     parser.add_argument("--staleness", type=int, default=1, help="eta of the async run")

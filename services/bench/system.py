@@ -389,7 +389,7 @@ def _print(report: dict[str, Any], peak: MatmulPeak) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flowgrpo bench system", description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--recipe", default=str(Path(__file__).resolve().parents[2] / "examples" / "tiny_demo.yaml")
+        "--recipe", default=str(Path(__file__).resolve().parents[2] / "examples" / "tiny_jpeg.yaml")
     )
     parser.add_argument("--variant", action="append", type=variant_arg, metavar="NAME[:KEY=VALUE,...]",
                         help="a run with these overrides (repeatable; default: one, 'recipe')")  # fmt: skip

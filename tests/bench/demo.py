@@ -1,4 +1,4 @@
-"""The demo recipe (examples/tiny_demo.yaml) shortened for the benchmarks' smoke tests: one
+"""The demo recipe (examples/tiny_jpeg.yaml) shortened for the benchmarks' smoke tests: one
 prompt of 4 samples per step, 3 denoising steps, one micro-batch, no validation."""
 
 SHORT_DEMO = [

@@ -51,6 +51,37 @@ def test_the_learning_benchmark_pairs_each_run_with_its_control(tmp_path: Path) 
     assert set(row["once_s"]) == {"trained_run", "control_run"}
 
 
+def test_held_out_pairs_the_demo_with_a_control_whose_validation_never_moves(tmp_path: Path) -> None:
+    """``--held-out`` on the prompt-following demo, shortened: the control's three validations
+    are one value, the trained run's step 0 equals it, and the row recomputes from them."""
+    out = tmp_path / "held-out.json"
+    recipe = Path(__file__).resolve().parents[2] / "examples" / "tiny_demo.yaml"
+    short = ["schedule.steps=2", "schedule.eval_every=1", "data.prompts_per_step=4", "data.group_size=4",
+             "data.val_prompts=16", "trainer.loss.micro_batch_size=16", "trainer.optim.lr=3e-3"]  # fmt: skip
+    argv = ["--held-out", "--recipe", str(recipe), "--seeds", "0", "--threads", "1", "--jobs", "2",
+            "--json", str(out), *short]  # fmt: skip
+    assert learning.main(argv) == 0
+    report = json.loads(out.read_text())
+    [row] = report["rows"]
+    trained = report["validations"]["seed0-native-t1-trained"]
+    control = report["validations"]["seed0-native-t1-control"]
+    assert len(trained) == len(control) == 3 and len(set(control)) == 1 and trained[0] == control[0]
+    assert all(0 <= v <= 1 and v * 16 == round(v * 16) for v in trained)  # a share of 16 prompts
+    assert row["first"] == trained[0] and row["last"] == trained[-1] and row["control"] == control[0]
+    assert row["gain_points"] == pytest.approx((trained[-1] - control[0]) * 100, abs=1e-9)
+    assert row["best"] == max(trained)
+    assert row["ahead"] == f"{sum(v > control[0] for v in trained[1:])}/2"
+    assert set(row["once_s"]) == {"trained_run", "control_run"}
+
+
+def test_a_control_whose_validation_moved_is_refused() -> None:
+    case = learning.Case(0, "", 1, control=False)
+    with pytest.raises(SystemExit, match="must all equal the trained run's step 0"):
+        learning.held_out_row(case, [0.5, 0.6], 1.0, [0.5, 0.5, 0.55], 1.0)
+    with pytest.raises(SystemExit, match="must all equal the trained run's step 0"):
+        learning.held_out_row(case, [0.4, 0.6], 1.0, [0.5, 0.5, 0.5], 1.0)
+
+
 def test_the_paths_benchmark_page_and_its_options(capsys: pytest.CaptureFixture[str]) -> None:
     text = paths.page("| path | ... |", 40, "sync-paths.png")
     assert "`flowgrpo bench paths --steps 40`" in text and text.endswith("(sync-paths.png)\n")

@@ -21,7 +21,7 @@ import pytest
 from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE = ROOT / "examples" / "tiny_demo.yaml"
+RECIPE = ROOT / "examples" / "tiny_jpeg.yaml"
 OPTIONS = ["schedule.save_every=1", "schedule.eval_every=100", "data.group_size=4"]
 
 

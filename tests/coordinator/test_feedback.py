@@ -29,7 +29,7 @@ from tests.tensorboard_view import hparams_view, texts
 
 from .test_train import CLI, ROOT, finish, wait_for_step
 
-RECIPE = ROOT / "examples" / "tiny_demo.yaml"
+RECIPE = ROOT / "examples" / "tiny_jpeg.yaml"
 SERVICES = ("rollout-0", "reward-0", "trainer")
 SLOW = ["reward.scorers=[{name: jpeg_compressibility, weight: 1.0}, {name: synthetic, weight: 0.0}]",
         "reward.synthetic_delay_s=0.1", "logger.progress_every_s=1"]  # fmt: skip

@@ -144,7 +144,7 @@ def test_a_200_mb_recipe_is_refused_before_it_is_read(tmp_path: Path) -> None:
 
 def test_a_bomb_in_an_override_names_it(tmp_path: Path) -> None:
     bomb = "[" + ", ".join(item.strip()[2:] for item in laughs()) + "]"
-    outcome = run_cli(["train", "examples/tiny_demo.yaml", f"name={bomb}", "--print-config"], tmp_path)
+    outcome = run_cli(["train", "examples/tiny_jpeg.yaml", f"name={bomb}", "--print-config"], tmp_path)
     assert_refused_small_and_fast(outcome, "override 'name=", "more than")
 
 

@@ -83,7 +83,7 @@ def test_validation_is_keyed_by_scorer_with_the_weighted_total_when_it_differs()
 
 
 def test_tensorboard_gets_the_config_and_an_hparams_session_with_the_last_metrics(tmp_path: Path) -> None:
-    config = load_run_config(ROOT / "examples" / "tiny_demo.yaml", ["trainer.optim.lr=0.25"])
+    config = load_run_config(ROOT / "examples" / "tiny_jpeg.yaml", ["trainer.optim.lr=0.25"])
     keys = [*validation_keys(config.reward.scorers), "critic/rewards/mean"]
     outputs = RunOutputs(tmp_path, None)
     outputs.write_config(config, config.name, metrics=keys)

@@ -435,10 +435,10 @@ def test_a_recipes_paths_are_relative_to_it_and_the_command_lines_to_the_working
 ) -> None:
     """`flowgrpo train /abs/path/recipe.yaml` from any folder finds the recipe's data."""
     monkeypatch.chdir(tmp_path)
-    cfg = load_run_config(ROOT / "examples" / "tiny_demo.yaml")
+    cfg = load_run_config(ROOT / "examples" / "tiny_jpeg.yaml")
     assert cfg.data.prompts == str(ROOT / "examples" / "data" / "tiny")
     assert (Path(cfg.data.prompts) / "train.txt").is_file()
     typed = load_run_config(
-        ROOT / "examples" / "tiny_demo.yaml", ["data.prompts=mine", "model.checkpoint=/ckpt"]
+        ROOT / "examples" / "tiny_jpeg.yaml", ["data.prompts=mine", "model.checkpoint=/ckpt"]
     )
     assert typed.data.prompts == "mine" and typed.model.checkpoint == "/ckpt"

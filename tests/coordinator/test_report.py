@@ -79,7 +79,7 @@ def make_run(folder: Path, lr: float = 0.1) -> Path:
         Image.fromarray(pixels).save(images / f"{tag}_{step:06d}.png")
         cells = [{"prompt": f"a <b>{tag}</b> prompt {i}", "reward": -0.0047 + step * 1e-5} for i in range(2)]
         (images / f"{tag}_{step:06d}.json").write_text(json.dumps({"columns": 2, "cells": cells}))
-    invocation = Invocation("examples/tiny_demo.yaml", (f"trainer.optim.lr={lr}", "server.token=hunter2"))
+    invocation = Invocation("examples/tiny_jpeg.yaml", (f"trainer.optim.lr={lr}", "server.token=hunter2"))
     end_session(folder, start_session(folder, invocation), "success")
     return folder
 
@@ -140,7 +140,7 @@ def test_every_metric_is_reachable_and_the_flat_ones_are_folded(trained: Path, c
 def test_the_metadata_and_the_config_against_its_recipe(trained: Path) -> None:
     [session] = read_sessions(trained)
     assert session.command == (
-        "flowgrpo train examples/tiny_demo.yaml trainer.optim.lr=0.1 'server.token=***'"
+        "flowgrpo train examples/tiny_jpeg.yaml trainer.optim.lr=0.1 'server.token=***'"
     )  # the secret never reaches the file
     assert "hunter2" not in (trained / "sessions.jsonl").read_text()
     assert session.status == "success" and session.wall_s is not None and session.wall_s >= 0

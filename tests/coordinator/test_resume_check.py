@@ -29,7 +29,7 @@ from flowgrpo.services.coordinator.config import load_run_config
 from flowgrpo.services.coordinator.resume import FIXED, plan_resume
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE = ROOT / "examples" / "tiny_demo.yaml"
+RECIPE = ROOT / "examples" / "tiny_jpeg.yaml"
 CLI = [sys.executable, "-m", "flowgrpo.services.cli", "train", str(RECIPE)]
 # one prompt of 4 samples per step, 3 denoising steps, one micro-batch, no validation
 SMALL = ["data.group_size=4", "data.prompts_per_step=1", "data.val_prompts=0", "sampling.num_points=4",

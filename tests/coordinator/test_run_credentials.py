@@ -29,7 +29,7 @@ from flowgrpo.services.coordinator.status import live_status
 from flowgrpo.telemetry import read_spans
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE = ROOT / "examples" / "tiny_demo.yaml"
+RECIPE = ROOT / "examples" / "tiny_jpeg.yaml"
 CLI = [sys.executable, "-m", "flowgrpo.services.cli"]
 TOKEN, SECRET = "t" * 43, "s" * 43
 SECRET_NAMES = ("FLOWGRPO_TOKEN", "FLOWGRPO_TOKEN_FILE", "FLOWGRPO_BUS_SECRET", "FLOWGRPO_BUS_SECRET_FILE")
@@ -166,7 +166,7 @@ def test_status_shows_a_live_local_run_with_its_own_token_kept_0600_in_the_run_f
         # without the token the coordinator answers nothing; status finds it in the run folder
         assert "the live view needs the run's token" in live_status(address)
         shown = status_of(run_dir)
-        assert f"coordinator at {address}: run tiny-demo-" in shown and "step " in shown, shown
+        assert f"coordinator at {address}: run tiny-jpeg-" in shown and "step " in shown, shown
         for replica in ("rollout-0", "reward-0", "trainer"):
             assert any(line.split()[:2] == [replica, replica.split("-")[0]] for line in shown.splitlines()), (
                 replica,

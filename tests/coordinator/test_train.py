@@ -44,7 +44,7 @@ from flowgrpo.telemetry import read_spans
 CLI = [sys.executable, "-m", "flowgrpo.services.cli"]  # the flowgrpo command of this interpreter
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE = ROOT / "examples" / "tiny_demo.yaml"
+RECIPE = ROOT / "examples" / "tiny_jpeg.yaml"
 STEPS = 4
 SAMPLES = load_run_config(RECIPE).samples_per_step
 SHORT = [f"schedule.steps={STEPS}", "schedule.save_every=2", "schedule.eval_every=2"]

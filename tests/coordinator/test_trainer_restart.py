@@ -33,7 +33,7 @@ from flowgrpo.services.coordinator.outputs import read_metrics
 
 CLI = [sys.executable, "-m", "flowgrpo.services.cli"]
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE = ROOT / "examples" / "tiny_demo.yaml"
+RECIPE = ROOT / "examples" / "tiny_jpeg.yaml"
 STEPS = 16
 TINY_RUN = [f"schedule.steps={STEPS}", "schedule.save_every=1", "schedule.eval_every=0", "data.group_size=4"]
 ASYNC = ["trainer.async_save=true"]

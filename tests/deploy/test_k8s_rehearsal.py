@@ -30,7 +30,7 @@ from tests.deploy.test_manifests import K8S_OVERLAYS, env_of, kustomize
 from tests.deploy.test_rehearsal import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE = ROOT / "examples" / "tiny_demo.yaml"
+RECIPE = ROOT / "examples" / "tiny_jpeg.yaml"
 STEPS = 2
 NODES = 2
 

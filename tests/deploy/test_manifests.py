@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "deploy" / "compose"
 K8S_BASE = ROOT / "deploy" / "k8s" / "base"
 RECIPE = ROOT / "examples" / "bagel_pickscore_lora.yaml"
-CPU_RECIPE = ROOT / "examples" / "tiny_demo.yaml"
+CPU_RECIPE = ROOT / "examples" / "tiny_jpeg.yaml"
 PROFILES = [[], ["tracing"], ["ocr"], ["tracing", "ocr"]]
 OUR_IMAGES = ("flowgrpo-gpu", "flowgrpo-cpu", "flowgrpo-coordinator")
 # what a container path or a placeholder stands for when a command is parsed here

@@ -24,7 +24,7 @@ from tests.deploy.test_manifests import COMPOSE_DIR, compose_config, load_genera
 from tests.otlp import otlp_receiver
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE = ROOT / "examples" / "tiny_demo.yaml"
+RECIPE = ROOT / "examples" / "tiny_jpeg.yaml"
 STEPS = 2
 
 

@@ -114,7 +114,7 @@ def runs(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
     folders = {}
     for kind in ("lora", "full"):
         folder = tmp_path_factory.mktemp(f"run-{kind}")
-        cmd = [sys.executable, "-m", "flowgrpo.services.cli", "train", "examples/tiny_demo.yaml",
+        cmd = [sys.executable, "-m", "flowgrpo.services.cli", "train", "examples/tiny_jpeg.yaml",
                f"run_dir={folder}", f"model.checkpoint={tiny}", f"trainer.policy.kind={kind}",
                *RUN]  # fmt: skip
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -211,6 +211,6 @@ def test_sharing_and_releasing_are_refused_off_the_gpu() -> None:
     ],
 )  # fmt: skip
 def test_settings_another_part_would_ignore_are_refused(overrides: list[str], message: str) -> None:
-    demo = Path(__file__).resolve().parents[2] / "examples" / "tiny_demo.yaml"
+    demo = Path(__file__).resolve().parents[2] / "examples" / "tiny_jpeg.yaml"
     with pytest.raises(ValueError, match=message):
         load_run_config(demo, overrides)

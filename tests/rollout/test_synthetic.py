@@ -97,7 +97,7 @@ def test_updates_are_checked_whole_and_only_move_the_version(tiny: Path) -> None
 def test_a_whole_run_goes_through_the_real_services_with_it(tiny: Path, tmp_path: Path) -> None:
     """The demo recipe with the load-test engine and scorer: the coordinator, the bus, the reward
     service and the trainer all real; steps complete, every sample is scored and trained."""
-    demo = Path(__file__).resolve().parents[2] / "examples" / "tiny_demo.yaml"
+    demo = Path(__file__).resolve().parents[2] / "examples" / "tiny_jpeg.yaml"
     overrides = [f"run_dir={tmp_path}", f"model.checkpoint={tiny}", "rollout.engine=synthetic",
                  "launch.launcher=inprocess", "schedule.steps=2", "schedule.eval_every=0",
                  "schedule.save_every=0", "data.val_prompts=0",

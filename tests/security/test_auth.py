@@ -238,7 +238,7 @@ def test_no_secret_reaches_the_run_folder(tmp_path: Path) -> None:
     bus_secret, typed = "bus-secret-" + "y" * 30, "typed-token-" + "z" * 30
     env = {**without_credentials(), "FLOWGRPO_TOKEN": TOKEN, "FLOWGRPO_BUS_SECRET": bus_secret}
     run = tmp_path / "run"
-    recipe = Path(__file__).resolve().parents[2] / "examples" / "tiny_demo.yaml"
+    recipe = Path(__file__).resolve().parents[2] / "examples" / "tiny_jpeg.yaml"
     cmd = [*CLI, "train", str(recipe), f"run_dir={run}", f"model.checkpoint={tiny}", "schedule.steps=2",
            "schedule.eval_every=0", f"server.token={typed}"]  # fmt: skip
     done = subprocess.run(

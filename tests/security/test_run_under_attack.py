@@ -33,7 +33,7 @@ from flowgrpo.v1 import (
 )
 
 CLI = [sys.executable, "-m", "flowgrpo.services.cli"]
-RECIPE = Path(__file__).resolve().parents[2] / "examples" / "tiny_demo.yaml"
+RECIPE = Path(__file__).resolve().parents[2] / "examples" / "tiny_jpeg.yaml"
 TOKEN = "operator-token-" + "q" * 28
 STEPS = ["schedule.steps=5", "schedule.save_every=0", "schedule.eval_every=0"]
 EXACT = (

@@ -14,7 +14,7 @@ from flowgrpo.services.coordinator.train import train
 
 pytestmark = pytest.mark.gpu
 
-DEMO = Path(__file__).resolve().parents[2] / "examples" / "tiny_demo.yaml"
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "tiny_jpeg.yaml"
 ONE_GPU = [
     "schedule.steps=3", "schedule.eval_every=0", "schedule.save_every=0", "data.val_prompts=0",
     "rollout.device=cuda:0", "launch.rollout_devices=[cuda:0]", "rollout.compile=false",
