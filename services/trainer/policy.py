@@ -1,5 +1,6 @@
 """The policy being trained: LoRA adapters (through ``peft``) on the gen path, or every gen-path
-(``moe_gen``) parameter, with the und path frozen either way.
+(``moe_gen``) parameter, with the und path frozen either way (but in ``flowgrpo sft`` with
+``policy.text``, which trains the language half too, as a model trained from scratch needs).
 
 Trainable parameters are fp32 (master weights and optimizer state); the frozen weights stay in
 the load dtype. ``published`` gives what changed, in the policy-update naming that rollouts

@@ -119,9 +119,12 @@ def test_sft_learns_against_its_lr0_control(setup: tuple[Path, Path]) -> None:
 
 
 def test_two_fsdp_ranks_train_as_one_process(setup: tuple[Path, Path]) -> None:
+    """The whole model trained (heads and the language half too: the prompt's cache, which
+    carries gradients then, is a second forward through every FSDP unit before the backward)."""
     model_dir, root = setup
-    one = losses(sft(root, model_dir, "one", "steps=4", "policy.heads=true"))
-    two = losses(sft(root, model_dir, "two", "steps=4", "policy.heads=true", nproc=2))
+    everything = ("policy.heads=true", "policy.text=true")
+    one = losses(sft(root, model_dir, "one", "steps=4", *everything))
+    two = losses(sft(root, model_dir, "two", "steps=4", *everything, nproc=2))
     # FSDP reduces the gradients in another order than one process sums them
     assert two == pytest.approx(one, rel=1e-4)
 
