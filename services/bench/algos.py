@@ -193,7 +193,6 @@ def main(argv: list[str] | None = None) -> int:
             options = argparse.Namespace(
                 recipe=args.recipe,
                 overrides=[*ALGORITHMS[algorithm], f"schedule.steps={args.steps}", *args.overrides],
-                held_out=False,  # the training reward's curve (run_case's first mode)
             )
             run_case(case, options, folder / algorithm)
             return folder / algorithm / case.label

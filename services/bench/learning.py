@@ -100,14 +100,17 @@ def validations_of(run_dir: Path, key: str) -> dict[int, float]:
     return found
 
 
-def run_case(case: Case, args: argparse.Namespace, folder: Path) -> tuple[list[float], float]:
-    """The run's per-step mean rewards, or with ``--held-out`` its validations in step order."""
+def run_case(
+    case: Case, args: argparse.Namespace, folder: Path, val_key: str | None = None
+) -> tuple[list[float], float]:
+    """The run's per-step mean rewards, or with ``val_key`` that validation figure in step order
+    (the recipe's own validations; the control's, ``CONTROL_VALIDATIONS``)."""
     run_dir = folder / case.label
     env = {**os.environ, "OMP_NUM_THREADS": str(case.threads)}
     env.pop("ATEN_CPU_CAPABILITY", None)
     if case.isa:
         env["ATEN_CPU_CAPABILITY"] = case.isa
-    schedule = ["schedule.eval_every=0"] if not args.held_out else CONTROL_VALIDATIONS if case.control else []
+    schedule = ["schedule.eval_every=0"] if val_key is None else CONTROL_VALIDATIONS if case.control else []
     cmd = [*CLI, "train", args.recipe, f"run_dir={run_dir}", f"schedule.seed={case.seed}",
            "launch.launcher=inprocess", "schedule.save_every=0", *args.overrides, *schedule,
            *(["trainer.optim.lr=0"] if case.control else [])]  # fmt: skip
@@ -117,9 +120,9 @@ def run_case(case: Case, args: argparse.Namespace, folder: Path) -> tuple[list[f
     if done.returncode:
         raise SystemExit(f"{case.label} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     seconds = time.perf_counter() - start
-    if not args.held_out:
+    if val_key is None:
         return rewards_of(run_dir), seconds
-    found = validations_of(run_dir, args.val_key)
+    found = validations_of(run_dir, val_key)
     return [found[step] for step in sorted(found)], seconds
 
 
@@ -235,10 +238,12 @@ def main(argv: list[str] | None = None) -> int:
         Case(s, i, t, c)
         for s, i, t, c in itertools.product(args.seeds, args.isa, args.threads, (False, True))
     ]
+    val_key = args.val_key if args.held_out else None
     with tempfile.TemporaryDirectory(prefix="bench-learning-") as tmp:
         folder = Path(args.keep) if args.keep else Path(tmp)
         with ThreadPoolExecutor(args.jobs) as pool:
-            results = dict(zip(cases, pool.map(lambda c: run_case(c, args, folder), cases), strict=True))
+            runs = pool.map(lambda c: run_case(c, args, folder, val_key), cases)
+            results = dict(zip(cases, runs, strict=True))
     rows: list[Row] | list[HeldOutRow]
     if args.held_out:
         rows = [held_out_row(c, *results[c], *results[replace(c, control=True)]) for c in cases[::2]]
