@@ -4,12 +4,14 @@ is viewed: plotly.js, the data and the image grids are inside the page.
 
 Top to bottom: the summary (the reward's first and last quarter, against the control when one of
 the runs has lr = 0), the optimised reward alone on its axis with the control beside it and the
-paired gain, every scorer's % change on its own axis (weight 0: watched, not optimised), every
-metric as a small panel by section with one smoothing slider (metrics flat throughout, such as a
-sync run's log-prob gap and lag, listed instead of plotted), the validation and training grids
-with each cell's prompt and reward, the run metadata (``sessions.jsonl``: command, version,
-commit, host, times) and the config as a diff against its recipe (``recipe.yaml``) and between
-the runs. What to show is :mod:`.report_data`; this module writes the page."""
+paired gain, a verifiable task's held-out accuracy per category, every scorer's % change on its
+own axis (weight 0: watched, not optimised), every metric as a small panel by section with one
+smoothing slider (metrics flat throughout, such as a sync run's log-prob gap and lag, listed
+instead of plotted), each validation prompt written above its image at the first and the last
+validation side by side, the training grids with each cell's prompt and reward, the run
+metadata (``sessions.jsonl``: command, version, commit, host, times) and the config as a diff
+against its recipe (``recipe.yaml``) and between the runs. What to show is
+:mod:`.report_data`; this module writes the page."""
 
 from __future__ import annotations
 
@@ -25,7 +27,9 @@ from flowgrpo.services.coordinator.report_data import (
     Panel,
     Run,
     Section,
+    accuracy_panels,
     config_diff,
+    grid_cells,
     grids,
     headline,
     load_runs,
@@ -47,7 +51,9 @@ vertical-align:top}th{background:#f4f4f4}code,.mono{font-family:ui-monospace,mon
 .note{color:#555;font-size:.9em}img{max-width:100%;image-rendering:pixelated}
 .bar{position:sticky;top:0;background:#fff;padding:.4em 0;border-bottom:1px solid #ddd;z-index:10}
 details{margin:.4em 0}summary{cursor:pointer;font-weight:600}
-.pair{display:grid;grid-template-columns:1fr 1fr;gap:1em}
+.cells{display:grid;grid-template-columns:repeat(auto-fill,minmax(240px,1fr));gap:.6em}
+.cell{margin:0;border:1px solid #e4e4e4;border-radius:4px;padding:.3em}.cell figcaption{font-size:.9em;
+min-height:2.4em}.cell div:first-of-type{display:grid;grid-template-columns:1fr 1fr;gap:.2em}
 pre{background:#f6f6f6;padding:1em;overflow:auto;font-size:.8em;max-height:40em}"""
 # first in the page: every error and console.error is kept, and shown in <body data-errors> (the
 # browser test reads it); an error still reaches the console as before
@@ -143,6 +149,7 @@ def render(runs: list[Run]) -> str:
         _smoothing_bar(),
         "<h2>The optimised reward</h2>",
         _panels([p for p in (headline(runs), paired_gain(runs)) if p is not None], panels, "wide"),
+        _accuracy(runs, panels),
         "<h2>Each scorer, as % change from its first step</h2>",
         "<p class='note'>Each on its own axis. A weight-0 scorer is watched, not optimised: the "
         "optimised one rising while a watched one drifts is what reward hacking looks like.</p>",
@@ -215,6 +222,15 @@ def _section(section: Section, panels: list[Panel]) -> str:
             f"{_panels(section.panels, panels, 'small')}{flat}</details>")  # fmt: skip
 
 
+def _accuracy(runs: list[Run], panels: list[Panel]) -> str:
+    specs = accuracy_panels(runs)
+    if not specs:
+        return ""
+    return ("<h2>Held-out accuracy, by category</h2><p class='note'>The verifier's all-or-nothing "
+            "score on the validation prompts (combinations no training prompt has), in %; a "
+            "control (lr=0) is dashed.</p>" + _panels(specs, panels, "small"))  # fmt: skip
+
+
 def _smoothing_bar() -> str:
     return ("<div class='bar'>smoothing <input type='range' id='smoothing' min='0' max='0.99' "
             "step='0.01' value='0.6'> <span id='smoothing-value'>0.60</span> <span class='note'>(x: the "
@@ -233,9 +249,11 @@ def _samples(run: Run, index: int, open_: bool) -> str:
             "<h3>Validation</h3><p class='note'>The same prompts and the same initial noise every "
             "time (ODE sampling): what differs between the grids is what the policy learnt.</p>"
         )
-        pair = [first, last] if first is not last else [first]
-        parts.append("<div class='pair'>" + "".join(_grid_figure(g) for g in pair) + "</div>")
-        parts.append(_cell_table(first, last if last is not first else None))
+        if last is not first and [c["prompt"] for c in first.cells] == [c["prompt"] for c in last.cells]:
+            parts.append(_before_after(first, last))
+        else:  # one validation, or grids of other prompts: each as it is
+            shown = [first] if last is first else [first, last]
+            parts.append("".join(_grid_figure(g) + _cell_table(g) for g in shown))
         between = val[1:-1]
         if between:
             inner = "".join(_grid_figure(g) + _cell_table(g) for g in between)
@@ -255,6 +273,25 @@ def _samples(run: Run, index: int, open_: bool) -> str:
     return "".join(parts) + "</details>"
 
 
+def _before_after(first: Grid, last: Grid) -> str:
+    """Each validation prompt written above its image at the first step and at the last, side by
+    side, with the reward under each."""
+    cards = [
+        "<figure class='cell'>"
+        f"<figcaption>{html.escape(a['prompt'])}</figcaption>"
+        f"<div><img alt='step {first.step}' src='data:image/png;base64,{image_a}'>"
+        f"<img alt='step {last.step}' src='data:image/png;base64,{image_b}'></div>"
+        f"<div class='note'>{_reward(a)} &rarr; {_reward(b)}</div></figure>"
+        for a, b, image_a, image_b in zip(
+            first.cells, last.cells, grid_cells(first), grid_cells(last), strict=True
+        )
+    ]
+    return (
+        f"<p class='note'>Left: step {first.step}; right: step {last.step}; under each pair, "
+        f"the rewards.</p><div class='cells'>{''.join(cards)}</div>"
+    )
+
+
 def _grid_figure(grid: Grid) -> str:
     label = "before training" if grid.step == 0 else f"after step {grid.step}"
     source = f"data:image/png;base64,{grid.png_base64}"
@@ -262,26 +299,16 @@ def _grid_figure(grid: Grid) -> str:
             f"<img alt='validation at step {grid.step}' src='{source}'></figure>")  # fmt: skip
 
 
-def _cell_table(grid: Grid, later: Grid | None = None) -> str:
-    """Each cell's prompt and reward at ``grid``'s step (and at ``later``'s, with the change)."""
+def _cell_table(grid: Grid) -> str:
+    """Each cell's prompt and reward at ``grid``'s step."""
     if not grid.cells:
         return ""
     head = ["row, column", "prompt", f"reward at step {grid.step}"]
-    paired = later is not None and len(later.cells) == len(grid.cells)
-    if later is not None and paired:
-        head += [f"at step {later.step}", "change"]
-    rows = []
-    for i, cell in enumerate(grid.cells):
-        cols = [
-            f"{i // grid.columns + 1}, {i % grid.columns + 1}",
-            html.escape(cell["prompt"]),
-            _reward(cell),
-        ]
-        if later is not None and paired:
-            a, b = cell.get("reward"), later.cells[i].get("reward")
-            change = "" if a is None or b is None or not a else f"{(b - a) / abs(a) * 100:+.1f}%"
-            cols += [_reward(later.cells[i]), change]
-        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cols) + "</tr>")
+    rows = [
+        "<tr>" + "".join(f"<td>{c}</td>" for c in (f"{i // grid.columns + 1}, {i % grid.columns + 1}",
+                                                   html.escape(cell["prompt"]), _reward(cell))) + "</tr>"
+        for i, cell in enumerate(grid.cells)
+    ]  # fmt: skip
     return "<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>" + "".join(rows) + "</table>"
 
 

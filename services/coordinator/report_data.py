@@ -9,14 +9,17 @@ A panel: ``{"title", "y", "note", "traces": [{"name", "x", "y", "smooth", "mode"
 from __future__ import annotations
 
 import base64
+import io
 import json
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+from PIL import Image
 
 from flowgrpo.services.coordinator.outputs import read_metrics
 from flowgrpo.services.coordinator.runmeta import RECIPE_FILE, RunSession, read_sessions
@@ -176,6 +179,34 @@ def scorer_panels(runs: list[Run]) -> list[Panel]:
     return panels
 
 
+ACCURACY_KEY = re.compile(r"^val-aux/(?P<scorer>[^/]+)/accuracy(?:/(?P<category>[^/]+))?/mean@1$")
+
+
+def accuracy_panels(runs: list[Run]) -> list[Panel]:
+    """A verifiable task's held-out accuracy (``val-aux/<scorer>/accuracy[/<category>]/mean@1``,
+    the compose task's), one panel per category with every run on it, the overall one first:
+    per category, where a gain comes from and what a run gives up for it."""
+    found: dict[tuple[str, str], str] = {}
+    for run in runs:
+        for record in run.val:
+            for key in record:
+                if (match := ACCURACY_KEY.match(key)) is not None:
+                    found[(match["scorer"], match["category"] or "")] = key
+    panels = []
+    for (scorer, category), key in sorted(found.items()):
+        traces = [trace(f"{run.label} (control, lr=0)" if run.is_control else run.label, steps(run.val),
+                        _percent_of(values(run.val, key)), color=i, smooth=False, mode="lines+markers",
+                        **({"dash": "dash"} if run.is_control else {}))
+                  for i, run in enumerate(runs)]  # fmt: skip
+        title = f"{scorer}: {category.replace('_', ' ') if category else 'all categories'}"
+        panels.append({"title": title, "y": "held-out accuracy, %", "note": key, "traces": traces})
+    return panels
+
+
+def _percent_of(series: list[float | None]) -> list[float | None]:
+    return [None if v is None else 100.0 * v for v in series]
+
+
 @dataclass
 class Section:
     name: str
@@ -275,6 +306,25 @@ class Grid:
     png_base64: str
     columns: int
     cells: list[dict[str, Any]]  # each cell's prompt and reward, row by row
+
+
+def grid_cells(grid: Grid) -> list[str]:
+    """Each cell of a grid as its own PNG (base64), row by row: the grid is ``columns`` images of
+    one size side by side with no gap (``outputs.image_grid``)."""
+    if not grid.cells:
+        return []
+    image = Image.open(io.BytesIO(base64.b64decode(grid.png_base64))).convert("RGB")
+    columns = min(grid.columns, len(grid.cells))
+    rows = -(-len(grid.cells) // grid.columns)
+    width, height = image.width // columns, image.height // rows
+    out = []
+    for i in range(len(grid.cells)):
+        row, column = divmod(i, grid.columns)
+        buffer = io.BytesIO()
+        box = (column * width, row * height, (column + 1) * width, (row + 1) * height)
+        image.crop(box).save(buffer, "PNG")
+        out.append(base64.b64encode(buffer.getvalue()).decode())
+    return out
 
 
 def grids(run: Run, tag: str) -> list[Grid]:

@@ -46,6 +46,8 @@ tracer = trace.get_tracer(__name__)
 
 VALIDATION_SHARE = 0.2  # a warning when validation takes more of the run's time than this
 STORE_STATS_TIMEOUT_S = 2.0  # reading the trainer store's counters (publication/trainer_bytes_sent)
+TRAIN_GRID_PROMPTS = 16  # a step's grid: its first groups' first samples
+VAL_GRID_PROMPTS = 24  # a validation's grid: prompts evenly spaced over the validation set
 
 
 class PromptOrder:
@@ -237,7 +239,8 @@ class Coordinator:
             for sample in answer.samples:
                 by_uid[sample.prompt_uid].samples.append(sample)
         await self._score(groups, "val")
-        await self._log_images("val", self.state.step, groups)
+        # evenly spread over the list (a task's prompts come grouped by category): each one shown
+        await self._log_images("val", self.state.step, evenly_spaced(groups, VAL_GRID_PROMPTS))
         await self.pool.release(tag)
         testing = time.perf_counter() - started
         self._testing_s += testing
@@ -293,7 +296,7 @@ class Coordinator:
         timing["timing_s/load_weights"] = time.perf_counter() - trained
         timing["timing_s/train"] = trained - started
         timing["timestamp_s/trained_from"], timing["timestamp_s/trained_until"] = started, trained
-        await self._log_images("train", step, groups)
+        await self._log_images("train", step, groups[:TRAIN_GRID_PROMPTS])
         await self.trainer.kept_data(step)  # released, or kept for a restarted trainer
         self.state.step, self.state.cursor = step, step * self.config.data.prompts_per_step
         self.state.policy_version = response.update.policy_version
@@ -303,10 +306,10 @@ class Coordinator:
         self.outputs.step_done(_progress_line(step, self.config.schedule.steps, metrics), _postfix(metrics))
         return metrics
 
-    async def _log_images(self, tag: str, step: int, groups: list[Group], most: int = 16) -> None:
-        """The first sample of up to ``most`` groups, as a grid in the run's outputs, with each
-        cell's prompt and reward."""
-        shown = [g for g in groups[:most] if g.samples]
+    async def _log_images(self, tag: str, step: int, groups: list[Group]) -> None:
+        """The first sample of each group, as a grid in the run's outputs, with each cell's prompt
+        and reward."""
+        shown = [g for g in groups if g.samples]
         if shown:
             refs = [TensorRef.from_proto(g.samples[0].outputs["images"]) for g in shown]
             # a replica that died after its samples were trained on takes its images with it:
@@ -631,6 +634,15 @@ def validation_keys(scorers: Sequence[ScorerSpec]) -> list[str]:
 def _weighted(scorers: Sequence[ScorerSpec]) -> bool:
     """Whether the reward trained on differs from the one scorer's own score."""
     return len(scorers) > 1 or any(spec.weight != 1.0 for spec in scorers)
+
+
+def evenly_spaced(items: list[T], most: int) -> list[T]:
+    """Up to ``most`` of ``items`` evenly spaced over the list, the first and the last included."""
+    if len(items) <= most:
+        return items
+    if most == 1:
+        return items[:1]
+    return [items[round(i * (len(items) - 1) / (most - 1))] for i in range(most)]
 
 
 def _requests(groups: list[Group], replicas: int, most: int) -> list[list[Group]]:

@@ -14,7 +14,7 @@ from tensorboard.plugins.hparams import api_pb2
 from flowgrpo.rewards.config import ScorerSpec
 from flowgrpo.services.coordinator.config import LoggerConfig, load_run_config
 from flowgrpo.services.coordinator.outputs import RunOutputs, image_grid
-from flowgrpo.services.coordinator.run import Group, validation_keys, validation_metrics
+from flowgrpo.services.coordinator.run import Group, evenly_spaced, validation_keys, validation_metrics
 from tests.tensorboard_view import hparams_view, texts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,6 +63,14 @@ def test_a_grid_shows_small_images_enlarged_pixel_for_pixel() -> None:
 
 def group(scores: list[dict[str, float]], rewards: list[float]) -> Group:
     return Group(row=None, ids_ref=None, scores=scores, rewards=rewards)  # type: ignore[arg-type]
+
+
+def test_the_validation_grid_shows_prompts_spread_over_the_whole_set() -> None:
+    # a task's prompts come grouped by category: the first 24 would show only the first ones
+    assert evenly_spaced(list(range(114)), 24)[:4] == [0, 5, 10, 15]  # round(i * 113 / 23)
+    assert evenly_spaced(list(range(114)), 24)[-1] == 113 and len(evenly_spaced(list(range(114)), 24)) == 24
+    assert evenly_spaced(list(range(7)), 3) == [0, 3, 6]
+    assert evenly_spaced(list(range(5)), 24) == [0, 1, 2, 3, 4] and evenly_spaced([9, 8], 1) == [9]
 
 
 def test_validation_is_keyed_by_scorer_with_the_weighted_total_when_it_differs() -> None:

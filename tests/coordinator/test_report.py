@@ -5,6 +5,8 @@ The report of a real run is checked in test_train.py."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import math
 import re
@@ -21,7 +23,10 @@ from PIL import Image
 
 from flowgrpo.services.coordinator.report import render, write_report
 from flowgrpo.services.coordinator.report_data import (
+    accuracy_panels,
     config_diff,
+    grid_cells,
+    grids,
     headline,
     load_runs,
     metadata_rows,
@@ -70,12 +75,17 @@ def make_run(folder: Path, lr: float = 0.1) -> Path:
         lines.append({"kind": "val", "step": step, "time": 1.8e9 + step,
                       "val-core/jpeg_compressibility/reward/mean@1": value,
                       "val-core/total/reward/mean@1": value,
-                      "val-core/image_brightness/reward/mean@1": 0.7})  # fmt: skip
+                      "val-core/image_brightness/reward/mean@1": 0.7,
+                      # a verifiable task's accuracy (the compose scorer's names) beside it
+                      "val-aux/compose/accuracy/mean@1": 0.25 + learnt * 0.25 * step / STEPS,
+                      "val-aux/compose/accuracy/two_object/mean@1": 0.5 + learnt * 0.5 * step / STEPS,
+                      "val-aux/compose/met/count/mean@1": 0.9})  # fmt: skip
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     images = folder / "images"
     images.mkdir()
     for tag, step in [("val", 0), ("val", STEPS), *(("train", s) for s in range(1, STEPS + 1))]:
         pixels = np.full((16, 32, 3), (step * 30) % 256, dtype=np.uint8)
+        pixels[:, 16:] = (step * 30 + 100) % 256  # the second cell differs from the first
         Image.fromarray(pixels).save(images / f"{tag}_{step:06d}.png")
         cells = [{"prompt": f"a <b>{tag}</b> prompt {i}", "reward": -0.0047 + step * 1e-5} for i in range(2)]
         (images / f"{tag}_{step:06d}.json").write_text(json.dumps({"columns": 2, "cells": cells}))
@@ -130,11 +140,40 @@ def test_every_metric_is_reachable_and_the_flat_ones_are_folded(trained: Path, c
     keys = {k for line in (trained / "metrics.jsonl").read_text().splitlines() for k in json.loads(line)}
     assert keys - {"kind", "step", "time"} == plotted | set(flat)
     assert flat == {"actor/rollout_logp_gap/mean": "0 throughout", "trainer/lag/max": "0 throughout",
-                    "val-core/image_brightness/reward/mean@1": "0.7 throughout"}  # fmt: skip
+                    "val-core/image_brightness/reward/mean@1": "0.7 throughout",
+                    "val-aux/compose/met/count/mean@1": "0.9 throughout"}  # fmt: skip
     assert "actor/lr" in plotted  # 0.1 in one run and 0 in the other: that says something
     assert [s.name for s in found][:2] == ["critic", "actor"]
     alone = {item[0] for s in sections(load_runs([trained])) for item in s.flat}
     assert "actor/lr" in alone  # one run: flat at 0.1
+
+
+def test_held_out_accuracy_per_category_and_each_prompt_above_its_images(
+    trained: Path, control: Path
+) -> None:
+    runs = load_runs([trained, control])
+    panels = {p["title"]: p for p in accuracy_panels(runs)}
+    assert set(panels) == {"compose: all categories", "compose: two object"}  # met/... is not accuracy
+    trained_line, control_line = panels["compose: two object"]["traces"]
+    assert trained_line["x"] == [0, STEPS] and trained_line["y"] == [50.0, 100.0]  # in %
+    assert control_line["name"] == "control (control, lr=0)" and control_line["y"] == [50.0, 50.0]
+    assert control_line["dash"] == "dash" and "dash" not in trained_line
+    assert accuracy_panels(load_runs([trained]))[0]["traces"][0]["y"] == [25.0, 50.0]
+    # the grid's cells cut out again: the first validation's two prompts, each its own image
+    first, last = grids(runs[0], "val")
+    for grid in (first, last):
+        cells = [np.asarray(Image.open(io.BytesIO(base64.b64decode(c)))) for c in grid_cells(grid)]
+        assert [c.shape for c in cells] == [(16, 16, 3)] * 2
+        assert [int(c.mean()) for c in cells] == [(grid.step * 30) % 256, (grid.step * 30 + 100) % 256]
+    page = render(runs)
+    # each prompt above its two images (step 0 and the last), then its rewards
+    card = re.search(r"<figure class='cell'><figcaption>a &lt;b&gt;val&lt;/b&gt; prompt 1</figcaption>"
+                     r"<div><img alt='step 0' src='data:image/png;base64,([^']+)'>"
+                     rf"<img alt='step {STEPS}' src='data:image/png;base64,([^']+)'></div>",
+                     page)  # fmt: skip
+    assert card is not None
+    assert card.groups() == (grid_cells(first)[1], grid_cells(last)[1])
+    assert "Held-out accuracy, by category" in page
 
 
 def test_the_metadata_and_the_config_against_its_recipe(trained: Path) -> None:
@@ -193,7 +232,8 @@ def test_the_page_renders_in_a_headless_browser(trained: Path, control: Path, tm
     assert not re.findall(r"CONSOLE.*(Uncaught|Error)", dom.stderr), dom.stderr[-2000:]
     # every panel of an open section is drawn (the folded ones are drawn when opened)
     drawn = int(re.search(r'data-drawn="(\d+)"', body).group(1))  # type: ignore[union-attr]
-    visible = 2 + len(scorer_panels(runs)) + sum(len(s.panels) for s in sections(runs))
+    visible = 2 + len(accuracy_panels(runs)) + len(scorer_panels(runs))
+    visible += sum(len(s.panels) for s in sections(runs))
     assert drawn == visible and drawn >= 8
     assert len(re.findall(r"class=\"main-svg\"", dom.stdout)) >= 2 * drawn  # plotly's svg layers
     assert "Optimised reward (critic/rewards/mean)" in dom.stdout
