@@ -25,7 +25,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from flowgrpo.models.bagel.config import SpecialTokens
+from flowgrpo.models.bagel.attention import KVCache
+from flowgrpo.models.bagel.config import SpecialTokens, is_text_path
 from flowgrpo.models.bagel.model import latent_position_ids
 from flowgrpo.models.bagel.sampling import (
     compute_autocast,
@@ -72,6 +73,9 @@ class DiffusionNFTStep(FlowGRPOStep):
     ) -> None:
         super().__init__(policy, special, optim, loss, dist)
         self.nft = nft
+        text = [n for n in policy.trainable() if is_text_path(n)]
+        if text:  # the old, reference and current policies share one prefill (_context)
+            raise ValueError(f"DiffusionNFT trains the gen path; {text[0]} (the language half) is trainable")
         if not policy.model.vae2llm.weight.is_meta:
             policy.keep_old()
 
@@ -146,8 +150,11 @@ class DiffusionNFTStep(FlowGRPOStep):
         sums = torch.zeros(5, dtype=torch.float64)  # policy loss, positive, negative, deviation, kl
         for part in self._chunks(self.dist.share(mini)):
             self._may_stop()
+            # the prompts' context once for all the part's times and both policies: the prefill
+            # reads only the language half, which no policy here trains (checked at __init__)
+            context = self._context([batch[r] for r, _ in part], params)
             for k in range(times_per_sample):
-                sums += self._nft_backward(batch, draws, part, k=k, params=params, total=total)
+                sums += self._nft_backward(batch, draws, part, context, k=k, params=params, total=total)
         (loss, positive, negative, deviation, kl), grad_norm, skipped = self._finish_update(sums, total)
         return {
             "actor/pg_loss": loss,
@@ -164,6 +171,7 @@ class DiffusionNFTStep(FlowGRPOStep):
         batch: Sequence[Trajectory],
         draws: list[tuple[Tensor, Tensor]],
         micro: list[tuple[int, bool]],
+        context: KVCache,
         *,
         k: int,
         params: SamplerParams,
@@ -179,12 +187,12 @@ class DiffusionNFTStep(FlowGRPOStep):
         eps = torch.stack([draws[r][1][k] for r in rows])
         x_t = (1.0 - t.view(-1, 1, 1)) * x0 + t.view(-1, 1, 1) * eps
         with torch.no_grad(), self.policy.old():
-            v_old = self._velocity(part, x_t, t, params)
+            v_old = self._velocity(context, x_t, t, params)
         v_ref = None
         if self.loss.kl_beta > 0:
             with torch.no_grad(), self.policy.reference():
-                v_ref = self._velocity(part, x_t, t, params)
-        v = self._velocity(part, x_t, t, params)
+                v_ref = self._velocity(context, x_t, t, params)
+        v = self._velocity(context, x_t, t, params)
         device = v.device
         targets = NftTargets(
             v_old,
@@ -210,23 +218,28 @@ class DiffusionNFTStep(FlowGRPOStep):
         ]
         return torch.stack([p.double().cpu() for p in parts])
 
-    def _velocity(self, part: Sequence[Trajectory], x_t: Tensor, t: Tensor, params: SamplerParams) -> Tensor:
-        """The policy's velocity [B, N, C] at (x_t, t) for each row's prompt, as the sampler
+    def _context(self, part: Sequence[Trajectory], params: SamplerParams) -> KVCache:
+        """The rows' prompts prefilled, with the CFG branch's rows when the settings ask for it,
+        as the sampler builds them."""
+        with deterministic_or_not(params), torch.no_grad():
+            model = self.policy.model
+            autocast = compute_autocast(model) if self.mixed_precision else contextlib.nullcontext()
+            with autocast:
+                prompts = prefill_prompts(
+                    model, [s.prompt_ids for s in part], invariant=params.batch_invariant
+                )
+                return with_cfg_branches(model, prompts, params)
+
+    def _velocity(self, context: KVCache, x_t: Tensor, t: Tensor, params: SamplerParams) -> Tensor:
+        """The policy's velocity [B, N, C] at (x_t, t) for the context's prompts, as the sampler
         computes it (``guided_velocity``: CFG when the settings ask for it)."""
         with deterministic_or_not(params):
             model = self.policy.model
             autocast = compute_autocast(model) if self.mixed_precision else contextlib.nullcontext()
-            with torch.no_grad(), autocast:
-                context = with_cfg_branches(
-                    model,
-                    prefill_prompts(model, [s.prompt_ids for s in part], invariant=params.batch_invariant),
-                    params,
-                )
             device = context.key_mask.device
             rows, cols = token_grid(params)
             pos_ids = latent_position_ids(rows, cols, model.config.max_latent_size, device)
             with autocast:
-                v = guided_velocity(
+                return guided_velocity(
                     model, context, x_t.to(device), t.to(device), pos_ids, params=params, special=self.special
                 )
-            return v

@@ -66,7 +66,7 @@ def denoising_error(step: DiffusionNFTStep, sample: Trajectory, t: float = 0.6) 
     eps = torch.randn(sample.final_latents.shape, generator=torch.Generator().manual_seed(7))
     x_t = (1 - t) * sample.final_latents + t * eps
     with torch.no_grad():
-        v = step._velocity([sample], x_t[None], torch.tensor([t]), PARAMS)[0]
+        v = step._velocity(step._context([sample], PARAMS), x_t[None], torch.tensor([t]), PARAMS)[0]
     return float(((x_t - t * v - sample.final_latents) ** 2).mean())
 
 
@@ -155,3 +155,14 @@ def test_a_checkpoint_carries_the_old_policy(tiny: Path, tmp_path: Path) -> None
     )
     with pytest.raises(CheckpointError, match="resume with the algorithm it was saved with"):
         load_checkpoint(path, flow_grpo)
+
+
+def test_a_trainable_language_half_is_refused(tiny: Path) -> None:
+    """The old, reference and current policies share one prefill per micro-batch: only right while
+    the language half (which the prefill reads) is frozen, as every RL recipe has it."""
+    model = load_bagel_model(tiny, dtype=torch.float32)
+    policy = TrainablePolicy(model, PolicyConfig(kind="full", text=True))
+    with pytest.raises(
+        ValueError, match=r"language_model\.model\.embed_tokens\.weight \(the language half\)"
+    ):
+        DiffusionNFTStep(policy, load_special_tokens(tiny), OptimConfig(), LossConfig(), nft=NftConfig())
