@@ -1,11 +1,12 @@
 """Does the demo learn, on this machine, for every seed and CPU code path? (``flowgrpo bench learning``)
 
-For each run seed, each ATen CPU capability (``ATEN_CPU_CAPABILITY``: which vectorised kernels
-ATen dispatches to) and each intra-op thread count, the recipe is trained twice with the same
-seeds, so the same prompts and the same noise at every step: once as it is and once as a control
-with ``trainer.optim.lr=0``. Step 1 precedes any update, so the two runs agree there; what they
-differ by afterwards is what was learnt. A single run's first-vs-last comparison cannot tell
-learning from the step-to-step spread of the prompts, the pairing can.
+For each run seed, each instruction set (``--isa``: ATen's vectorised kernels, oneDNN's
+convolutions and MKL's matrix products all capped at it) and each intra-op thread count, the
+recipe is trained twice with the same seeds, so the same prompts and the same noise at every
+step: once as it is and once as a control with ``trainer.optim.lr=0``. Step 1 precedes any
+update, so the two runs agree there; what they differ by afterwards is what was learnt. A single
+run's first-vs-last comparison cannot tell learning from the step-to-step spread of the prompts,
+the pairing can.
 
 Per row: the trained run's first and last quarter (mean reward), the control's last quarter, the
 paired gain (trained minus control over the last quarter) absolute and relative to the control,
@@ -51,7 +52,9 @@ CLI = [sys.executable, "-m", "flowgrpo.services.cli"]
 @dataclass(frozen=True)
 class Case:
     seed: int
-    isa: str  # an ATEN_CPU_CAPABILITY value, "" for this CPU's best
+    isa: (
+        str  # default, avx2 or avx512 (ISA_VALUES: ATen, oneDNN and MKL capped at it), "" for this CPU's best
+    )
     threads: int
     control: bool
 
@@ -100,16 +103,34 @@ def validations_of(run_dir: Path, key: str) -> dict[int, float]:
     return found
 
 
+# One instruction set for every library that picks its own: ATen's vectorised kernels
+# (elementwise, norms, softmax), oneDNN's (convolutions) and MKL's (matrix products). ATen's
+# variable alone leaves the GEMMs and convolutions, most of the arithmetic, on the CPU's best.
+ISA_LIBRARIES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+ISA_VALUES = {
+    "default": ("default", "SSE41", "SSE4_2"),
+    "avx2": ("avx2", "AVX2", "AVX2"),
+    "avx512": ("avx512", "AVX512_CORE", "AVX512"),
+}
+
+
+def isa_environment(isa: str) -> dict[str, str]:
+    """The variables that cap every library at ``isa`` ("" : none, this CPU's best)."""
+    if not isa:
+        return {}
+    if isa not in ISA_VALUES:
+        raise SystemExit(f"--isa {isa!r}: one of {sorted(ISA_VALUES)} or '' (this CPU's best)")
+    return dict(zip(ISA_LIBRARIES, ISA_VALUES[isa], strict=True))
+
+
 def run_case(
     case: Case, args: argparse.Namespace, folder: Path, val_key: str | None = None
 ) -> tuple[list[float], float]:
     """The run's per-step mean rewards, or with ``val_key`` that validation figure in step order
     (the recipe's own validations; the control's, ``CONTROL_VALIDATIONS``)."""
     run_dir = folder / case.label
-    env = {**os.environ, "OMP_NUM_THREADS": str(case.threads)}
-    env.pop("ATEN_CPU_CAPABILITY", None)
-    if case.isa:
-        env["ATEN_CPU_CAPABILITY"] = case.isa
+    env = {k: v for k, v in os.environ.items() if k not in ISA_LIBRARIES}  # "": the CPU's best
+    env.update({"OMP_NUM_THREADS": str(case.threads), **isa_environment(case.isa)})
     schedule = ["schedule.eval_every=0"] if val_key is None else CONTROL_VALIDATIONS if case.control else []
     cmd = [*CLI, "train", args.recipe, f"run_dir={run_dir}", f"schedule.seed={case.seed}",
            "launch.launcher=inprocess", "schedule.save_every=0", *args.overrides, *schedule,
@@ -234,6 +255,8 @@ def print_table(rows: list[Row]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    for isa in args.isa:
+        isa_environment(isa)  # a wrong name stops here, before any run
     cases = [
         Case(s, i, t, c)
         for s, i, t, c in itertools.product(args.seeds, args.isa, args.threads, (False, True))
@@ -263,7 +286,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--recipe", default=str(RECIPE))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="schedule.seed values")
     parser.add_argument("--isa", nargs="+", default=[""], metavar="CAPABILITY",
-                        help="ATEN_CPU_CAPABILITY values: default, avx2, avx512 ('' = the best)")  # fmt: skip
+                        help="instruction sets: default, avx2, avx512 (ATen, oneDNN and MKL capped "
+                             "at it; '' = the CPU's best)")  # fmt: skip
     parser.add_argument("--threads", type=int, nargs="+", default=[2], help="OMP_NUM_THREADS values")
     parser.add_argument(
         "--jobs", type=int, default=1, help="runs at once (each deterministic run computes on 1 thread)"

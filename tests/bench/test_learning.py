@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,3 +91,42 @@ def test_the_paths_benchmark_page_and_its_options(capsys: pytest.CaptureFixture[
     with pytest.raises(SystemExit):
         paths.main(["--replot"])
     assert "--replot needs --keep DIR" in capsys.readouterr().err
+
+
+def test_an_instruction_set_caps_every_library_that_picks_its_own() -> None:
+    """ATen's variable alone leaves MKL's GEMMs and oneDNN's convolutions on the CPU's best: avx2
+    must name all three, the CPU's best none (whatever the caller's environment says)."""
+    assert learning.isa_environment("avx2") == {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    }
+    assert learning.isa_environment("") == {}
+    with pytest.raises(SystemExit, match="--isa 'avx3'"):
+        learning.main(["--isa", "avx3", "--seeds", "0"])
+
+
+def test_capping_mkl_and_onednn_changes_the_arithmetic() -> None:
+    """What the avx2 rows are for: a matrix product and a convolution computed under the caps
+    differ in their bits from the CPU's best where that best is AVX-512 (else they are the same
+    code path, and nothing here is distinct to check)."""
+    code = (
+        "import torch, hashlib; torch.manual_seed(0); torch.set_num_threads(1); "
+        "a, b = torch.randn(300, 257), torch.randn(257, 129); "
+        "c = torch.nn.functional.conv2d(torch.randn(2, 64, 16, 16), torch.randn(64, 64, 3, 3), padding=1); "
+        "print(torch.backends.cpu.get_cpu_capability(), hashlib.md5((a @ b).numpy().tobytes()).hexdigest(), "
+        "hashlib.md5(c.numpy().tobytes()).hexdigest())"
+    )
+    plain = {k: v for k, v in os.environ.items() if k not in learning.ISA_LIBRARIES}
+
+    def run(env: dict[str, str]) -> list[str]:
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        return done.stdout.split()
+
+    best, capped = run(plain), run({**plain, **learning.isa_environment("avx2")})
+    assert capped[0] == "AVX2"
+    if best[0] != "AVX512":
+        pytest.skip(f"this CPU's best is {best[0]}: avx2 is not another code path here")
+    assert capped[1] != best[1] and capped[2] != best[2]
