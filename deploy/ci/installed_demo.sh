@@ -53,7 +53,9 @@ print(f"{(last - first) * 100:.1f} {first:.3f} {last:.3f}")
 EOF
 )
     say "held-out accuracy $first at step 0 (the lr = 0 control's), $last at the end: $points points"
-    awk -v p="$points" 'BEGIN {exit !(p >= 5)}' || fail "the demo gained $points points held-out (5 or more expected)"
+    # 3 seeds x 2 instruction sets gained 30-36 points (docs/performance.md): 20 leaves room for
+    # another CPU's arithmetic, and a demo that learns half as much fails
+    awk -v p="$points" 'BEGIN {exit !(p >= 20)}' || fail "the demo gained $points points held-out (20 or more expected)"
 fi
 "$WORK/venv/bin/flowgrpo" report "$WORK/run" >/dev/null || fail "flowgrpo report"
 say "OK: the installed package trains the demo from the repository root"

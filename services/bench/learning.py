@@ -52,9 +52,8 @@ CLI = [sys.executable, "-m", "flowgrpo.services.cli"]
 @dataclass(frozen=True)
 class Case:
     seed: int
-    isa: (
-        str  # default, avx2 or avx512 (ISA_VALUES: ATen, oneDNN and MKL capped at it), "" for this CPU's best
-    )
+    # default, avx2 or avx512 (ATen, oneDNN and MKL capped at it: ISA_VALUES); "": the CPU's best
+    isa: str
     threads: int
     control: bool
 
