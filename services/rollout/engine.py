@@ -105,8 +105,6 @@ class NativeBagelEngine:
         on_gpu = str(device).startswith("cuda")
         parallelize_bagel(model, None, compile=compile and on_gpu, activation_checkpointing=False)
         vae = load_vae(folder, dtype=dtype, device=device).eval()
-        if not on_gpu:  # oneDNN's channels-last convolutions: the decode a quarter faster, the same images
-            vae = vae.to(memory_format=torch.channels_last)
         log.info("loaded BAGEL from %s on %s (%s; base weights: %s)", folder, device, dtype, base_weights)
         sampler = BagelSampler(model, vae, load_special_tokens(folder))
         return cls(
