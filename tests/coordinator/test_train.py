@@ -155,12 +155,16 @@ def test_the_report_renders_every_part_from_a_real_run(reference_dir: Path) -> N
     assert done.returncode == 0, done.stderr
     page = (reference_dir / "report.html").read_text()
     sources = re.findall(r"src='([^']+)'", page)
-    assert len(sources) == 3  # the validation grids (steps 0, 4 and 2); the training ones are data
+    # each of the 4 validation prompts cut out at steps 0 and 4 (8 images), then the step-2 grid
+    # folded away; the training grids are data
+    assert len(sources) == 9
     for source in sources:  # every image is inside the page, and is a PNG
         assert source.startswith("data:image/png;base64,")
         assert Image.open(io.BytesIO(base64.b64decode(source.split(",", 1)[1]))).format == "PNG"
-    grid = Image.open(io.BytesIO(base64.b64decode(sources[0].split(",", 1)[1])))
-    assert grid.size == (4 * 256, 256)  # four 64 px images, each shown at 256 px
+    cell = Image.open(io.BytesIO(base64.b64decode(sources[0].split(",", 1)[1])))
+    assert cell.size == (256, 256)  # one 64 px image, shown at 256 px
+    grid = Image.open(io.BytesIO(base64.b64decode(sources[-1].split(",", 1)[1])))
+    assert grid.size == (4 * 256, 256)  # the step-2 grid: four images
     data = json.loads(re.search(r"id='report-data'>(.*?)</script>", page, re.DOTALL).group(1))  # type: ignore[union-attr]
     assert [g["step"] for g in data["train_grids"][0]] == list(range(1, STEPS + 1))
     titles = [p["title"] for p in data["panels"]]
@@ -173,15 +177,16 @@ def test_the_report_renders_every_part_from_a_real_run(reference_dir: Path) -> N
     assert keys <= set(titles) | flat  # every metric: a panel, or listed as flat
     assert "actor/rollout_logp_gap/max" in flat and "trainer/lag/max" in flat  # sync: all zero
     assert "services/trainer" in titles  # busy time per service, from the traces
-    # before and after side by side, then the one in between folded away
-    before, after = "<b>Step 0</b> (before training)", "<b>Step 4</b> (after step 4)"
-    assert page.index("<div class='pair'>") < page.index(before) < page.index(after)
-    assert page.index(after) < page.index("validation(s) in between") < page.index("<b>Step 2</b>")
+    # each prompt above its images before and after, then the validation in between folded away
+    assert page.index("Left: step 0; right: step 4") < page.index("validation(s) in between")
+    assert page.index("validation(s) in between") < page.index("<b>Step 2</b>")
     cells = [json.loads((reference_dir / "images" / f"val_{s:06d}.json").read_text()) for s in (0, 4)]
-    assert len(cells[1]["cells"]) == 4 and all(html.escape(c["prompt"]) in page for c in cells[1]["cells"])
-    first, last = cells[0]["cells"][0]["reward"], cells[1]["cells"][0]["reward"]
-    change = (last - first) / abs(first) * 100
-    assert f"<td>{first:+.6g}</td><td>{last:+.6g}</td><td>{change:+.1f}%</td>" in page
+    assert len(cells[1]["cells"]) == 4
+    for before, after in zip(cells[0]["cells"], cells[1]["cells"], strict=True):
+        assert before["prompt"] == after["prompt"]
+        caption = f"<figcaption>{html.escape(before['prompt'])}</figcaption>"
+        rewards = f"{before['reward']:+.6g} &rarr; {after['reward']:+.6g}"
+        assert caption in page and rewards in page[page.index(caption) :]
     # the metadata: the command that ran, how it ended; the config against the recipe
     assert f"flowgrpo train {RECIPE}" in page and "<td>success</td>" in page
     assert "<td class='mono'>schedule.steps</td><td class='mono'>40</td><td class='mono'>4</td>" in page
