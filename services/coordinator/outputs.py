@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -312,6 +312,19 @@ def read_metrics(run_dir: str | Path, kind: str = "train") -> list[dict[str, Any
         if record.get("kind") == kind:
             by_step[int(record["step"])] = record
     return [by_step[s] for s in sorted(by_step)]
+
+
+T = TypeVar("T")
+
+
+def evenly_spaced(items: list[T], most: int) -> list[T]:
+    """Up to ``most`` of ``items`` evenly spaced over the list, the first and the last included
+    (which prompts a validation grid shows; which training grids a report keeps)."""
+    if len(items) <= most:
+        return items
+    if most == 1:
+        return items[:1]
+    return [items[round(i * (len(items) - 1) / (most - 1))] for i in range(most)]
 
 
 def image_grid(

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 from PIL import Image
 
-from flowgrpo.services.coordinator.outputs import read_metrics
+from flowgrpo.services.coordinator.outputs import evenly_spaced, read_metrics
 from flowgrpo.services.coordinator.runmeta import RECIPE_FILE, RunSession, read_sessions
 from flowgrpo.services.coordinator.trace import busy_per_step
 
@@ -331,9 +331,7 @@ def grids(run: Run, tag: str) -> list[Grid]:
     """The run's ``images/<tag>_<step>.png`` grids with their captions; training ones thinned to
     :data:`MAX_TRAIN_GRIDS` evenly spaced."""
     paths = sorted((run.dir / "images").glob(f"{tag}_*.png"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
-    if len(paths) > MAX_TRAIN_GRIDS:
-        picks = {round(i * (len(paths) - 1) / (MAX_TRAIN_GRIDS - 1)) for i in range(MAX_TRAIN_GRIDS)}
-        paths = [p for i, p in enumerate(paths) if i in picks]
+    paths = evenly_spaced(paths, MAX_TRAIN_GRIDS)
     out = []
     for path in paths:
         captions = path.with_suffix(".json")

@@ -33,7 +33,7 @@ from flowgrpo.services.coordinator.advantages import group_advantages, nft_optim
 from flowgrpo.services.coordinator.config import RunConfig
 from flowgrpo.services.coordinator.handles import Replica
 from flowgrpo.services.coordinator.lifecycle import RunInterrupted
-from flowgrpo.services.coordinator.outputs import RunOutputs, RunState, read_metrics
+from flowgrpo.services.coordinator.outputs import RunOutputs, RunState, evenly_spaced, read_metrics
 from flowgrpo.services.coordinator.pool import ReplicaPool, RunError, TrainerGone
 from flowgrpo.services.coordinator.progress import StepProgress
 from flowgrpo.services.coordinator.registry import CoordinatorService
@@ -634,15 +634,6 @@ def validation_keys(scorers: Sequence[ScorerSpec]) -> list[str]:
 def _weighted(scorers: Sequence[ScorerSpec]) -> bool:
     """Whether the reward trained on differs from the one scorer's own score."""
     return len(scorers) > 1 or any(spec.weight != 1.0 for spec in scorers)
-
-
-def evenly_spaced(items: list[T], most: int) -> list[T]:
-    """Up to ``most`` of ``items`` evenly spaced over the list, the first and the last included."""
-    if len(items) <= most:
-        return items
-    if most == 1:
-        return items[:1]
-    return [items[round(i * (len(items) - 1) / (most - 1))] for i in range(most)]
 
 
 def _requests(groups: list[Group], replicas: int, most: int) -> list[list[Group]]:
