@@ -1,17 +1,27 @@
 """Which algorithm learns most per image and per second? (``flowgrpo bench algos``)
 
-The CPU demo trained with each algorithm (FlowGRPO; FlowGRPO with shared-prefix branching;
-DiffusionNFT), each seed twice: as it is and as a control with ``trainer.optim.lr=0`` and the same
-seeds (the same prompts and initial noise at every step). What an algorithm learnt by step k is
-the paired gain: trained reward minus control reward at step k (step 1 precedes any update, so
-the pair agrees there). Cost axes, per run: images generated (steps x samples per step), trainer
-seconds (``timing_s/train``: log-prob or old-policy passes and the update) and rollout seconds
-(``timing_s/gen``).
+Every algorithm is trained from the same base with each seed twice: as its recipe says and as a
+control with ``trainer.optim.lr=0`` and the same seeds (the same prompts and noise at every
+step). What it learnt is the trained run minus its control, on one of two tasks (``--task``):
 
-Per algorithm, over the seeds (median and range): the final gain (mean paired gain over the last
-quarter) absolute and relative to the control, the gain per 1k images, per trainer second and per
-rollout second, the steps at which the trained run is ahead, and the seconds spent. A plot
-(``--plot``): the paired gain against images generated and against trainer seconds.
+- ``compose`` (default): the prompt-following task of the demo (docs/compose_task.md) on the tiny
+  BAGEL that ``flowgrpo sft`` taught to draw. The figure is the held-out accuracy: the compose
+  verifier's all-or-nothing score on combinations no training prompt has, ODE, the same noise at
+  every validation. The control's weights never move, so its accuracy is its step-0 validation
+  at every step (checked: 3 validations bitwise equal, and equal to the trained run's step 0).
+  Every algorithm gets the same images (``--images``) and validates after the same numbers of
+  images (``--eval-images``), whatever its batch. Per algorithm, over the seeds (median and
+  range): the final accuracy, its control, the final gain in points, and the images and trainer
+  seconds (``timing_s/train``) at the first validation whose gain reaches 50% and 90% of the
+  best final gain (the largest median over the algorithms run); a run that never reaches it
+  counts as infinite. A plot (``--plot``): the gain against images and against trainer seconds.
+- ``jpeg``: the JPEG demo (``examples/tiny_jpeg.yaml``, a random tiny model rewarded for JPEG
+  compressibility), the per-step mean reward paired with the control's (step 1 precedes any
+  update, so the pair agrees there). Per algorithm: the final gain (the last quarter's mean)
+  absolute and relative to the control, the gain per 1k images, per trainer second and per
+  rollout second, the steps at which the trained run is ahead, and the seconds spent.
+
+Every run is its own ``flowgrpo train`` process (the ``inprocess`` launcher), ``--jobs`` at once.
 """
 
 from __future__ import annotations
@@ -19,34 +29,59 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from flowgrpo.services.bench.learning import RECIPE, Case, run_case
+from flowgrpo.services.bench.learning import HELD_OUT_KEY, Case, run_case, validations_of
 from flowgrpo.services.bench.stats import Figure, write_json
 
-# name: the overrides that make the demo recipe train with it (docs/algorithms.md)
-ALGORITHMS: dict[str, tuple[str, ...]] = {
-    "flow_grpo": (),
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    recipe: str  # a recipe of examples/
+    overrides: tuple[str, ...] = ()
+
+
+# the JPEG demo's NFT settings (docs/LOG.md): the reference's beta 1 / adv_clip 5 learnt nothing in 9
+# steps here (r stayed within 0.37-0.67); beta 0.1 / adv_clip 2 at lr 3e-3 did; 2 of 5 times
+JPEG_NFT = ("trainer.algorithm=diffusion_nft", "sampling.noise_level=0", "trainer.optim.lr=3e-3",
+            "trainer.nft.beta=0.1", "trainer.nft.adv_clip=2",
+            "trainer.nft.timestep_fraction=0.5")  # fmt: skip
+# The JPEG demo's algorithms (docs/algorithms.md, "on the JPEG demo")
+JPEG: dict[str, Algorithm] = {
+    "flow_grpo": Algorithm("tiny_jpeg.yaml"),
     # the demo's window is the first two steps: nothing before it to share. Both of these start it at
     # step 1 (one prefix step), unbranched and branched, so the pair measures what sharing changes
-    "flow_grpo_late": ("sampling.window_range=[1,3]",),
-    "flow_grpo_branch": ("sampling.window_range=[1,3]", "sampling.branch=true"),
-    # the demo's NFT settings (docs/LOG.md): the reference's beta 1 / adv_clip 5 learnt nothing in 9
-    # steps here (r stayed within 0.37-0.67); beta 0.1 / adv_clip 2 at lr 3e-3 did; 2 of 5 times
-    "diffusion_nft": (
-        "trainer.algorithm=diffusion_nft",
-        "sampling.noise_level=0",
-        "trainer.optim.lr=3e-3",
-        "trainer.nft.beta=0.1",
-        "trainer.nft.adv_clip=2",
-        "trainer.nft.timestep_fraction=0.5",
-    ),
+    "flow_grpo_late": Algorithm("tiny_jpeg.yaml", ("sampling.window_range=[1,3]",)),
+    "flow_grpo_branch": Algorithm("tiny_jpeg.yaml", ("sampling.window_range=[1,3]", "sampling.branch=true")),
+    "diffusion_nft": Algorithm("tiny_jpeg.yaml", JPEG_NFT),
 }
+
+# The compose task's (docs/algorithms.md, "on the prompt-following task"): FlowGRPO as
+# examples/tiny_compose.yaml tunes it (a window of one SDE step, CFG 4, KL 0.04), DiffusionNFT as
+# the demo (examples/tiny_demo.yaml) trains it, with and without CFG
+COMPOSE: dict[str, Algorithm] = {
+    # the window anywhere in the first 7 of 9 steps, each sample its own noise
+    "flow_grpo": Algorithm("tiny_compose.yaml", ("sampling.branch=false", "sampling.window_range=[0,7]")),
+    # the window in steps 2-6 (the recipe's), unbranched and branched: what sharing the prefix changes
+    "flow_grpo_late": Algorithm("tiny_compose.yaml", ("sampling.branch=false",)),
+    "flow_grpo_branch": Algorithm("tiny_compose.yaml"),
+    "grpo_guard": Algorithm("tiny_compose.yaml", ("trainer.loss.mode=grpo_guard",)),
+    "diffusion_nft": Algorithm("tiny_demo.yaml", ("sampling.cfg_text_scale=4.0",)),
+    "diffusion_nft_cfg_free": Algorithm("tiny_demo.yaml"),
+}
+TASKS = {"compose": COMPOSE, "jpeg": JPEG}
+
+
+# --- the JPEG demo: the per-step reward ------------------------------------------------------------
 
 
 @dataclass
@@ -152,77 +187,263 @@ def print_table(rows: list[Row]) -> None:
 
 
 def plot(curves: list[Curve], path: str) -> None:
+    _plot_lines(
+        [(c.algorithm, c.images, c.trainer_s, c.gain) for c in curves],
+        "reward gain over the lr = 0 control",
+        "the JPEG demo, paired against lr = 0 controls (one line per seed)",
+        path,
+    )
+
+
+def _plot_lines(
+    lines: list[tuple[str, list[float], list[float], list[float]]], ylabel: str, title: str, path: str
+) -> None:
+    """One line per (algorithm, images, trainer seconds, gain) against images and trainer seconds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for index, algorithm in enumerate(dict.fromkeys(c.algorithm for c in curves)):
-        color = f"C{index}"  # matplotlib's cycle: one colour per algorithm, however many
-        for i, c in enumerate(x for x in curves if x.algorithm == algorithm):
-            label = algorithm if i == 0 else None
-            axes[0].plot(c.images, c.gain, color=color, alpha=0.8, label=label)
-            axes[1].plot(c.trainer_s, c.gain, color=color, alpha=0.8, label=label)
+    colors: dict[str, str] = {}
+    for algorithm, images, trainer_s, gain in lines:
+        label = None if algorithm in colors else algorithm
+        color = colors.setdefault(algorithm, f"C{len(colors)}")  # matplotlib's cycle: one per algorithm
+        axes[0].plot(images, gain, color=color, alpha=0.8, label=label)
+        axes[1].plot(trainer_s, gain, color=color, alpha=0.8, label=label)
     for ax, xlabel in zip(axes, ("images generated", "trainer seconds"), strict=True):
         ax.axhline(0.0, color="grey", linewidth=0.8)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("reward gain over the lr = 0 control")
+        ax.set_ylabel(ylabel)
         ax.legend()
-    fig.suptitle("CPU demo, paired against lr = 0 controls (one line per seed)")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
+# --- the compose task: held-out accuracy --------------------------------------------------------
+
+
+@dataclass
+class HeldOutCurve:
+    """One (algorithm, seed) pair on the compose task, at each validation of the trained run."""
+
+    algorithm: str
+    seed: int
+    steps: list[int]  # 0: before any update
+    accuracy: list[float]  # held-out accuracy (a fraction)
+    control: float  # the lr = 0 control's, the same at every step
+    images: list[float]  # images generated before the validation
+    trainer_s: list[float]  # trainer seconds before it
+    rollout_s: list[float]
+
+    @property
+    def gain(self) -> list[float]:
+        """Accuracy minus the control's, in points."""
+        return [(a - self.control) * 100 for a in self.accuracy]
+
+    def reach(self, target: float, axis: list[float]) -> float:
+        """``axis`` at the first validation whose gain is at least ``target`` points (inf: none)."""
+        return next((x for x, g in zip(axis, self.gain, strict=True) if g >= target), math.inf)
+
+
+def held_out_curve(
+    algorithm: str, seed: int, trained_dir: Path, control: list[float], key: str = HELD_OUT_KEY
+) -> HeldOutCurve:
+    found = validations_of(trained_dir, key)
+    if len(set(control)) != 1 or found.get(0) != control[0]:
+        raise SystemExit(
+            f"{algorithm} seed {seed}: the lr = 0 control's validations {control} must all equal the "
+            f"trained run's step 0 ({found.get(0)}): the same weights, prompts and noise"
+        )
+    records = step_records(trained_dir)
+    if [int(r["step"]) for r in records] != list(range(1, len(records) + 1)):
+        raise SystemExit(f"{trained_dir}: the training steps are not 1..{len(records)}")
+
+    def before(field: str) -> list[float]:  # the field's running total before each validation
+        totals = [0.0, *itertools.accumulate(r[field] for r in records)]
+        return [totals[step] for step in sorted(found)]
+
+    return HeldOutCurve(
+        algorithm,
+        seed,
+        steps=sorted(found),
+        accuracy=[found[step] for step in sorted(found)],
+        control=control[0],
+        images=before("trainer/samples"),
+        trainer_s=before("timing_s/train"),
+        rollout_s=before("timing_s/gen"),
+    )
+
+
+@dataclass
+class HeldOutRow:
+    algorithm: str
+    accuracy: Figure  # at the last validation, %
+    control: Figure
+    gain: Figure  # points
+    images_to_half: Figure  # to 50% of the best final gain (inf: not reached)
+    images_to_most: Figure  # to 90%
+    trainer_s_to_half: Figure
+    trainer_s_to_most: Figure
+    trainer_s: Figure  # the whole run's
+    rollout_s: Figure
+
+
+def best_final_gain(curves: list[HeldOutCurve]) -> float:
+    """The largest median (over the seeds) final gain of any algorithm, in points."""
+    by_algorithm: dict[str, list[float]] = {}
+    for c in curves:
+        by_algorithm.setdefault(c.algorithm, []).append(c.gain[-1])
+    return max(statistics.median(g) for g in by_algorithm.values())
+
+
+def held_out_row(algorithm: str, curves: list[HeldOutCurve], best: float) -> HeldOutRow:
+    """``best``: :func:`best_final_gain`; at or below 0 nothing was learnt and nothing is reached."""
+    half, most = (0.5 * best, 0.9 * best) if best > 0 else (math.inf, math.inf)
+
+    def fig(value: Callable[[HeldOutCurve], float], unit: str) -> Figure:
+        return Figure.of([value(c) for c in curves], unit)
+
+    return HeldOutRow(
+        algorithm,
+        accuracy=fig(lambda c: c.accuracy[-1] * 100, "%"),
+        control=fig(lambda c: c.control * 100, "%"),
+        gain=fig(lambda c: c.gain[-1], "points"),
+        images_to_half=fig(lambda c: c.reach(half, c.images), "images"),
+        images_to_most=fig(lambda c: c.reach(most, c.images), "images"),
+        trainer_s_to_half=fig(lambda c: c.reach(half, c.trainer_s), "s"),
+        trainer_s_to_most=fig(lambda c: c.reach(most, c.trainer_s), "s"),
+        trainer_s=fig(lambda c: c.trainer_s[-1], "s"),
+        rollout_s=fig(lambda c: c.rollout_s[-1], "s"),
+    )
+
+
+def reach_cell(figure: Figure, spec: str = ",.0f") -> str:
+    """``1,280 (640-2,560)``; ``never`` where the median run did not reach it."""
+
+    def one(value: float) -> str:
+        return "never" if math.isinf(value) else format(value, spec)
+
+    return f"{one(figure.median)} ({one(figure.min)}-{one(figure.max)})"
+
+
+def print_held_out_table(rows: list[HeldOutRow], best: float) -> None:
+    cells: list[tuple[str, int, Callable[[HeldOutRow], str]]] = [
+        ("algorithm", 22, lambda r: r.algorithm),
+        ("held-out accuracy %", 20, lambda r: r.accuracy.brief(".1f")),
+        ("control %", 18, lambda r: r.control.brief(".1f")),
+        ("gain (points)", 20, lambda r: r.gain.brief("+.1f")),
+        ("images to 50%", 22, lambda r: reach_cell(r.images_to_half)),
+        ("images to 90%", 22, lambda r: reach_cell(r.images_to_most)),
+        ("trainer s to 50%", 18, lambda r: reach_cell(r.trainer_s_to_half)),
+        ("trainer s to 90%", 18, lambda r: reach_cell(r.trainer_s_to_most)),
+        ("trainer s", 16, lambda r: r.trainer_s.brief(".0f")),
+        ("rollout s", 16, lambda r: r.rollout_s.brief(".0f")),
+    ]
+    print(" ".join(f"{name:>{width}}" for name, width, _ in cells))
+    for r in rows:
+        print(" ".join(f"{cell(r):>{width}}" for _, width, cell in cells))
+    print(f"median (min-max) over the seeds; best final gain {best:+.1f} points (50%: {best / 2:+.1f}, "
+          f"90%: {0.9 * best:+.1f}); never: not reached by the last validation")  # fmt: skip
+
+
+def plot_held_out(curves: list[HeldOutCurve], path: str) -> None:
+    _plot_lines(
+        [(c.algorithm, c.images, c.trainer_s, c.gain) for c in curves],
+        "held-out accuracy over the lr = 0 control (points)",
+        "the compose task, paired against lr = 0 controls (one line per seed)",
+        path,
+    )
+
+
+# --- running ----------------------------------------------------------------------------------------
+
+
+def images_per_step(algorithm: Algorithm, overrides: list[str]) -> int:
+    from flowgrpo.services.coordinator.config import load_run_config
+
+    cfg = load_run_config(EXAMPLES / algorithm.recipe, [*algorithm.overrides, *overrides])
+    return cfg.data.prompts_per_step * cfg.data.group_size
+
+
+def schedule_of(name: str, algorithm: Algorithm, args: argparse.Namespace) -> list[str]:
+    """The schedule overrides that give ``algorithm`` the task's budget."""
+    if args.task == "jpeg":
+        return [f"schedule.steps={args.steps}"]
+    per_step = images_per_step(algorithm, args.overrides)
+    if args.images % per_step or args.eval_images % per_step or args.images % args.eval_images:
+        raise SystemExit(
+            f"{name}: --images {args.images} and --eval-images {args.eval_images} must be multiples of its "
+            f"{per_step} images a step, and --images of --eval-images"
+        )
+    steps, every = args.images // per_step, args.eval_images // per_step
+    return [f"schedule.steps={steps}", f"schedule.eval_every={every}"]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    unknown = sorted(set(args.algorithms) - set(ALGORITHMS))
+    algorithms = TASKS[args.task]
+    chosen = args.algorithms or list(algorithms)
+    unknown = sorted(set(chosen) - set(algorithms))
     if unknown:
-        raise SystemExit(f"unknown algorithms {unknown}: choose from {sorted(ALGORITHMS)}")
-    cases = [
-        (a, Case(s, "", args.threads, control))
-        for a in args.algorithms
-        for s in args.seeds
-        for control in (False, True)
-    ]
+        raise SystemExit(f"unknown {args.task} algorithms {unknown}: choose from {sorted(algorithms)}")
+    schedules = {a: schedule_of(a, algorithms[a], args) for a in chosen}  # a bad budget stops here
+    val_key = HELD_OUT_KEY if args.task == "compose" else None
+    cases = [(a, Case(s, "", args.threads, c)) for a in chosen for s in args.seeds for c in (False, True)]
     with tempfile.TemporaryDirectory(prefix="bench-algos-") as tmp:
         folder = Path(args.keep) if args.keep else Path(tmp)
 
-        def run(item: tuple[str, Case]) -> Path:
-            algorithm, case = item
+        def run(item: tuple[str, Case]) -> list[float]:
+            name, case = item
+            algorithm = algorithms[name]
             options = argparse.Namespace(
-                recipe=args.recipe,
-                overrides=[*ALGORITHMS[algorithm], f"schedule.steps={args.steps}", *args.overrides],
+                recipe=str(EXAMPLES / algorithm.recipe),
+                overrides=[*algorithm.overrides, *schedules[name], *args.overrides],
             )
-            run_case(case, options, folder / algorithm)
-            return folder / algorithm / case.label
+            return run_case(case, options, folder / name, val_key)[0]
 
         with ThreadPoolExecutor(args.jobs) as pool:
-            dirs = dict(zip(cases, pool.map(run, cases), strict=True))
-        curves = [
-            curve(a, case.seed, dirs[(a, case)], dirs[(a, Case(case.seed, "", args.threads, True))])
-            for a, case in cases
-            if not case.control
-        ]
-    rows = [row(a, [c for c in curves if c.algorithm == a]) for a in args.algorithms]
-    print_table(rows)
-    if args.plot:
-        plot(curves, args.plot)
-    write_json(
-        args.json, {"rows": rows, "curves": curves, "algorithms": {a: ALGORITHMS[a] for a in args.algorithms}}
-    )
+            results = dict(zip(cases, pool.map(run, cases), strict=True))
+        trained = [(a, case) for a, case in cases if not case.control]
+        if args.task == "jpeg":
+            curves = [
+                curve(a, c.seed, folder / a / c.label, folder / a / replace(c, control=True).label)
+                for a, c in trained
+            ]
+            rows = [row(a, [c for c in curves if c.algorithm == a]) for a in chosen]
+            print_table(rows)
+            if args.plot:
+                plot(curves, args.plot)
+            report: dict[str, object] = {"rows": rows, "curves": curves}
+        else:
+            held = [
+                held_out_curve(a, c.seed, folder / a / c.label, results[(a, replace(c, control=True))])
+                for a, c in trained
+            ]
+            best = best_final_gain(held)
+            held_rows = [held_out_row(a, [c for c in held if c.algorithm == a], best) for a in chosen]
+            print_held_out_table(held_rows, best)
+            if args.plot:
+                plot_held_out(held, args.plot)
+            report = {"rows": held_rows, "curves": held, "best_final_gain": best}
+    write_json(args.json, {**report, "task": args.task, "algorithms": {a: algorithms[a] for a in chosen}})
     return 0
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flowgrpo bench algos", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--recipe", default=str(RECIPE))
+    parser.add_argument("--task", choices=sorted(TASKS), default="compose")
     parser.add_argument(
-        "--algorithms", nargs="+", default=list(ALGORITHMS), help=f"from {sorted(ALGORITHMS)}"
+        "--algorithms",
+        nargs="+",
+        help=f"default: the task's all (compose: {' '.join(COMPOSE)}; jpeg: {' '.join(JPEG)})",
     )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="schedule.seed values")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of every run")
+    parser.add_argument("--images", type=int, default=6400, help="compose: images every algorithm generates")
+    parser.add_argument("--eval-images", type=int, default=640, help="compose: images between validations")
+    parser.add_argument("--steps", type=int, default=40, help="jpeg: steps of every run")
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every run")
     parser.add_argument("--jobs", type=int, default=1, help="runs at once")
     parser.add_argument("--json", help="also write every row and every pair's curve here")
     parser.add_argument("--plot", help="write the gain curves to this PNG")

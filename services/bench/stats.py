@@ -195,7 +195,7 @@ def repeats_arg(text: str) -> int:
 
 def to_jsonable(value: object) -> Any:
     """Objects with a ``to_json`` (figures) as what it returns, dataclasses as dicts of their
-    fields, recursively; anything else unknown as ``str``."""
+    fields, recursively; a non-finite float as null; anything else unknown as ``str``."""
     to_json = getattr(value, "to_json", None)
     if callable(to_json):
         return to_jsonable(to_json())
@@ -205,6 +205,8 @@ def to_jsonable(value: object) -> Any:
         return {str(k): to_jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [to_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no infinity (a threshold never reached) nor NaN
     if value is None or isinstance(value, bool | int | float | str):
         return value
     return str(value)

@@ -1,9 +1,11 @@
-"""``flowgrpo bench algos`` on a shortened demo: every algorithm's runs are paired with their
-controls, and every figure of a row recomputes from the stored curves."""
+"""``flowgrpo bench algos``: on a shortened JPEG demo and a shortened compose task every
+algorithm's runs are paired with their controls and every figure of a row recomputes from the
+stored curves; the thresholds of the compose table against a loop written out here."""
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -16,15 +18,15 @@ from .demo import SHORT_DEMO
 
 
 @pytest.mark.timeout(900)
-def test_the_algorithms_benchmark_pairs_and_recomputes(tmp_path: Path) -> None:
+def test_the_jpeg_benchmark_pairs_and_recomputes(tmp_path: Path) -> None:
     model = make_tiny_bagel(tmp_path / "model", seed=0)
     out, figure = tmp_path / "algos.json", tmp_path / "algos.png"
     overrides = [f"model.checkpoint={model}", *SHORT_DEMO]  # first: --algorithms takes what follows it
-    argv = [*overrides, "--seeds", "0", "--steps", "4", "--threads", "1", "--jobs", "2", "--json", str(out),
-            "--plot", str(figure), "--algorithms", *algos.ALGORITHMS]  # fmt: skip
+    argv = [*overrides, "--task", "jpeg", "--seeds", "0", "--steps", "4", "--threads", "1", "--jobs", "2",
+            "--json", str(out), "--plot", str(figure), "--algorithms", *algos.JPEG]  # fmt: skip
     assert algos.main(argv) == 0
     report = json.loads(out.read_text())
-    assert [r["algorithm"] for r in report["rows"]] == list(algos.ALGORITHMS)
+    assert [r["algorithm"] for r in report["rows"]] == list(algos.JPEG)
     assert figure.stat().st_size > 10_000
     for row, curve in zip(report["rows"], report["curves"], strict=True):
         assert curve["gain"][0] == 0.0  # step 1 precedes any update: the pair agrees there
@@ -34,3 +36,77 @@ def test_the_algorithms_benchmark_pairs_and_recomputes(tmp_path: Path) -> None:
         assert row["gain_per_kimage"]["median"] == pytest.approx(final / 16 * 1000)
         assert row["gain_per_trainer_s"]["median"] == pytest.approx(final / curve["trainer_s"][-1])
         assert all(b > a for a, b in zip(curve["trainer_s"], curve["trainer_s"][1:], strict=False))
+
+
+SHORT_COMPOSE = [  # one prompt of 4 samples a step, 4 held-out prompts, one optimizer step
+    "data.prompts_per_step=1",
+    "data.group_size=4",
+    "data.val_prompts=4",
+    "trainer.loss.micro_batch_size=4",
+    "trainer.loss.mini_batches=1",
+]
+
+
+@pytest.mark.timeout(900)
+def test_the_compose_benchmark_pairs_held_out_validations(tmp_path: Path) -> None:
+    out = tmp_path / "algos.json"
+    chosen = ["flow_grpo_branch", "diffusion_nft_cfg_free"]  # both recipes the task's algorithms use
+    argv = [*SHORT_COMPOSE, "--seeds", "0", "--images", "8", "--eval-images", "4", "--jobs", "2",
+            "--json", str(out), "--algorithms", *chosen]  # fmt: skip
+    assert algos.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["task"] == "compose" and [r["algorithm"] for r in report["rows"]] == chosen
+    finals = []
+    for row, curve in zip(report["rows"], report["curves"], strict=True):
+        assert curve["steps"] == [0, 1, 2] and curve["images"] == [0, 4, 8]  # a validation each 4 images
+        assert curve["trainer_s"][0] == 0.0 < curve["trainer_s"][1] < curve["trainer_s"][2]
+        assert curve["accuracy"][0] == curve["control"]  # the lr = 0 control: step 0's validation
+        assert all(a in {0.0, 0.25, 0.5, 0.75, 1.0} for a in curve["accuracy"])  # 4 prompts, 1 image each
+        final = (curve["accuracy"][-1] - curve["control"]) * 100
+        assert row["gain"]["median"] == pytest.approx(final)
+        assert row["accuracy"]["median"] == pytest.approx(curve["accuracy"][-1] * 100)
+        finals.append(final)
+    assert report["best_final_gain"] == pytest.approx(max(finals))
+
+
+def synthetic(algorithm: str, seed: int, accuracy: list[float]) -> algos.HeldOutCurve:
+    n = len(accuracy)
+    axis = [float(i) for i in range(n)]
+    return algos.HeldOutCurve(algorithm, seed, steps=[10 * i for i in range(n)], accuracy=accuracy,
+                              control=accuracy[0], images=[640 * x for x in axis],
+                              trainer_s=[15 * x for x in axis], rollout_s=[20 * x for x in axis])  # fmt: skip
+
+
+def test_the_thresholds_are_the_first_validations_at_half_and_90_percent_of_the_best_gain() -> None:
+    curves = [
+        synthetic("fast", 0, [0.30, 0.50, 0.60, 0.60]),  # +30 points at the end
+        synthetic("fast", 1, [0.20, 0.25, 0.45, 0.50]),  # +30
+        synthetic("fast", 2, [0.25, 0.40, 0.40, 0.45]),  # +20
+        synthetic("slow", 0, [0.30, 0.30, 0.36, 0.46]),  # +16
+        synthetic("slow", 1, [0.20, 0.10, 0.20, 0.30]),  # +10
+        synthetic("slow", 2, [0.25, 0.30, 0.35, 0.40]),  # +15
+    ]
+    best = algos.best_final_gain(curves)
+    assert best == pytest.approx(30.0)  # the median of fast's finals; slow's median is 15
+
+    def first(c: algos.HeldOutCurve, target: float, axis: list[float]) -> float:
+        for i, a in enumerate(c.accuracy):
+            if (a - c.control) * 100 >= target:
+                return axis[i]
+        return math.inf
+
+    for name in ("fast", "slow"):
+        mine = [c for c in curves if c.algorithm == name]
+        row = algos.held_out_row(name, mine, best)
+        half = sorted(first(c, 15.0, c.images) for c in mine)
+        most = sorted(first(c, 27.0, c.trainer_s) for c in mine)
+        for figure, expected in ((row.images_to_half, half), (row.trainer_s_to_most, most)):
+            assert (figure.min, figure.median, figure.max) == tuple(expected)
+    fast = algos.held_out_row("fast", curves[:3], best)
+    assert (fast.images_to_half.median, fast.images_to_most.median) == (640.0, 1920.0)
+    assert fast.images_to_most.max == math.inf  # seed 2 ends at +20 < 27: never
+    assert algos.reach_cell(fast.images_to_most) == "1,920 (1,280-never)"
+    slow = algos.held_out_row("slow", curves[3:], best)
+    assert slow.images_to_most.median == math.inf and slow.images_to_half.median == 1920.0
+    nothing = algos.held_out_row("flat", [synthetic("flat", 0, [0.3, 0.3])], 0.0)
+    assert nothing.images_to_half.median == math.inf  # no gain: no threshold is reached, not step 0's
