@@ -42,7 +42,7 @@ examples:
   flowgrpo bench paths            launchers, replica counts, schedules: do they train the same?
   flowgrpo bench relay            weight publication, star vs relay, N replicas behind capped links
   flowgrpo bench learning --isa default avx2 --threads 1 2   the demo against its lr=0 control, per seed
-  flowgrpo bench algos --plot algos.png   FlowGRPO, branching, DiffusionNFT: learnt per image and per second
+  flowgrpo bench algos --plot a.png   FlowGRPO, GRPO-Guard, DiffusionNFT: held-out gain per image, per second
   flowgrpo columns                the column schema every service checks its data against
   flowgrpo make-tiny-bagel /tmp/tiny   a tiny random BAGEL checkpoint in the published layout
   flowgrpo data prepare ocr --model-path /tmp/tiny --input-dir examples/data/tiny_ocr --output-dir /tmp/ocr
@@ -818,7 +818,8 @@ def build_parser() -> argparse.ArgumentParser:
         "paths: do the launchers, replica counts and schedules train the same (the CPU demo); "
         "relay: weight publication, star against relay, at N replicas each behind a capped link; "
         "learning: the demo against its lr=0 control per seed, CPU capability and thread count; "
-        "algos: FlowGRPO, with branching, and DiffusionNFT on the demo: gain per image and per second; "
+        "algos: FlowGRPO (windows, branching), GRPO-Guard and DiffusionNFT on the compose task: held-out "
+        "accuracy over lr = 0 controls, images and trainer seconds to 50%/90% of the best gain; "
         "system: a recipe's images/s against its FLOP limit, each step's time split and MFU, per variant; "
         "consistency: the rollout/trainer log-prob gap per window step, batched vs batch-invariant",
     )

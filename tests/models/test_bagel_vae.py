@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from flowgrpo.models.bagel.config import VAEConfig, flux_vae, tiny_vae
-from flowgrpo.models.bagel.vae import AutoEncoder, images_to_uint8, vae_config_from_shapes
+from flowgrpo.models.bagel.vae import AutoEncoder, decode_in_batches, images_to_uint8, vae_config_from_shapes
 
 
 def shapes_of(vae: AutoEncoder) -> dict[str, tuple[int, ...]]:
@@ -68,6 +68,35 @@ def test_decode_shape_range_and_formula() -> None:
         255,
     ]
     assert vae.encode(images).shape == (2, 16, 4, 6)
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+def test_an_image_decoded_in_fixed_batches_does_not_depend_on_its_companions(
+    layout: torch.memory_format,
+) -> None:
+    """The CPU rollout decodes channels-last in batches of 16 (engine.py). Bitwise: an image
+    decoded among 20 others, alone, or at another place of another batch comes out the same (the
+    last batch padded to the fixed shape); to float rounding: as one plain batch decodes it. The
+    uint8 images come out [B, H, W, 3] contiguous, at most one level from the plain decode's."""
+    torch.manual_seed(0)
+    vae = AutoEncoder(VAEConfig(ch=64, ch_mult=(1, 1, 1, 1), num_res_blocks=0)).eval()
+    z = torch.randn(21, 16, 8, 8)
+    with torch.no_grad():
+        plain = vae.decode(z)
+        vae.to(memory_format=layout)
+        batched = decode_in_batches(vae, z, 4)
+        alone = decode_in_batches(vae, z[13:14], 4)
+        shifted = decode_in_batches(vae, torch.cat([z[5:], z[:5]]), 4)
+    assert batched.shape == plain.shape
+    assert torch.equal(alone[0], batched[13])
+    assert torch.equal(shifted, torch.cat([batched[5:], batched[:5]]))
+    torch.testing.assert_close(batched, plain, rtol=1e-4, atol=1e-5)
+    pixels = images_to_uint8(batched)
+    assert pixels.shape == (21, 64, 64, 3)
+    assert (pixels.int() - images_to_uint8(plain).int()).abs().max() <= 1
+    if layout == torch.channels_last:
+        assert vae.decoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+        assert pixels.is_contiguous()
 
 
 def test_the_tiny_factorys_decoder_is_a_smooth_map_of_the_latent() -> None:

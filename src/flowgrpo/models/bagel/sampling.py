@@ -31,7 +31,7 @@ from torch import Tensor
 from flowgrpo.models.bagel.attention import KVCache
 from flowgrpo.models.bagel.config import SpecialTokens
 from flowgrpo.models.bagel.model import BagelModel, latent_position_ids, unpatchify
-from flowgrpo.models.bagel.vae import AutoEncoder, images_to_uint8
+from flowgrpo.models.bagel.vae import AutoEncoder, decode_in_batches, images_to_uint8
 from flowgrpo.sampler_math import (
     StepResult,
     batch_noise,
@@ -233,10 +233,13 @@ def window_step(
 class BagelSampler:
     """Draws FlowGRPO trajectories from a BAGEL model (and decodes them with the VAE)."""
 
-    def __init__(self, model: BagelModel, vae: AutoEncoder | None, special: SpecialTokens) -> None:
+    def __init__(
+        self, model: BagelModel, vae: AutoEncoder | None, special: SpecialTokens, decode_batch: int = 0
+    ) -> None:
         self.model = model
         self.vae = vae
         self.special = special
+        self.decode_batch = decode_batch  # images per decode (vae.decode_in_batches); 0: all at once
 
     @torch.no_grad()
     def generate(
@@ -474,7 +477,8 @@ class _Batch:
         vae, model = self.sampler.vae, self.sampler.model
         if self.params.decode_images and vae is not None:
             latent = unpatchify(final, *self.grid, model.config.patch)
-            images = images_to_uint8(vae.decode(latent.to(next(vae.parameters()).dtype)))
+            latent = latent.to(next(vae.parameters()).dtype)
+            images = images_to_uint8(decode_in_batches(vae, latent, self.sampler.decode_batch))
         return Trajectories(
             latents=torch.stack(window_x, dim=1),
             log_probs=torch.stack(window_lp, dim=1),

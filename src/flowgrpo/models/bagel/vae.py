@@ -186,6 +186,24 @@ class AutoEncoder(nn.Module):
         return images.clamp(-1.0, 1.0)
 
 
+def decode_in_batches(vae: AutoEncoder, z: Tensor, size: int) -> Tensor:
+    """``vae.decode(z)`` in batches of exactly ``size`` latents, the last one padded with zeros
+    (dropped after); ``size`` 0: one batch. A convolution library picks its kernel and blocking
+    from the batch's shape, so an image decoded in a fixed shape does not depend on how many
+    others were decoded with it (two rollout replicas decoding 8 images each draw what one
+    decoding 16 draws), and a small batch keeps the activations in cache (docs/performance.md)."""
+    if size <= 0:
+        return vae.decode(z)
+    parts = []
+    for start in range(0, z.shape[0], size):
+        part = z[start : start + size]
+        count = part.shape[0]
+        if count < size:
+            part = torch.cat([part, part.new_zeros(size - count, *part.shape[1:])])
+        parts.append(vae.decode(part)[:count])
+    return torch.cat(parts)
+
+
 def images_to_uint8(images: Tensor) -> Tensor:
     """[B, 3, H, W] in [-1, 1] -> [B, H, W, 3] uint8: round(255 clamp((x + 1) / 2, 0, 1))."""
     pixels = ((images.float() * 0.5 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
