@@ -42,20 +42,32 @@ lines=$(grep -c '"kind": "train"' "$WORK/run/metrics.jsonl")
 say "trained $expected steps in $((SECONDS - start)) s from the repository root: $(grep -m1 "mean reward of the first" "$WORK/train.log")"
 if [[ -z ${STEPS:-} ]]; then
     # held-out accuracy (test combinations, ODE, the same noise every time) at the last validation
-    # against step 0, which is the lr = 0 control's at every step (tests/bench/test_learning.py)
-    read -r points first last < <("$WORK/venv/bin/python" - "$WORK/run/metrics.jsonl" <<'EOF'
+    # against step 0, which is the lr = 0 control's at every step (tests/bench/test_learning.py):
+    # overall, per category, and the reward-hacking watch (the scene the verifier does not score)
+    "$WORK/venv/bin/python" - "$WORK/run/metrics.jsonl" <<'EOF' || fail "the demo did not learn prompt following"
 import json, sys
-key = "val-aux/compose/accuracy/mean@1"
+prefix = "val-aux/compose/"
 rows = [json.loads(line) for line in open(sys.argv[1])]
-held_out = {r["step"]: r[key] for r in rows if r.get("kind") == "val" and key in r}
+held_out = {r["step"]: r for r in rows if r.get("kind") == "val" and prefix + "accuracy/mean@1" in r}
 first, last = held_out[0], held_out[max(held_out)]
-print(f"{(last - first) * 100:.1f} {first:.3f} {last:.3f}")
+def points(key):
+    return (last[prefix + key] - first[prefix + key]) * 100
+overall = points("accuracy/mean@1")
+print(f"held-out accuracy {first[prefix + 'accuracy/mean@1']:.3f} at step 0 (the lr = 0 control's), "
+      f"{last[prefix + 'accuracy/mean@1']:.3f} at step {max(held_out)}: {overall:+.1f} points", file=sys.stderr)
+categories = sorted(k[len(prefix + "accuracy/"):-len("/mean@1")] for k in last
+                    if k.startswith(prefix + "accuracy/") and k.count("/") == 4)
+gains = {c: points(f"accuracy/{c}/mean@1") for c in categories}
+print("per category: " + ", ".join(f"{c} {g:+.0f}" for c, g in gains.items()), file=sys.stderr)
+watch = {k: (first[prefix + k], last[prefix + k]) for k in ("scene/blob_diameter/mean@1", "scene/extra_blobs/mean@1")}
+print("reward-hacking watch: " + ", ".join(f"{k} {a:.3f} -> {b:.3f}" for k, (a, b) in watch.items()), file=sys.stderr)
+# 3 seeds x 2 instruction sets gained 27-40 points (docs/performance.md): 20 leaves room for another
+# CPU's arithmetic, and a demo that learns half as much fails; the seeds gained 10 or more points
+# in 3-5 of the 6 categories and lost none
+assert overall >= 20, f"the demo gained {overall:.1f} points held-out (20 or more expected)"
+assert sum(g >= 10 for g in gains.values()) >= 3, f"fewer than 3 categories gained 10 points: {gains}"
+assert min(gains.values()) >= -15, f"a category lost more than 15 points: {gains}"
 EOF
-)
-    say "held-out accuracy $first at step 0 (the lr = 0 control's), $last at the end: $points points"
-    # 3 seeds x 2 instruction sets gained 30-36 points (docs/performance.md): 20 leaves room for
-    # another CPU's arithmetic, and a demo that learns half as much fails
-    awk -v p="$points" 'BEGIN {exit !(p >= 20)}' || fail "the demo gained $points points held-out (20 or more expected)"
 fi
 "$WORK/venv/bin/flowgrpo" report "$WORK/run" >/dev/null || fail "flowgrpo report"
 say "OK: the installed package trains the demo from the repository root"
