@@ -282,6 +282,7 @@ class HeldOutRow:
     accuracy: Figure  # at the last validation, %
     control: Figure
     gain: Figure  # points
+    peak: Figure  # the best validation's gain, points
     images_to_half: Figure  # to 50% of the best final gain (inf: not reached)
     images_to_most: Figure  # to 90%
     trainer_s_to_half: Figure
@@ -310,6 +311,7 @@ def held_out_row(algorithm: str, curves: list[HeldOutCurve], best: float) -> Hel
         accuracy=fig(lambda c: c.accuracy[-1] * 100, "%"),
         control=fig(lambda c: c.control * 100, "%"),
         gain=fig(lambda c: c.gain[-1], "points"),
+        peak=fig(lambda c: max(c.gain), "points"),
         images_to_half=fig(lambda c: c.reach(half, c.images), "images"),
         images_to_most=fig(lambda c: c.reach(most, c.images), "images"),
         trainer_s_to_half=fig(lambda c: c.reach(half, c.trainer_s), "s"),
@@ -334,6 +336,7 @@ def print_held_out_table(rows: list[HeldOutRow], best: float) -> None:
         ("held-out accuracy %", 20, lambda r: r.accuracy.brief(".1f")),
         ("control %", 18, lambda r: r.control.brief(".1f")),
         ("gain (points)", 20, lambda r: r.gain.brief("+.1f")),
+        ("peak gain", 20, lambda r: r.peak.brief("+.1f")),
         ("images to 50%", 22, lambda r: reach_cell(r.images_to_half)),
         ("images to 90%", 22, lambda r: reach_cell(r.images_to_most)),
         ("trainer s to 50%", 18, lambda r: reach_cell(r.trainer_s_to_half)),
@@ -389,46 +392,64 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown {args.task} algorithms {unknown}: choose from {sorted(algorithms)}")
     schedules = {a: schedule_of(a, algorithms[a], args) for a in chosen}  # a bad budget stops here
-    val_key = HELD_OUT_KEY if args.task == "compose" else None
     cases = [(a, Case(s, "", args.threads, c)) for a in chosen for s in args.seeds for c in (False, True)]
     with tempfile.TemporaryDirectory(prefix="bench-algos-") as tmp:
-        folder = Path(args.keep) if args.keep else Path(tmp)
+        folder = Path(args.tabulate or args.keep or tmp)
 
-        def run(item: tuple[str, Case]) -> list[float]:
+        def run(item: tuple[str, Case]) -> None:
             name, case = item
+            if args.tabulate:  # the runs are there already
+                if not (folder / name / case.label / "metrics.jsonl").is_file():
+                    raise SystemExit(f"--tabulate {folder}: no {name}/{case.label}/metrics.jsonl")
+                return
             algorithm = algorithms[name]
             options = argparse.Namespace(
                 recipe=str(EXAMPLES / algorithm.recipe),
                 overrides=[*algorithm.overrides, *schedules[name], *args.overrides],
             )
-            return run_case(case, options, folder / name, val_key)[0]
+            run_case(case, options, folder / name, HELD_OUT_KEY if args.task == "compose" else None)
 
         with ThreadPoolExecutor(args.jobs) as pool:
-            results = dict(zip(cases, pool.map(run, cases), strict=True))
+            list(pool.map(run, cases))
         trained = [(a, case) for a, case in cases if not case.control]
-        if args.task == "jpeg":
-            curves = [
-                curve(a, c.seed, folder / a / c.label, folder / a / replace(c, control=True).label)
-                for a, c in trained
-            ]
-            rows = [row(a, [c for c in curves if c.algorithm == a]) for a in chosen]
-            print_table(rows)
-            if args.plot:
-                plot(curves, args.plot)
-            report: dict[str, object] = {"rows": rows, "curves": curves}
-        else:
-            held = [
-                held_out_curve(a, c.seed, folder / a / c.label, results[(a, replace(c, control=True))])
-                for a, c in trained
-            ]
-            best = best_final_gain(held)
-            held_rows = [held_out_row(a, [c for c in held if c.algorithm == a], best) for a in chosen]
-            print_held_out_table(held_rows, best)
-            if args.plot:
-                plot_held_out(held, args.plot)
-            report = {"rows": held_rows, "curves": held, "best_final_gain": best}
+        pairs = [
+            (a, c.seed, folder / a / c.label, folder / a / replace(c, control=True).label) for a, c in trained
+        ]
+        report = (
+            jpeg_report(pairs, chosen, args.plot)
+            if args.task == "jpeg"
+            else compose_report(pairs, chosen, args.plot)
+        )
     write_json(args.json, {**report, "task": args.task, "algorithms": {a: algorithms[a] for a in chosen}})
     return 0
+
+
+def jpeg_report(
+    pairs: list[tuple[str, int, Path, Path]], chosen: list[str], png: str | None
+) -> dict[str, object]:
+    curves = [curve(*pair) for pair in pairs]
+    rows = [row(a, [c for c in curves if c.algorithm == a]) for a in chosen]
+    print_table(rows)
+    if png:
+        plot(curves, png)
+    return {"rows": rows, "curves": curves}
+
+
+def compose_report(
+    pairs: list[tuple[str, int, Path, Path]], chosen: list[str], png: str | None
+) -> dict[str, object]:
+    curves = [
+        held_out_curve(
+            a, seed, trained, [v for _, v in sorted(validations_of(control, HELD_OUT_KEY).items())]
+        )
+        for a, seed, trained, control in pairs
+    ]
+    best = best_final_gain(curves)
+    rows = [held_out_row(a, [c for c in curves if c.algorithm == a], best) for a in chosen]
+    print_held_out_table(rows, best)
+    if png:
+        plot_held_out(curves, png)
+    return {"rows": rows, "curves": curves, "best_final_gain": best}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -448,6 +469,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", help="also write every row and every pair's curve here")
     parser.add_argument("--plot", help="write the gain curves to this PNG")
     parser.add_argument("--keep", metavar="DIR", help="keep the run folders under DIR (default: removed)")
+    parser.add_argument("--tabulate", metavar="DIR", help="run nothing: tabulate the runs a --keep DIR holds")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE overrides of every run (give them first)")
     return parser
 

@@ -49,12 +49,16 @@ SHORT_COMPOSE = [  # one prompt of 4 samples a step, 4 held-out prompts, one opt
 
 @pytest.mark.timeout(900)
 def test_the_compose_benchmark_pairs_held_out_validations(tmp_path: Path) -> None:
-    out = tmp_path / "algos.json"
+    out, again, kept = tmp_path / "algos.json", tmp_path / "again.json", tmp_path / "runs"
     chosen = ["flow_grpo_branch", "diffusion_nft_cfg_free"]  # both recipes the task's algorithms use
     argv = [*SHORT_COMPOSE, "--seeds", "0", "--images", "8", "--eval-images", "4", "--jobs", "2",
-            "--json", str(out), "--algorithms", *chosen]  # fmt: skip
-    assert algos.main(argv) == 0
+            "--algorithms", *chosen]  # fmt: skip
+    assert algos.main([*argv, "--json", str(out), "--keep", str(kept)]) == 0
     report = json.loads(out.read_text())
+    assert algos.main([*argv, "--json", str(again), "--tabulate", str(kept)]) == 0  # nothing run again
+    assert json.loads(again.read_text()) == report
+    with pytest.raises(SystemExit, match=r"no flow_grpo/seed0-native-t1-trained/metrics\.jsonl"):
+        algos.main([*argv[:-2], "flow_grpo", "--tabulate", str(kept)])
     assert report["task"] == "compose" and [r["algorithm"] for r in report["rows"]] == chosen
     finals = []
     for row, curve in zip(report["rows"], report["curves"], strict=True):
@@ -64,6 +68,7 @@ def test_the_compose_benchmark_pairs_held_out_validations(tmp_path: Path) -> Non
         assert all(a in {0.0, 0.25, 0.5, 0.75, 1.0} for a in curve["accuracy"])  # 4 prompts, 1 image each
         final = (curve["accuracy"][-1] - curve["control"]) * 100
         assert row["gain"]["median"] == pytest.approx(final)
+        assert row["peak"]["median"] == pytest.approx(max(curve["accuracy"]) * 100 - curve["control"] * 100)
         assert row["accuracy"]["median"] == pytest.approx(curve["accuracy"][-1] * 100)
         finals.append(final)
     assert report["best_final_gain"] == pytest.approx(max(finals))
