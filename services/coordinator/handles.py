@@ -1,19 +1,29 @@
-"""How the coordinator reaches a service replica: the same four calls over gRPC (``local`` and
+"""How the coordinator reaches a service replica: the same calls over gRPC (``local`` and
 ``remote`` launchers) or straight into an actor in this process (``inprocess``: the servicer's
-methods through its mailbox, no socket). Every failure comes out as :class:`ReplicaError`, which
-says whether another replica may take the work."""
+methods through its mailbox, no socket). One typed method per RPC the coordinator makes, with its
+request and response types (rollout: :meth:`Replica.generate`, :meth:`Replica.load_weights`,
+:meth:`Replica.release`; trainer: :meth:`Replica.train_step`, :meth:`Replica.save_checkpoint`,
+:meth:`Replica.state`; reward: :meth:`Replica.score`). Every failure comes out as
+:class:`ReplicaError`, which says whether another replica may take the work."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 import grpc.aio
 
-from flowgrpo.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2_grpc, trainer_pb2_grpc
+from flowgrpo.v1 import (
+    reward_pb2,
+    reward_pb2_grpc,
+    rollout_pb2,
+    rollout_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
 
 T = TypeVar("T")
 
@@ -77,7 +87,41 @@ class Replica:
         task.cancel()
         raise ReplicaError(self.replica_id, what, self.lost_reason, retryable=True)
 
-    async def unary(self, method: str, request: Any, timeout_s: float) -> Any:
+    # --- the calls: one per RPC, typed ----------------------------------------------------------
+
+    async def generate(
+        self, request: rollout_pb2.GenerateRequest, timeout_s: float
+    ) -> rollout_pb2.GenerateResponse:
+        return cast(rollout_pb2.GenerateResponse, await self._unary("Generate", request, timeout_s))
+
+    async def load_weights(
+        self, request: rollout_pb2.LoadWeightsRequest, timeout_s: float
+    ) -> rollout_pb2.LoadWeightsResponse:
+        return cast(rollout_pb2.LoadWeightsResponse, await self._unary("LoadWeights", request, timeout_s))
+
+    async def release(
+        self, request: rollout_pb2.ReleaseRequest, timeout_s: float
+    ) -> rollout_pb2.ReleaseResponse:
+        return cast(rollout_pb2.ReleaseResponse, await self._unary("Release", request, timeout_s))
+
+    async def train_step(
+        self, request: trainer_pb2.TrainStepRequest, timeout_s: float
+    ) -> trainer_pb2.TrainStepResponse:
+        return cast(trainer_pb2.TrainStepResponse, await self._unary("TrainStep", request, timeout_s))
+
+    async def save_checkpoint(
+        self, request: trainer_pb2.SaveCheckpointRequest, timeout_s: float
+    ) -> trainer_pb2.SaveCheckpointResponse:
+        return cast(
+            trainer_pb2.SaveCheckpointResponse, await self._unary("SaveCheckpoint", request, timeout_s)
+        )
+
+    async def state(self, timeout_s: float) -> trainer_pb2.TrainerStateResponse:
+        request = trainer_pb2.TrainerStateRequest()
+        return cast(trainer_pb2.TrainerStateResponse, await self._unary("State", request, timeout_s))
+
+    async def _unary(self, method: str, request: Any, timeout_s: float) -> Any:
+        """The stub's (or the in-process servicer's) ``method``: the RPC's name in the proto."""
         try:
             if self.in_process:
                 return await getattr(self.target, method)(request, None)

@@ -20,7 +20,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import grpc.aio
 
@@ -93,14 +92,14 @@ class ReplicaPool:
     def healthy_rollouts(self) -> list[Replica]:
         return [r for r in self.rollouts if r.healthy]
 
-    async def call_rollout(self, method: str, request: Any) -> Any:
-        """``method`` on the least busy healthy rollout; on a replica failure, on another."""
+    async def generate(self, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
+        """``request`` on the least busy healthy rollout; on a replica failure, on another."""
         while True:
             replica = await self._pick(self.rollouts)
             replica.busy += 1
             try:
-                response = await replica.unary(method, request, self.launch.request_timeout_s)
-                self.samples_served[replica.replica_id] += len(getattr(response, "samples", ()))
+                response = await replica.generate(request, self.launch.request_timeout_s)
+                self.samples_served[replica.replica_id] += len(response.samples)
                 return response
             except ReplicaError as error:
                 self._failed(replica, error)
@@ -273,9 +272,7 @@ class ReplicaPool:
             update=update, sources=sources or [], relay=relay and bool(update.tensors),
             source_stall_s=self.publication.relay_stall_s,
         )  # fmt: skip
-        response: rollout_pb2.LoadWeightsResponse = await replica.unary(
-            "LoadWeights", request, self.launch.request_timeout_s
-        )
+        response = await replica.load_weights(request, self.launch.request_timeout_s)
         replica.policy_version = update.policy_version
         return response
 
@@ -294,7 +291,7 @@ class ReplicaPool:
         request = rollout_pb2.ReleaseRequest(tags=[tag])
         for replica in self.healthy_rollouts():
             try:
-                await replica.unary("Release", request, self.launch.request_timeout_s)
+                await replica.release(request, self.launch.request_timeout_s)
             except ReplicaError as error:
                 self._failed(replica, error)
 

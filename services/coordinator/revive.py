@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Protocol, TypeVar
 
 from flowgrpo.services.coordinator.config import LaunchConfig
 from flowgrpo.services.coordinator.handles import Replica, ReplicaError
@@ -35,6 +35,7 @@ from flowgrpo.v1 import common_pb2, trainer_pb2
 log = logging.getLogger(__name__)
 
 STATE_TIMEOUT_S = 60.0  # the State call of a trainer that has just started
+T = TypeVar("T")
 
 
 class TrainerSource(Protocol):
@@ -98,8 +99,9 @@ class TrainerKeeper:
     # --- the calls ---------------------------------------------------------------------------
 
     async def train(self, request: trainer_pb2.TrainStepRequest) -> trainer_pb2.TrainStepResponse:
-        response: trainer_pb2.TrainStepResponse = await self._call(
-            "TrainStep", request, f"training step {request.step}"
+        response = await self._call(
+            lambda trainer: trainer.train_step(request, self.launch.request_timeout_s),
+            f"training step {request.step}",
         )
         self.trained = request.step
         if self.source is not None:
@@ -109,8 +111,9 @@ class TrainerKeeper:
 
     async def save(self, step: int, complete: bool) -> trainer_pb2.SaveCheckpointResponse:
         request = trainer_pb2.SaveCheckpointRequest(step=step, complete=complete)
-        response: trainer_pb2.SaveCheckpointResponse = await self._call(
-            "SaveCheckpoint", request, f"saving step {step}"
+        response = await self._call(
+            lambda trainer: trainer.save_checkpoint(request, self.launch.request_timeout_s),
+            f"saving step {step}",
         )
         await self.completed(response.complete)
         return response
@@ -143,11 +146,11 @@ class TrainerKeeper:
         """Whether the trainer that published the weights being loaded has died."""
         return self.source is not None and await self.source.gone(self.pool.trainer)
 
-    async def _call(self, method: str, request: Any, doing: str) -> Any:
-        """``method`` on the trainer; when the trainer is gone, on the one brought back."""
+    async def _call(self, call: Callable[[Replica], Awaitable[T]], doing: str) -> T:
+        """``call`` on the trainer; when the trainer is gone, on the one brought back."""
         while True:
             try:
-                return await self.pool.trainer.unary(method, request, self.launch.request_timeout_s)
+                return await call(self.pool.trainer)
             except ReplicaError as error:
                 await self.bring_back(error, doing)
 
@@ -187,9 +190,7 @@ class TrainerKeeper:
 
     async def _catch_up(self, replica: Replica, doing: str, ended: str) -> common_pb2.WeightUpdate:
         """Take ``replica`` as the run's trainer and train it again up to :attr:`trained`."""
-        state: trainer_pb2.TrainerStateResponse = await replica.unary(
-            "State", trainer_pb2.TrainerStateRequest(), STATE_TIMEOUT_S
-        )
+        state = await replica.state(STATE_TIMEOUT_S)
         again = list(range(state.step + 1, self.trained + 1))
         missing = [s for s in again if s not in self.kept]
         if state.step > self.trained or missing:
@@ -205,9 +206,7 @@ class TrainerKeeper:
         update = state.current
         for step in again:
             request, version = self.kept[step]
-            response: trainer_pb2.TrainStepResponse = await replica.unary(
-                "TrainStep", request, self.launch.request_timeout_s
-            )
+            response = await replica.train_step(request, self.launch.request_timeout_s)
             if response.update.policy_version != version:
                 raise RunError(
                     f"step {step} trained again gave policy version {response.update.policy_version}, "

@@ -431,7 +431,7 @@ class Coordinator:
 
     async def _generate(self, key: str, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
         """``request`` on a rollout replica; its samples are counted as drawn for ``key``'s note."""
-        response: rollout_pb2.GenerateResponse = await self.pool.call_rollout("Generate", request)
+        response = await self.pool.generate(request)
         self.progress.drawn(key, len(response.samples))
         return response
 
@@ -496,7 +496,7 @@ class Coordinator:
 
     async def _resume(self) -> None:
         state = self.outputs.load_state()
-        trainer = await self.pool.trainer.unary("State", trainer_pb2.TrainerStateRequest(), 60.0)
+        trainer = await self.pool.trainer.state(60.0)
         if state is None:
             if trainer.current.HasField("base"):  # the rollouts map the trainer's base before sampling
                 await self.pool.load_weights(trainer.current)
