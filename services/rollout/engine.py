@@ -40,7 +40,7 @@ from flowgrpo.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 # images per decode on a CPU: the 64 px decode of 128 images in batches of 16, channels-last, took
-# 0.47x the time of one plain batch on 2 cores (docs/performance.md), the same images
+# 0.45x the time of one plain batch on 2 cores (docs/LOG.md, 2026-12-05 morning), the same images
 CPU_DECODE_BATCH = 16
 
 

@@ -191,7 +191,7 @@ def decode_in_batches(vae: AutoEncoder, z: Tensor, size: int) -> Tensor:
     (dropped after); ``size`` 0: one batch. A convolution library picks its kernel and blocking
     from the batch's shape, so an image decoded in a fixed shape does not depend on how many
     others were decoded with it (two rollout replicas decoding 8 images each draw what one
-    decoding 16 draws), and a small batch keeps the activations in cache (docs/performance.md)."""
+    decoding 16 draws), and a small batch keeps the activations in cache (docs/LOG.md)."""
     if size <= 0:
         return vae.decode(z)
     parts = []
