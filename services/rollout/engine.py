@@ -109,7 +109,7 @@ class NativeBagelEngine:
         parallelize_bagel(model, None, compile=compile and on_gpu, activation_checkpointing=False)
         vae = load_vae(folder, dtype=dtype, device=device).eval()
         if not on_gpu:  # oneDNN's channels-last convolutions in batches that stay in cache
-            vae = vae.to(memory_format=torch.channels_last)
+            vae.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch's stub omits it
         log.info("loaded BAGEL from %s on %s (%s; base weights: %s)", folder, device, dtype, base_weights)
         decode_batch = 0 if on_gpu else CPU_DECODE_BATCH
         sampler = BagelSampler(model, vae, load_special_tokens(folder), decode_batch=decode_batch)
