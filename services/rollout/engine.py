@@ -39,9 +39,10 @@ from flowgrpo.services.rollout.shared_base import attach_base
 from flowgrpo.v1 import common_pb2
 
 log = logging.getLogger(__name__)
-# images per decode on a CPU: the 64 px decode of 128 images in batches of 16, channels-last, took
-# 0.45x the time of one plain batch on 2 cores (docs/LOG.md, 2026-12-05 morning), the same images
-CPU_DECODE_BATCH = 16
+# images per decode on a CPU: channels-last in batches of 16, the 64 px decode of 128 images took
+# 0.45x the time of one plain batch on 2 cores; batches of 4 took 0.83x the time of 16 on one
+# thread and pad a small batch less (docs/LOG.md, 2026-12-05 morning), the same images
+CPU_DECODE_BATCH = 4
 
 
 class RolloutEngine(Protocol):
