@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flowgrpo.algorithms.flow_grpo.objective import FlowGRPOObjective
 from flowgrpo.models.bagel.config import bagel_7b, tiny
 from flowgrpo.models.bagel.parallelize import parallelize_bagel
 from flowgrpo.models.bagel.policy import PolicyUpdate
@@ -47,9 +48,9 @@ from flowgrpo.services.bench.common import (
 )
 from flowgrpo.services.bench.stats import Figure, repeats_arg, timed, write_json
 from flowgrpo.services.rollout.engine import NativeBagelEngine
-from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig
+from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig, TrainerConfig
 from flowgrpo.services.trainer.policy import TrainablePolicy
-from flowgrpo.services.trainer.step import ON_POLICY_GAP, FlowGRPOStep, Trajectory
+from flowgrpo.services.trainer.step import ON_POLICY_GAP, TrainStep, Trajectory
 
 MODES = {"plain": False, "invariant": True}
 
@@ -59,7 +60,7 @@ class Sides:
     """The rollout engine and the trainer step, on the same weights and version."""
 
     engine: NativeBagelEngine
-    step: FlowGRPOStep
+    step: TrainStep
     requests: list[SampleRequest]
     lora: PolicyConfig
 
@@ -78,7 +79,7 @@ def build(args: argparse.Namespace, device: torch.device) -> Sides:
     policy = TrainablePolicy(trainer_model, lora)
     parallelize_bagel(policy.model, None, compile=compiled, activation_checkpointing=compiled)
     loss = LossConfig(micro_batch_size=args.micro_batch, mini_batches=1)
-    step = FlowGRPOStep(policy, special, OptimConfig(lr=args.lr), loss)
+    step = TrainStep(policy, special, TrainerConfig(optim=OptimConfig(lr=args.lr), loss=loss))
     requests = make_requests(args.batch, args.prompt_len, special, group=args.group)
     return Sides(engine, step, requests, lora)
 
@@ -94,8 +95,16 @@ def sample(sides: Sides, params: SamplerParams, version: int) -> list[Trajectory
     ]  # fmt: skip
 
 
+def recompute(sides: Sides, batch: list[Trajectory], params: SamplerParams) -> torch.Tensor:
+    """The trainer's logp_old recompute of ``batch`` [B, W], as a FlowGRPO step computes it."""
+    objective = sides.step.objective
+    assert isinstance(objective, FlowGRPOObjective)
+    with sides.step.compute_settings():
+        return objective.recompute(batch, params)
+
+
 def gap_per_window_step(sides: Sides, batch: list[Trajectory], params: SamplerParams) -> list[float]:
-    recomputed = sides.step.recompute(batch, params)
+    recomputed = recompute(sides, batch, params)
     behaviour = torch.stack([t.log_probs for t in batch])
     return (recomputed - behaviour).abs().amax(dim=0).tolist()
 
@@ -121,9 +130,7 @@ def measure_mode(
     after = gap_per_window_step(sides, after_batch, params)
     rollout_s = timed(lambda: sides.engine.generate(sides.requests, params, seed=0, step=99),
                       repeats=args.repeats, device=device)  # fmt: skip
-    recompute_s = timed(
-        lambda: sides.step.recompute(after_batch, params), repeats=args.repeats, device=device
-    )
+    recompute_s = timed(lambda: recompute(sides, after_batch, params), repeats=args.repeats, device=device)
     step_s = timed(lambda: sides.step.run(after_batch, params), repeats=args.repeats, device=device)
     publish(sides)  # the next mode starts with both sides at one version again
     return {

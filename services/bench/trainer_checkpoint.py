@@ -35,8 +35,8 @@ from flowgrpo.services.trainer.checkpoint import (
     save_checkpoint,
     start_checkpoint,
 )
-from flowgrpo.services.trainer.config import LossConfig, OptimConfig
-from flowgrpo.services.trainer.step import FlowGRPOStep
+from flowgrpo.services.trainer.config import LossConfig, TrainerConfig
+from flowgrpo.services.trainer.step import TrainStep
 
 WAYS = ("none", "sync", "async")
 
@@ -50,8 +50,8 @@ def measure_checkpoint_cost(
     if bench.initial is not None:  # LoRA: back to the sampled weights, as every variant starts
         bench.policy.load_published(bench.initial)
     loss = LossConfig(mini_batches=bench.mini_batches, micro_batch_size=variant.micro)
-    trainer = FlowGRPOStep(bench.policy, bench.special, OptimConfig(), loss, bench.dist)
-    trainer.mixed_precision = variant.autocast
+    trainer = TrainStep(bench.policy, bench.special, TrainerConfig(loss=loss), bench.dist)
+    trainer.forwards.mixed_precision = variant.autocast
     stager = HostStager(pinned=bench.device.type == "cuda")
     saver = _Saver(trainer, bench, folder, stager)
     report: dict[str, Any] = {"variant": variant.name, "folder": str(folder)}
@@ -79,7 +79,7 @@ def measure_checkpoint_cost(
 class _Saver:
     """One step and (by way) its checkpoint; the async way waits for the previous save first."""
 
-    def __init__(self, trainer: FlowGRPOStep, bench: StepBench, folder: Path, stager: HostStager) -> None:
+    def __init__(self, trainer: TrainStep, bench: StepBench, folder: Path, stager: HostStager) -> None:
         self.trainer, self.bench, self.folder, self.stager = trainer, bench, folder, stager
         self.pending: PendingCheckpoint | None = None
         self.saved = 0

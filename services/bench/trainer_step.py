@@ -25,11 +25,10 @@ from flowgrpo.sampler_math import shifted_schedule
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.bench.common import GiB, free, mfu
 from flowgrpo.services.bench.stats import Figure, Runs, run_timed
-from flowgrpo.services.trainer.config import LossConfig, NftConfig, OptimConfig
+from flowgrpo.services.trainer.config import LossConfig, NftConfig, TrainerConfig
 from flowgrpo.services.trainer.distributed import Dist
-from flowgrpo.services.trainer.nft import DiffusionNFTStep
 from flowgrpo.services.trainer.policy import TrainablePolicy
-from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory
+from flowgrpo.services.trainer.step import TrainStep, Trajectory
 
 # --- batch --------------------------------------------------------------------------------------
 
@@ -223,19 +222,13 @@ def _timed_steps(variant: Variant, bench: StepBench) -> Runs[dict[str, float]]:
     if bench.initial is not None:  # back to the sampled weights: the warm-up step is a sync step
         bench.policy.load_published(bench.initial)
     loss = LossConfig(mini_batches=bench.mini_batches, micro_batch_size=variant.micro)
-    trainer = (
-        DiffusionNFTStep(
-            bench.policy,
-            bench.special,
-            OptimConfig(),
-            loss,
-            nft=NftConfig(timestep_fraction=bench.nft_fraction),
-            dist=bench.dist,
+    cfg = TrainerConfig(loss=loss)
+    if variant.nft:
+        cfg = TrainerConfig(
+            algorithm="diffusion_nft", loss=loss, nft=NftConfig(timestep_fraction=bench.nft_fraction)
         )
-        if variant.nft
-        else FlowGRPOStep(bench.policy, bench.special, OptimConfig(), loss, bench.dist)
-    )
-    trainer.mixed_precision = variant.autocast
+    trainer = TrainStep(bench.policy, bench.special, cfg, bench.dist)
+    trainer.forwards.mixed_precision = variant.autocast
     patched = addmm_lora(bench.policy.model) if variant.addmm else []
     params = nft_params(bench.params) if variant.nft else bench.params
     try:
@@ -251,7 +244,7 @@ def nft_params(params: SamplerParams) -> SamplerParams:
     return replace(params, cfg_text_scale=1.0, noise_level=0.0)
 
 
-def _step(trainer: FlowGRPOStep, bench: StepBench, params: SamplerParams) -> dict[str, float]:
+def _step(trainer: TrainStep, bench: StepBench, params: SamplerParams) -> dict[str, float]:
     """One ``run`` on a sync batch (policy_version = the trainer's version): its metrics and, on
     a GPU, its peak memory."""
     device = bench.device

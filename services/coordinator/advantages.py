@@ -1,7 +1,7 @@
 """Group advantages, torch-free: for each prompt's G rewards,
 A = (r - mean_group) / (std_group + eps), clipped to +-clip; a group of one gets 0; the same A
-for every trained step of the trajectory. DiffusionNFT trains on the optimality
-r = clip(A, -c, c) / (2 c) + 1/2 in [0, 1] instead (``nft_optimality``)."""
+for every trained step of the trajectory. Each algorithm makes its training targets of them
+(``flowgrpo.algorithms``: DiffusionNFT's optimality in [0, 1])."""
 
 from __future__ import annotations
 
@@ -34,11 +34,3 @@ def group_advantages(
         out[uid] = np.clip(a, -config.clip, config.clip).tolist()
     return out, zero_std / max(len(rewards), 1)
 
-
-def nft_optimality(advantages: Mapping[str, Sequence[float]], clip: float) -> dict[str, list[float]]:
-    """DiffusionNFT's r per sample: A clipped to [-clip, clip], mapped linearly onto [0, 1]
-    (A = 0, the group's mean, is r = 1/2: neither positive nor negative)."""
-    return {
-        uid: (np.clip(np.asarray(a, dtype=np.float64), -clip, clip) / (2.0 * clip) + 0.5).tolist()
-        for uid, a in advantages.items()
-    }

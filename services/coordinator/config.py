@@ -9,13 +9,13 @@ config is written to ``<run_dir>/config.yaml``. Torch-free: the coordinator impo
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal
 
+from flowgrpo.algorithms import algorithm_of
 from flowgrpo.bus.config import BusConfig
 from flowgrpo.config import ConfigError, from_dict, load_config
 from flowgrpo.fields import SEED_MAX, check_int, knob
@@ -319,22 +319,7 @@ class RunConfig:
             )
 
     def _validate_algorithm(self) -> None:
-        loss = self.trainer.loss
-        if loss.mode == "grpo_guard" and self.sampling.sde_type != "sde":
-            raise ValueError(
-                f"trainer.loss.mode=grpo_guard re-normalises the ratio of a Gaussian step: it needs "
-                f"sampling.sde_type=sde, not {self.sampling.sde_type!r}"
-            )
-        if self.trainer.algorithm == "diffusion_nft" and not math.isinf(loss.max_logp_gap):
-            raise ValueError(
-                "trainer.loss.max_logp_gap compares FlowGRPO's window log-probs; trainer.algorithm="
-                "diffusion_nft computes none: leave it at .inf"
-            )
-        if self.trainer.algorithm == "diffusion_nft" and loss.mode != "flow_grpo":
-            raise ValueError(
-                f"trainer.loss.mode={loss.mode} is a FlowGRPO loss; trainer.algorithm=diffusion_nft "
-                "has its own: leave trainer.loss.mode=flow_grpo"
-            )
+        algorithm_of(self.trainer).check(self.trainer, self.sampling)
 
 
 def _relative_to_recipe(cfg: RunConfig, folder: Path, overrides: Sequence[str]) -> RunConfig:

@@ -25,11 +25,11 @@ from typing import TypeVar
 import numpy as np
 from opentelemetry import trace
 
+from flowgrpo.algorithms import algorithm_of
 from flowgrpo.bus import BusClient, BusError, TensorRef, TensorStore
-from flowgrpo.columns import TRAIN_INPUT_COLUMNS
 from flowgrpo.data import PromptRow, PromptSplit
 from flowgrpo.rewards.config import ScorerSpec
-from flowgrpo.services.coordinator.advantages import group_advantages, nft_optimality
+from flowgrpo.services.coordinator.advantages import group_advantages
 from flowgrpo.services.coordinator.config import RunConfig
 from flowgrpo.services.coordinator.handles import Replica
 from flowgrpo.services.coordinator.lifecycle import RunInterrupted
@@ -471,10 +471,9 @@ class Coordinator:
         advantages, self._zero_std = group_advantages(
             {g.row.prompt_uid: g.rewards for g in groups}, self.config.advantages
         )
-        trainer = self.config.trainer
-        if trainer.algorithm == "diffusion_nft":
-            advantages = nft_optimality(advantages, trainer.nft.adv_clip)
-        columns = [c for c in TRAIN_INPUT_COLUMNS[trainer.algorithm] if c != "prompt_ids"]
+        algorithm = algorithm_of(self.config.trainer)
+        targets = algorithm.targets(advantages, self.config.trainer)
+        columns = [c for c in algorithm.columns if c != "prompt_ids"]
         samples = [
             trainer_pb2.TrainSample(
                 prompt_uid=g.row.prompt_uid,
@@ -484,7 +483,7 @@ class Coordinator:
                 inputs={"prompt_ids": g.ids_ref, **{c: s.outputs[c] for c in columns}},
             )
             for g in groups
-            for s, a in zip(g.samples, advantages[g.row.prompt_uid], strict=True)
+            for s, a in zip(g.samples, targets[g.row.prompt_uid], strict=True)
         ]
         request = trainer_pb2.TrainStepRequest(
             step=step,

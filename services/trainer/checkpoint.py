@@ -74,7 +74,6 @@ from torch.torch_version import TorchVersion
 from flowgrpo.models.bagel.peft_format import load_peft_adapter, save_peft_adapter
 from flowgrpo.models.bagel.policy import PolicyUpdate
 from flowgrpo.services.trainer.distributed import Dist
-from flowgrpo.services.trainer.nft import DiffusionNFTStep
 from flowgrpo.services.trainer.policy import TrainablePolicy, lora_published_name
 
 PREFIX = "step_"
@@ -89,9 +88,17 @@ class Checkpointed(Protocol):
     DiffusionNFT or supervised fine-tuning step alike)."""
 
     version: int
-    steps_done: int
-    last_gap: float
 
+    @property
+    def keeps_old_policy(self) -> bool:
+        """Whether the policy's old copy (DiffusionNFT's sampling policy) is part of the state."""
+        ...
+
+    def counters(self) -> dict[str, float]:
+        """The step's counters (``version``, ``steps_done`` and the algorithm's own)."""
+        ...
+
+    def restore(self, counters: dict[str, float]) -> None: ...
     @property
     def policy(self) -> TrainablePolicy: ...
     @property
@@ -281,9 +288,8 @@ def _write_small_files(tmp: Path, trainer: Checkpointed, step: int) -> None:
     dist = trainer.dist
     _write_rng(tmp / "rng" / _rng_name(dist.rank))
     if dist.rank == 0:
-        counters = {"format": FORMAT, "step": step, "version": trainer.version,
-                    "steps_done": trainer.steps_done, "last_gap": trainer.last_gap,
-                    "kind": trainer.policy.kind, "ranks": dist.world}  # fmt: skip
+        counters = {"format": FORMAT, "step": step, **trainer.counters(), "kind": trainer.policy.kind,
+                    "ranks": dist.world}  # fmt: skip
         (tmp / "trainer.json").write_text(json.dumps(counters, indent=2))
     _barrier(dist)
 
@@ -435,7 +441,7 @@ def _stage(
         if trainer.dist.rank == 0:
             cfg = trainer.policy.config
             staged.adapter = PolicyUpdate(trainer.version, "lora", published, cfg.lora_rank, cfg.lora_alpha)
-    if isinstance(trainer, DiffusionNFTStep):
+    if trainer.keeps_old_policy:
         staged.dcp["old_policy"] = stager(trainer.policy.old_state())
     optimizer = _optimizer_tensors(trainer)
     if optimizer:
@@ -474,8 +480,7 @@ def load_checkpoint(path: str | Path, trainer: Checkpointed) -> int:
     optimizer()
     rng = path / "rng" / _rng_name(dist.rank)
     _set_rng_state(load_file(str(rng if rng.is_file() else path / "rng" / _rng_name(0))))
-    trainer.version, trainer.steps_done = int(counters["version"]), int(counters["steps_done"])
-    trainer.last_gap = float(counters["last_gap"])
+    trainer.restore(counters)
     return int(counters["step"])
 
 
@@ -579,13 +584,13 @@ def _check_weights(path: Path, trainer: Checkpointed) -> Callable[[], None]:
 def _write_old_policy(tmp: Path, trainer: Checkpointed) -> None:
     """DiffusionNFT's old (sampling) policy: part of the state a resumed run needs (it is an
     average of every earlier version, not something the weights can give back)."""
-    if isinstance(trainer, DiffusionNFTStep):
+    if trainer.keeps_old_policy:
         _dcp_save(tmp / "old_policy", trainer.policy.old_state(), trainer.dist)
 
 
 def _check_old_policy(path: Path, trainer: Checkpointed) -> Callable[[], None]:
     stored = (path / "old_policy").is_dir()
-    if stored != isinstance(trainer, DiffusionNFTStep):
+    if stored != trainer.keeps_old_policy:
         raise CheckpointError(
             f"{path} {'holds' if stored else 'has no'} a DiffusionNFT old policy and this trainer "
             f"{'does not train' if stored else 'trains'} DiffusionNFT: resume with the algorithm "

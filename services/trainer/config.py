@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from flowgrpo.algorithms import algorithm_of
 from flowgrpo.fields import SEED_MAX, knob
 from flowgrpo.models.bagel.config import GEN_PATH_LINEARS, is_gen_path
 from flowgrpo.runtime.config import ServiceProcessConfig
@@ -88,11 +89,6 @@ class LossConfig:
                 "trainer.loss.logp_old=bypass takes the rollout's log-probs as the old policy's: set "
                 "trainer.loss.max_logp_gap (0 where rollout and trainer compute the same function) so "
                 "that a rollout not sampling the trainer's weights stops the run instead of training on"
-            )
-        if self.mode == "grpo_guard" and self.logp_old == "bypass":
-            raise ValueError(
-                "trainer.loss.mode=grpo_guard compares the step means with the proximal policy's, "
-                "which the recompute computes: use trainer.loss.logp_old=recompute"
             )
 
 
@@ -200,6 +196,7 @@ class TrainerConfig:
             )
         if self.keep_last < 1:
             raise ValueError(f"trainer.keep_last={self.keep_last} must be >= 1")
+        algorithm_of(self).check(self, None)  # the checks that need no sampler settings
 
 
 @dataclass

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 from opentelemetry import trace
 
+from flowgrpo.algorithms import algorithm_of
 from flowgrpo.bus import BusClient, TensorRef
 from flowgrpo.bus.torch_tensors import to_torch
-from flowgrpo.columns import TRAIN_INPUT_COLUMNS
 from flowgrpo.fields import FieldError, check_float, check_id, check_int
 from flowgrpo.models.bagel.checkpoint import load_special_tokens
 from flowgrpo.models.bagel.sampling import token_grid
@@ -43,9 +43,8 @@ from flowgrpo.services.trainer.checkpoint import (
 from flowgrpo.services.trainer.config import TrainerServiceConfig
 from flowgrpo.services.trainer.distributed import Dist
 from flowgrpo.services.trainer.load import load_policy
-from flowgrpo.services.trainer.nft import DiffusionNFTStep
 from flowgrpo.services.trainer.publish import Publisher
-from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory
+from flowgrpo.services.trainer.step import TrainStep, Trajectory
 from flowgrpo.telemetry import links_from
 from flowgrpo.v1 import common_pb2, trainer_pb2
 
@@ -85,12 +84,8 @@ class TrainerCore:
         )
         base = policy.base_bucket.finish() if policy.base_bucket is not None else None
         special = load_special_tokens(cfg.checkpoint)
-        self.inputs = TRAIN_INPUT_COLUMNS[cfg.algorithm]  # what a sample must carry for this algorithm
-        self.trainer = (
-            DiffusionNFTStep(policy, special, cfg.optim, cfg.loss, nft=cfg.nft, dist=dist)
-            if cfg.algorithm == "diffusion_nft"
-            else FlowGRPOStep(policy, special, cfg.optim, cfg.loss, dist)
-        )
+        self.inputs = algorithm_of(cfg).columns  # what a sample must carry for this algorithm
+        self.trainer = TrainStep(policy, special, cfg, dist)
         self.limits = ModelLimits.of(policy.model.config)  # what a request's images and prompts may be
         self.client = BusClient(config.bus)
         # the store is rank 0's bus server's, set by the service once it serves (None: a follower)
@@ -181,7 +176,7 @@ class TrainerCore:
         self, request: trainer_pb2.TrainStepRequest, may_stop: Callable[[], None] | None = None
     ) -> dict[str, float]:
         """One training step on the request's samples (every rank fetches the whole batch).
-        ``may_stop``: see :meth:`FlowGRPOStep.run`; one process only (ranks that stopped
+        ``may_stop``: see :meth:`TrainStep.run`; one process only (ranks that stopped
         alone would leave the others waiting in a collective)."""
         params = self.check(request)
         batch, traces = self._fetch_batch(request)

@@ -18,22 +18,22 @@ import time
 
 import grpc.aio
 
+from flowgrpo.algorithms import algorithm_of
+from flowgrpo.algorithms.flow_grpo.objective import LogProbGapError
 from flowgrpo.bus import BusServer, serve_store
-from flowgrpo.columns import TRAIN_INPUT_COLUMNS
 from flowgrpo.devices import release_cached_memory
 from flowgrpo.runtime import Actor, InvalidArgument, ServiceError, message, raise_if_abandoned
 from flowgrpo.services.trainer.checkpoint import CheckpointWriteError, confined_folder
-from flowgrpo.services.trainer.config import TrainerServiceConfig
+from flowgrpo.services.trainer.config import TrainerConfig, TrainerServiceConfig
 from flowgrpo.services.trainer.core import TrainerCore
 from flowgrpo.services.trainer.distributed import Dist
 from flowgrpo.services.trainer.follow import SAVE, STOP, TRAIN, CommandChannel
-from flowgrpo.services.trainer.step import LogProbGapError
 from flowgrpo.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
 
-def stage(algorithm: str) -> common_pb2.StageSpec:
+def stage(config: TrainerConfig) -> common_pb2.StageSpec:
     """What the trainer reads and writes: its algorithm's inputs and the advantages, weights out."""
-    inputs = TRAIN_INPUT_COLUMNS[algorithm]
+    inputs = algorithm_of(config).columns
     return common_pb2.StageSpec(stage="trainer", consumes=[*inputs, "advantages"], produces=["weights"])
 
 
@@ -49,7 +49,7 @@ class TrainerService(Actor, trainer_pb2_grpc.TrainerServicer):
         self.step = 0  # last completed training step (the coordinator's numbering)
         self.current = common_pb2.WeightUpdate()  # the newest publication
         self.bus: BusServer | None = None
-        self.stages = [stage(config.trainer.algorithm)]
+        self.stages = [stage(config.trainer)]
 
     async def start(self) -> None:
         cfg = self.config.trainer

@@ -151,7 +151,7 @@ class FlowMatchingStep:
         self.optimizer = adamw(policy, optim)
         self.version = 0  # optimizer steps taken (the checkpoint's policy version)
         self.steps_done = 0
-        self.last_gap = math.inf  # a FlowGRPO counter the checkpoint format keeps; unused here
+        self.keeps_old_policy = False
 
     def run(self, data: PairData, step: int) -> dict[str, float]:
         """One optimizer step on ``step``'s batch; this rank runs its share of the rows."""
@@ -181,6 +181,13 @@ class FlowMatchingStep:
             "sft/skipped": float(skipped),
             "sft/step_s": time.perf_counter() - started,
         }
+
+    def counters(self) -> dict[str, float]:
+        """What a checkpoint keeps besides tensors (the format's counters)."""
+        return {"version": self.version, "steps_done": self.steps_done}
+
+    def restore(self, counters: dict[str, float]) -> None:
+        self.version, self.steps_done = int(counters["version"]), int(counters["steps_done"])
 
     def _set_lr(self, step: int) -> None:
         warmup, steps = self.cfg.warmup_steps, self.cfg.steps

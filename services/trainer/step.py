@@ -1,15 +1,15 @@
-"""One FlowGRPO training step over a batch of trajectories.
+"""One training step over a batch of trajectories: the optimizer loop, whatever the algorithm.
 
-1. logp_old: the proximal policy's log-prob of every stored window step, recomputed without
-   gradients with the weights at the start of the step (or, with ``bypass``, the behaviour
-   log-probs the rollout stored, while the measured gap stays below eps / 10);
-2. the batch is cut into ``mini_batches`` mini-batches, one optimizer step each; a mini-batch
-   runs in micro-batches of ``micro_batch_size`` samples whose gradients accumulate;
-3. every trained step recomputes the CFG-combined velocity with gradients through
-   ``guided_velocity`` and scores the stored x_{t+1} with ``window_step``: the functions the
-   sampler used, so behaviour and training log-probs are the same function.
+The loop owns the optimizer, the policy version and the stop checks; the algorithm's objective
+(``flowgrpo.algorithms.<name>.objective``) computes what the step needs before its updates, the
+loss of each micro-batch, and what follows the updates:
 
-The prompt cache depends only on the frozen und path: it is prefilled without gradients.
+1. ``objective.begin``: e.g. FlowGRPO's logp_old recompute, DiffusionNFT's times and noises;
+2. the batch is cut into ``loss.mini_batches`` mini-batches, one optimizer step each; a
+   mini-batch runs in micro-batches of ``loss.micro_batch_size`` samples whose gradients
+   accumulate (``objective.micro_batch``: forward, loss, backward);
+3. before each update, ``objective.before_update`` (FlowGRPO's weight-sync alarm may stop the
+   step there, nothing updated); after the last, ``objective.end`` (DiffusionNFT's old policy).
 
 On a GPU with bf16 frozen weights, the forwards run under bf16 autocast (``compute_autocast``, which
 the rollout's sampler enters too: both compute the same bf16 function):
@@ -25,84 +25,56 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from flowgrpo.algorithms import algorithm_of
+from flowgrpo.algorithms.diffusion_nft.objective import DiffusionNFTObjective
+from flowgrpo.algorithms.flow_grpo.objective import ON_POLICY_GAP, FlowGRPOObjective, LogProbGapError
+from flowgrpo.algorithms.grpo_guard.objective import GRPOGuardObjective
+from flowgrpo.algorithms.objective import Forwards, Objective, Trajectory, stop_nothing
 from flowgrpo.models.bagel.config import SpecialTokens
-from flowgrpo.models.bagel.model import latent_position_ids
-from flowgrpo.models.bagel.sampling import (
-    compute_autocast,
-    deterministic_kernels,
-    guided_velocity,
-    lora_inputs_uncast,
-    prefill_prompts,
-    token_grid,
-    window_step,
-    with_cfg_branches,
-)
-from flowgrpo.runtime.errors import ServiceError
-from flowgrpo.sampler_math import StepResult, shifted_schedule
+from flowgrpo.models.bagel.sampling import lora_inputs_uncast
 from flowgrpo.sampler_params import SamplerParams
-from flowgrpo.services.trainer.config import LossConfig, OptimConfig
+from flowgrpo.services.trainer.config import LossConfig, OptimConfig, TrainerConfig
 from flowgrpo.services.trainer.distributed import Dist, full_tensor
-from flowgrpo.services.trainer.loss import (
-    GuardStep,
-    effective_sample_size,
-    flow_grpo_terms,
-    grpo_guard_terms,
-    importance_weights,
-    kl_to_reference,
-)
 from flowgrpo.services.trainer.policy import TrainablePolicy
 
-
-@dataclass
-class Trajectory:
-    """One sample to train on, as the rollout stored it."""
-
-    prompt_uid: str
-    sample_index: int
-    policy_version: int
-    advantage: float
-    prompt_ids: Tensor  # [L] int64
-    latents: Tensor  # [W + 1, N, 64] fp32 (FlowGRPO's inputs: empty for DiffusionNFT)
-    log_probs: Tensor  # [W] fp32: behaviour log-probs
-    sigmas: Tensor  # [W + 1] fp32
-    final_latents: Tensor | None = None  # [N, 64] fp32: the clean latent (DiffusionNFT's input)
+__all__ = ["ON_POLICY_GAP", "LogProbGapError", "TrainStep", "Trajectory", "adamw", "apply_gradients"]
 
 
-ON_POLICY_GAP = "actor/on_policy_logp_gap/max"
+def make_objective(forwards: Forwards, cfg: TrainerConfig) -> Objective:
+    """The objective of ``cfg``'s algorithm (``flowgrpo.algorithms``)."""
+    name = algorithm_of(cfg).name
+    if name == "diffusion_nft":
+        return DiffusionNFTObjective(forwards, cfg.loss, cfg.nft)
+    if name == "grpo_guard":
+        return GRPOGuardObjective(forwards, cfg.loss)
+    return FlowGRPOObjective(forwards, cfg.loss)
 
 
-class LogProbGapError(ServiceError):
-    """The rollout's log-probs are not the trainer's for the same weights (the weight-sync alarm)."""
-
-
-class FlowGRPOStep:
+class TrainStep:
     """Owns the optimizer and the policy version; ``run`` trains on one batch."""
 
     def __init__(
         self,
         policy: TrainablePolicy,
         special: SpecialTokens,
-        optim: OptimConfig,
-        loss: LossConfig,
+        cfg: TrainerConfig,
         dist: Dist | None = None,
     ) -> None:
         self.policy = policy
         self.dist = dist or Dist()
-        self.special = special
-        self.loss = loss
-        self.optim_config = optim
-        self.optimizer = adamw(policy, optim)
+        self.loss: LossConfig = cfg.loss
+        self.optim_config: OptimConfig = cfg.optim
+        self.optimizer = adamw(policy, cfg.optim)
+        self.forwards = Forwards(policy, special, self.dist, cfg.loss.micro_batch_size)
+        self.objective = make_objective(self.forwards, cfg)
         self.version = 0  # weight publications so far
         self.steps_done = 0
-        self.mixed_precision = True  # bf16 autocast on a GPU with bf16 frozen weights (compute_autocast)
-        self.last_gap = math.inf  # bypass: the rollout/trainer gap measured last time
+        self.optimizer_steps = 0  # updates applied or skipped (non-finite gradients) so far
         self._may_stop: Callable[[], None] = stop_nothing  # the running step's stop check (see run)
-        self._mean_old: dict[int, Tensor] = {}  # grpo_guard: row -> the proximal policy's step means
 
     # --- the step -----------------------------------------------------------------------------
 
@@ -122,286 +94,103 @@ class FlowGRPOStep:
         coordinates of whatever a step draws at random (FlowGRPO draws nothing)."""
         if not batch:
             raise ValueError("a training step needs at least one trajectory")
-        self._may_stop = may_stop or stop_nothing
+        self._set_may_stop(may_stop or stop_nothing)
         try:
-            with self._lora_inputs_uncast():
+            with self.compute_settings():
                 return self._run(batch, params, seed, step)
         finally:
-            self._may_stop = stop_nothing
+            self._set_may_stop(stop_nothing)
 
     def sampling_policy(self) -> contextlib.AbstractContextManager[None]:
         """Inside, the policy is the one rollouts sample with (what is published): FlowGRPO's is
-        the trained policy itself."""
-        return contextlib.nullcontext()
+        the trained policy itself, DiffusionNFT's its old policy."""
+        return self.objective.sampling_policy()
+
+    def _set_may_stop(self, may_stop: Callable[[], None]) -> None:
+        self._may_stop = self.forwards.may_stop = may_stop
 
     def _run(
         self, batch: Sequence[Trajectory], params: SamplerParams, seed: int, step: int
     ) -> dict[str, float]:
-        metrics: dict[str, float] = {}
-        started = time.perf_counter()
-        behaviour = torch.stack([t.log_probs for t in batch])
-        logp_old = self._logp_old(batch, params, behaviour, metrics)
-        metrics["timing_s/old_log_prob"] = time.perf_counter() - started
+        rows = list(range(len(batch)))
+        size = math.ceil(len(rows) / self.loss.mini_batches)
+        minis = [rows[start : start + size] for start in range(0, len(rows), size)]
         lag = torch.tensor([self.version - t.policy_version for t in batch], dtype=torch.float32)
-        weights = importance_weights(logp_old, behaviour, lag[:, None].expand_as(behaviour), self.loss.is_cap)
+        metrics = self.objective.begin(
+            batch, params, minis, seed=seed, step=step, version=self.version, steps_done=self.steps_done
+        )
         started = time.perf_counter()
-        self._update(batch, params, logp_old, weights, metrics, behaviour=behaviour)
-        metrics["timing_s/update_actor"] = time.perf_counter() - started
+        totals: dict[str, float] = {}
+        for k, mini in enumerate(minis):
+            means, checked = self._optimizer_step(mini, first=k == 0)
+            metrics.update(checked)
+            for key, value in means.items():
+                totals[key] = totals.get(key, 0.0) + value
+        for key in ("actor/grad_norm", *self.objective.metric_names):
+            metrics[key] = totals[key] / len(minis)
+        metrics["actor/skipped_steps"] = totals["actor/skipped_steps"]
+        metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         self.version += 1
         self.steps_done += 1
-        metrics.update(batch_metrics(batch, lag, weights))
+        metrics.update(self.objective.end(steps_done=self.steps_done, optimizer_steps=self.optimizer_steps))
+        metrics["timing_s/update_actor"] = time.perf_counter() - started
+        metrics.update(batch_metrics(batch, lag))
         return metrics
 
-    def _lora_inputs_uncast(self) -> contextlib.AbstractContextManager[None]:
-        """peft's LoRA input casts off for the whole step, backward and recomputes included
-        (``lora_inputs_uncast``: the rollout's sampler does the same)."""
-        if not self.mixed_precision:
+    def compute_settings(self) -> contextlib.AbstractContextManager[None]:
+        """What every forward of a step runs inside: peft's LoRA input casts off, backward and
+        recomputes included (``lora_inputs_uncast``: the rollout's sampler does the same)."""
+        if not self.forwards.mixed_precision:
             return contextlib.nullcontext()
         return lora_inputs_uncast(self.policy.model)
 
-    def recompute(self, batch: Sequence[Trajectory], params: SamplerParams) -> Tensor:
-        """The window log-probs [B, W] of ``batch`` under the current weights, as the step's
-        logp_old recompute computes them (micro-batches, no gradients; every rank gets all)."""
-        with self._lora_inputs_uncast():
-            return self._recompute(batch, params)
-
-    def _recompute(self, batch: Sequence[Trajectory], params: SamplerParams) -> Tensor:
-        recomputed = torch.zeros(len(batch), batch[0].log_probs.shape[0])
-        self._mean_old = {}
-        with torch.no_grad():
-            for part in self._chunks(self.dist.share(list(range(len(batch))))):
-                self._may_stop()
-                result = self._window_log_probs([batch[r] for r, _ in part], params)
-                for i, (row, valid) in enumerate(part):
-                    if valid:
-                        recomputed[row] = result.log_prob[i].to(recomputed.device)
-                        if self.loss.mode == "grpo_guard":  # this rank's rows are the ones it trains
-                            self._mean_old[row] = result.mean[i].cpu()
-        return self.dist.sum(recomputed)  # every rank holds the whole batch's logp_old
-
-    def _logp_old(
-        self, batch: Sequence[Trajectory], params: SamplerParams, behaviour: Tensor, metrics: dict[str, float]
-    ) -> Tensor:
-        bypass = (
-            self.loss.logp_old == "bypass"
-            and self.steps_done % self.loss.bypass_check_every != 0
-            and self.last_gap < self.loss.clip_eps / 10
-        )
-        if bypass:
-            metrics["actor/logp_old_bypassed"] = 1.0
-            return behaviour
-        recomputed = self._recompute(batch, params)
-        gap = (recomputed - behaviour).abs()
-        self.last_gap = float(gap.max())
-        metrics["actor/rollout_logp_gap/mean"] = float(gap.mean())
-        metrics["actor/rollout_logp_gap/max"] = float(gap.max())
-        metrics["actor/logp_old_bypassed"] = 0.0
-        return recomputed
-
-    def _update(
-        self,
-        batch: Sequence[Trajectory],
-        params: SamplerParams,
-        logp_old: Tensor,
-        weights: Tensor,
-        metrics: dict[str, float],
-        *,
-        behaviour: Tensor,
-    ) -> None:
-        rows = list(range(len(batch)))
-        size = math.ceil(len(rows) / self.loss.mini_batches)
-        totals: dict[str, float] = {}
-        for start in range(0, len(rows), size):
-            mini = rows[start : start + size]
-            first = behaviour if start == 0 else None  # before any update: the policy that sampled
-            for key, value in self._optimizer_step(
-                batch, mini, params, logp_old, weights, behaviour=first
-            ).items():
-                totals[key] = totals.get(key, 0.0) + value
-        if ON_POLICY_GAP in totals:
-            metrics[ON_POLICY_GAP] = totals[ON_POLICY_GAP]
-        n = math.ceil(len(rows) / size)
-        for key in (
-            "actor/pg_loss",
-            "actor/grad_norm",
-            "actor/pg_clipfrac",
-            "actor/ratio_mean",
-            "actor/ppo_kl",
-        ):
-            metrics[key] = totals[key] / n
-        metrics["actor/skipped_steps"] = totals["actor/skipped_steps"]
-        metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
-        if self.loss.kl_beta > 0:
-            metrics["actor/kl_loss"] = totals["actor/kl_loss"] / n
-
-    def _optimizer_step(
-        self,
-        batch: Sequence[Trajectory],
-        mini: list[int],
-        params: SamplerParams,
-        logp_old: Tensor,
-        weights: Tensor,
-        *,
-        behaviour: Tensor | None = None,
-    ) -> dict[str, float]:
-        """One optimizer step on the mini-batch ``mini``. ``behaviour`` (the first mini-batch):
-        also measure the on-policy gap on its forward, and stop before the update when it is
-        above ``loss.max_logp_gap`` (:meth:`_check_on_policy_gap`)."""
+    def _optimizer_step(self, mini: list[int], *, first: bool) -> tuple[dict[str, float], dict[str, float]]:
+        """One optimizer step on the mini-batch ``mini``: its micro-batches' forwards and
+        backwards, the objective's last word (which may stop the step), the update. Returns the
+        mini-batch's means and what the objective's check reported."""
         self.optimizer.zero_grad(set_to_none=True)
-        gap = -1.0  # none of this rank's rows is on-policy
-        window = logp_old.shape[1]
-        total = float(len(mini) * window)  # every (sample, window step) of the mini-batch counts once
-        sums = torch.zeros(5, dtype=torch.float64)  # loss, clipped, ratio, ppo_kl, kl: summed over entries
-        for part in self._chunks(self.dist.share(mini)):
+        total = float(len(mini) * self.objective.entries_per_sample())  # every entry counts once
+        scale = self.dist.world / total  # FSDP averages gradients over ranks: the mini-batch mean
+        sums = torch.zeros(len(self.objective.metric_names), dtype=torch.float64)
+        for part in self.forwards.chunks(self.dist.share(mini)):
             self._may_stop()
-            rows = [r for r, _ in part]
-            # the reference forward first: full training swaps the reference weights in place,
-            # which must not happen while the policy forward's graph holds the parameters
-            reference = (
-                self._reference_means([batch[i] for i in rows], params) if self.loss.kl_beta > 0 else None
-            )
-            result = self._window_log_probs([batch[i] for i in rows], params)
-            if behaviour is not None:
-                gap = max(gap, self._on_policy_gap(batch, part, result.log_prob, behaviour))
-            index = torch.tensor(rows)
-            kl = None
-            if reference is not None:
-                kl = kl_to_reference(result.mean.flatten(0, 1), reference, result.std.flatten())
-            device = result.log_prob.device
-            entries = (
-                result.log_prob.flatten(),
-                logp_old[index].flatten().to(device),
-                torch.tensor([batch[i].advantage for i in rows]).repeat_interleave(window).to(device),
-                torch.tensor([valid for _, valid in part]).repeat_interleave(window).to(device),
-            )
-            weighting = {
-                "clip_eps": self.loss.clip_eps,
-                "weights": weights[index].flatten().to(device),
-                "kl": kl,
-                "kl_beta": self.loss.kl_beta,
-            }
-            if self.loss.mode == "grpo_guard":
-                guard = self._guard_step([batch[i] for i in rows], rows, result)
-                terms = grpo_guard_terms(*entries, step=guard, **weighting)  # type: ignore[arg-type]
-            else:
-                terms = flow_grpo_terms(*entries, **weighting)  # type: ignore[arg-type]
-            # FSDP averages gradients over ranks: scale by world to get the mini-batch mean
-            torch.autograd.backward(terms.loss_sum * (self.dist.world / total))
-            kl_sum = kl.detach().sum() if kl is not None else torch.zeros(())
-            parts = [terms.pg_loss_sum, terms.clipped, terms.ratio_sum, terms.approx_kl_sum, kl_sum]
-            sums += torch.stack([p.double().cpu() for p in parts])
-        checked = self._check_on_policy_gap(gap) if behaviour is not None else {}
-        (loss, clipped, ratio, ppo_kl, kl_loss), grad_norm, skipped = self._finish_update(sums, total)
-        return checked | {
-            "actor/pg_loss": loss,
-            "actor/grad_norm": grad_norm,
-            "actor/pg_clipfrac": clipped,
-            "actor/ratio_mean": ratio,
-            "actor/ppo_kl": ppo_kl,
-            "actor/kl_loss": kl_loss,
-            "actor/skipped_steps": float(skipped),
-        }
-
-    def _on_policy_gap(
-        self, batch: Sequence[Trajectory], part: list[tuple[int, bool]], log_prob: Tensor, behaviour: Tensor
-    ) -> float:
-        """max |trainer log-prob - behaviour log-prob| over the part's rows the trainer's current
-        version sampled (lag 0: the same weights on both sides); -1 when there are none."""
-        keep = [
-            k for k, (row, valid) in enumerate(part) if valid and batch[row].policy_version == self.version
-        ]
-        if not keep:
-            return -1.0
-        rows = [part[k][0] for k in keep]
-        return float((log_prob.detach()[keep].to("cpu", torch.float32) - behaviour[rows]).abs().max())
-
-    def _check_on_policy_gap(self, gap: float) -> dict[str, float]:
-        """The first mini-batch's on-policy gap over every rank (absent when no sample is on
-        policy: async); above ``loss.max_logp_gap`` the step stops here, before any update."""
-        gap = float(self.dist.max(torch.tensor([gap], dtype=torch.float64)))
-        if gap < 0:
-            return {}
-        if gap > self.loss.max_logp_gap:
+            self.objective.micro_batch(part, scale, sums, first=first)
+        try:
+            checked = self.objective.before_update(first)
+        except BaseException:
             self.optimizer.zero_grad(set_to_none=True)  # the step is dropped: its gradients too
-            raise LogProbGapError(
-                f"the rollout's log-probs differ from the trainer's by up to {gap:.3g} on samples of the "
-                f"trainer's own version {self.version} (trainer.loss.max_logp_gap="
-                f"{self.loss.max_logp_gap:g}): the rollout is not sampling the published weights (a "
-                "broken weight sync) or computes another function; nothing was updated. Check the "
-                "rollouts' LoadWeights, or use trainer.loss.logp_old=recompute with a larger threshold"
-            )
-        return {ON_POLICY_GAP: gap}
-
-    def _guard_step(self, part: Sequence[Trajectory], rows: list[int], result: StepResult) -> GuardStep:
-        """GRPO-Guard's per-(sample, window step) drift of the mean from the proximal policy's,
-        the step's std and -dt, flattened like the log-probs."""
-        device = result.mean.device
-        mean_old = torch.stack([self._mean_old.get(r, torch.zeros_like(result.mean[0])) for r in rows]).to(
-            device
-        )
-        drift = ((result.mean - mean_old) ** 2).flatten(2).mean(dim=2)  # [B, W]
-        sigmas = torch.stack([t.sigmas for t in part]).to(device)  # [B, W + 1]
-        return GuardStep(drift.flatten(), result.std.flatten(), (sigmas[:, :-1] - sigmas[:, 1:]).flatten())
-
-    def _finish_update(self, sums: Tensor, total: float) -> tuple[list[float], float, bool]:
-        """The mini-batch's summed metrics as means over every rank's entries, then the update:
-        the last point where the step may still stop; from it on, the step finishes."""
+            raise
         means = (self.dist.sum(sums) / total).tolist()
         self._may_stop()
-        self._may_stop = stop_nothing
-        grad_norm, skipped = self._apply_gradients()
-        return means, grad_norm, skipped
+        self._set_may_stop(stop_nothing)  # the update: from here on the step finishes
+        grad_norm, skipped = apply_gradients(self.policy, self.optimizer, self.optim_config.grad_clip)
+        self.optimizer_steps += 1
+        return dict(zip(self.objective.metric_names, means, strict=True)) | {
+            "actor/grad_norm": grad_norm,
+            "actor/skipped_steps": float(skipped),
+        }, checked
 
-    def _apply_gradients(self) -> tuple[float, bool]:
-        return apply_gradients(self.policy, self.optimizer, self.optim_config.grad_clip)
+    # --- checkpoints ----------------------------------------------------------------------------
 
-    # --- forwards ------------------------------------------------------------------------------
+    @property
+    def keeps_old_policy(self) -> bool:
+        return self.objective.keeps_old_policy
 
-    def _window_log_probs(self, part: Sequence[Trajectory], params: SamplerParams) -> StepResult:
-        """Log-probs [B, W] of the stored window steps under the current weights (the velocity
-        has gradients when grad mode is on). One forward per window step, like the sampler;
-        in deterministic mode under the sampler's deterministic kernels."""
-        with deterministic_or_not(params):
-            return self._window_log_probs_now(part, params)
+    def counters(self) -> dict[str, float]:
+        """What a checkpoint keeps of the step besides tensors."""
+        return {
+            "version": self.version,
+            "steps_done": self.steps_done,
+            "optimizer_steps": self.optimizer_steps,
+            **self.objective.counters(),
+        }
 
-    def _window_log_probs_now(self, part: Sequence[Trajectory], params: SamplerParams) -> StepResult:
-        model = self.policy.model
-        autocast = compute_autocast(model) if self.mixed_precision else contextlib.nullcontext()
-        with torch.no_grad(), autocast:
-            context = with_cfg_branches(
-                model,
-                prefill_prompts(model, [t.prompt_ids for t in part], invariant=params.batch_invariant),
-                params,
-            )
-        device = context.key_mask.device
-        rows, cols = token_grid(params)
-        pos_ids = latent_position_ids(rows, cols, model.config.max_latent_size, device)
-        after_first = float(shifted_schedule(params.num_points, params.timestep_shift)[1])
-        latents = torch.stack([t.latents for t in part]).to(device)
-        sigmas = torch.stack([t.sigmas for t in part]).to(device)
-        steps = []
-        for k in range(latents.shape[1] - 1):
-            x, x_next, sigma, sigma_next = latents[:, k], latents[:, k + 1], sigmas[:, k], sigmas[:, k + 1]
-            with autocast:
-                v = guided_velocity(model, context, x, sigma, pos_ids, params=params, special=self.special)
-            steps.append(
-                window_step(params, x, v, sigma, sigma_next, sigma_after_first=after_first, x_next=x_next)
-            )
-        return StepResult(
-            x_next=torch.stack([s.x_next for s in steps], dim=1),
-            mean=torch.stack([s.mean for s in steps], dim=1),
-            std=torch.stack([s.std for s in steps], dim=1),
-            log_prob=torch.stack([s.log_prob for s in steps], dim=1),
-        )
-
-    def _reference_means(self, part: Sequence[Trajectory], params: SamplerParams) -> Tensor:
-        """The reference policy's step means of the stored window steps, flattened [B*W, ...]."""
-        with torch.no_grad(), self.policy.reference():
-            return self._window_log_probs(part, params).mean.flatten(0, 1)
-
-    def _chunks(self, rows: list[tuple[int, bool]]) -> list[list[tuple[int, bool]]]:
-        size = self.loss.micro_batch_size
-        return [rows[i : i + size] for i in range(0, len(rows), size)]
+    def restore(self, counters: dict[str, float]) -> None:
+        self.version, self.steps_done = int(counters["version"]), int(counters["steps_done"])
+        # checkpoints written before optimizer steps were counted: every step took mini_batches
+        # of them (the run config has each step's prompts divisible by mini_batches)
+        self.optimizer_steps = int(counters.get("optimizer_steps", self.steps_done * self.loss.mini_batches))
+        self.objective.restore(counters)
 
 
 def adamw(policy: TrainablePolicy, optim: OptimConfig) -> torch.optim.AdamW:
@@ -429,20 +218,10 @@ def apply_gradients(
     return float(norm), False
 
 
-def stop_nothing() -> None:
-    """The stop check outside a step, and once a step's first update is applied."""
-
-
-def deterministic_or_not(params: SamplerParams) -> contextlib.AbstractContextManager[None]:
-    """The sampler's deterministic kernels when the settings ask for them (forwards only)."""
-    return deterministic_kernels() if params.deterministic else contextlib.nullcontext()
-
-
-def batch_metrics(batch: Sequence[Trajectory], lag: Tensor, weights: Tensor | None) -> dict[str, float]:
-    """The batch's advantages (DiffusionNFT: optimalities), lag, size and, for off-policy rows
-    with importance weights, their effective sample size."""
+def batch_metrics(batch: Sequence[Trajectory], lag: Tensor) -> dict[str, float]:
+    """The batch's targets (FlowGRPO: advantages; DiffusionNFT: optimalities), lag and size."""
     advantages = torch.tensor([t.advantage for t in batch])
-    metrics = {
+    return {
         "critic/advantages/mean": float(advantages.mean()),
         "critic/advantages/max": float(advantages.max()),
         "critic/advantages/min": float(advantages.min()),
@@ -450,7 +229,3 @@ def batch_metrics(batch: Sequence[Trajectory], lag: Tensor, weights: Tensor | No
         "trainer/lag/max": float(lag.max()),
         "trainer/samples": float(len(batch)),
     }
-    off_policy = lag > 0
-    if weights is not None and bool(off_policy.any()):
-        metrics["actor/is_ess"] = float(effective_sample_size(weights[off_policy].flatten()))
-    return metrics

@@ -173,10 +173,3 @@ for _spec in (
 # What a trajectory is on the bus: the rollout produces these per sample, the coordinator
 # forwards them (with the prompt's ids) and the trainer consumes them. Named once, here.
 TRAJECTORY_COLUMNS = ("latents", "log_probs", "sigmas", "final_latents")
-
-# What each training algorithm reads of a sample (``trainer.algorithm``): FlowGRPO its SDE window,
-# DiffusionNFT only the clean latent (it trains on the forward process).
-TRAIN_INPUT_COLUMNS = {
-    "flow_grpo": ("prompt_ids", "latents", "log_probs", "sigmas"),
-    "diffusion_nft": ("prompt_ids", "final_latents"),
-}

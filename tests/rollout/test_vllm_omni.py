@@ -34,9 +34,9 @@ from flowgrpo.sampler_math import batch_noise
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.bench import learning
 from flowgrpo.services.rollout.engine import NativeBagelEngine
-from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig
+from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig, TrainerConfig
 from flowgrpo.services.trainer.policy import TrainablePolicy
-from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory
+from flowgrpo.services.trainer.step import TrainStep, Trajectory
 
 pytestmark = [pytest.mark.vllm_omni, pytest.mark.timeout(1800)]
 
@@ -118,11 +118,10 @@ def rescored_ratios(checkpoint: Path, out: Trajectories, prompts: list[list[int]
     """exp(trainer log-prob - behaviour log-prob) [B, W] of the stored window steps, re-scored by
     the native trainer (fp32) with ``prompts`` as the conditioning."""
     model = load_bagel_model(checkpoint, dtype=torch.float32)
-    step = FlowGRPOStep(
+    step = TrainStep(
         TrainablePolicy(model, PolicyConfig(kind="lora", lora_rank=4, lora_alpha=8.0)),
         load_special_tokens(checkpoint),
-        OptimConfig(),
-        LossConfig(),
+        TrainerConfig(optim=OptimConfig(), loss=LossConfig()),
     )
     batch = [
         Trajectory(
@@ -138,7 +137,7 @@ def rescored_ratios(checkpoint: Path, out: Trajectories, prompts: list[list[int]
         for i, (r, ids) in enumerate(zip(REQUESTS, prompts, strict=True))
     ]
     with torch.no_grad():
-        return torch.exp(step._window_log_probs(batch, PARAMS).log_prob - out.log_probs)
+        return torch.exp(step.forwards.window_log_probs(batch, PARAMS).log_prob - out.log_probs)
 
 
 def test_native_trainer_finds_the_samples_on_policy(

@@ -21,9 +21,9 @@ from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_toke
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
 from flowgrpo.runtime import open_channel
 from flowgrpo.sampler_params import SamplerParams
-from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig
+from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig, TrainerConfig
 from flowgrpo.services.trainer.policy import TrainablePolicy
-from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory
+from flowgrpo.services.trainer.step import TrainStep, Trajectory
 from flowgrpo.v1 import common_pb2, common_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 from .launch import PYTHON_M, kill_service, spawn_service, stop_service
@@ -128,7 +128,9 @@ def test_train_step_publish_checkpoint_and_resume(
             load_bagel_model(tiny, dtype=torch.float32), PolicyConfig(lora_rank=4, lora_alpha=8.0)
         )
         loss = LossConfig(mini_batches=1, micro_batch_size=1)
-        local = FlowGRPOStep(policy, load_special_tokens(tiny), OptimConfig(lr=1e-3), loss)
+        local = TrainStep(
+            policy, load_special_tokens(tiny), TrainerConfig(optim=OptimConfig(lr=1e-3), loss=loss)
+        )
         local.run(batch, PARAMS)
         expected = local.policy.published()
         assert published.keys() == expected.keys()
@@ -170,11 +172,10 @@ def test_torchrun_rank0_serves_and_rank1_follows(
     policy = TrainablePolicy(
         load_bagel_model(tiny, dtype=torch.float32), PolicyConfig(lora_rank=4, lora_alpha=8.0)
     )
-    local = FlowGRPOStep(
+    local = TrainStep(
         policy,
         load_special_tokens(tiny),
-        OptimConfig(lr=1e-3),
-        LossConfig(mini_batches=1, micro_batch_size=1),
+        TrainerConfig(optim=OptimConfig(lr=1e-3), loss=LossConfig(mini_batches=1, micro_batch_size=1)),
     )
     local.run(batch, PARAMS)
     expected = local.policy.published()

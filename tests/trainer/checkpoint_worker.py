@@ -32,10 +32,10 @@ from flowgrpo.services.trainer.checkpoint import (
     save_checkpoint,
     start_checkpoint,
 )
-from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig
+from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig, TrainerConfig
 from flowgrpo.services.trainer.distributed import Dist, close_distributed, full_tensor, init_distributed
 from flowgrpo.services.trainer.load import load_policy
-from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory
+from flowgrpo.services.trainer.step import TrainStep, Trajectory
 
 PARAMS = SamplerParams(num_points=6, height=32, width=32, window_size=2, window_range=(0, 4),
                        deterministic=True, decode_images=False, cfg_text_scale=2.0)  # fmt: skip
@@ -65,13 +65,15 @@ def trajectories(checkpoint: Path, step: int) -> list[Trajectory]:
     ]
 
 
-def build(checkpoint: Path, dist: Dist) -> FlowGRPOStep:
+def build(checkpoint: Path, dist: Dist) -> TrainStep:
     policy = load_policy(checkpoint, PolicyConfig(kind="full"), dist, dtype=torch.float32, device="cpu")
     loss = LossConfig(mini_batches=2, micro_batch_size=1)
-    return FlowGRPOStep(policy, load_special_tokens(checkpoint), OptimConfig(lr=1e-3), loss, dist)
+    return TrainStep(
+        policy, load_special_tokens(checkpoint), TrainerConfig(optim=OptimConfig(lr=1e-3), loss=loss), dist
+    )
 
 
-def whole_state(step: FlowGRPOStep) -> dict[str, torch.Tensor]:
+def whole_state(step: TrainStep) -> dict[str, torch.Tensor]:
     """``weight/<name>`` and ``<moment>/<name>``, whole (a collective under FSDP)."""
     state = {f"weight/{n}": t.contiguous() for n, t in step.policy.published().items()}
     for name, param in step.policy.trainable().items():

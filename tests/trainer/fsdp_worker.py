@@ -14,10 +14,10 @@ from safetensors.torch import save_file
 from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
 from flowgrpo.sampler_params import SamplerParams
-from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig
+from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig, TrainerConfig
 from flowgrpo.services.trainer.distributed import close_distributed, init_distributed
 from flowgrpo.services.trainer.load import load_policy
-from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory
+from flowgrpo.services.trainer.step import TrainStep, Trajectory
 
 PARAMS = SamplerParams(num_points=6, height=32, width=32, window_size=2, window_range=(0, 4),
                        deterministic=True, decode_images=False, cfg_text_scale=2.0)  # fmt: skip
@@ -48,7 +48,9 @@ def main(checkpoint: Path, kind: str, out: Path) -> None:
     policy = load_policy(checkpoint, config, dist, dtype=torch.float32, device="cpu", keep_reference=True)
     # KL on: the second mini-batch's policy differs from the reference (sharded for full training)
     loss = LossConfig(mini_batches=2, micro_batch_size=1, kl_beta=0.5)
-    step = FlowGRPOStep(policy, load_special_tokens(checkpoint), OptimConfig(lr=1e-3), loss, dist)
+    step = TrainStep(
+        policy, load_special_tokens(checkpoint), TrainerConfig(optim=OptimConfig(lr=1e-3), loss=loss), dist
+    )
     metrics = step.run(trajectories(checkpoint), PARAMS)
     published = {n: t.contiguous() for n, t in policy.published().items()}
     if dist.rank == 0:

@@ -17,9 +17,9 @@ import torch
 
 from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens
 from flowgrpo.services.trainer.checkpoint import HostStager, save_checkpoint, start_checkpoint
-from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig
+from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig, TrainerConfig
 from flowgrpo.services.trainer.policy import TrainablePolicy
-from flowgrpo.services.trainer.step import FlowGRPOStep
+from flowgrpo.services.trainer.step import TrainStep
 
 from .test_checkpoint import assert_same_contents, contents_of
 from .test_step import LORA, PARAMS, rollout, sampler_for, tiny
@@ -40,8 +40,11 @@ def test_a_background_save_every_step_on_a_gpu_holds_what_a_synchronous_one_does
 ) -> None:
     sampler = sampler_for(tiny)
     model = load_bagel_model(tiny, dtype=torch.float32, device="cuda:0")
-    step = FlowGRPOStep(TrainablePolicy(model, policy), load_special_tokens(tiny), OptimConfig(lr=1e-3),
-                        LossConfig(mini_batches=1, micro_batch_size=2))  # fmt: skip
+    step = TrainStep(
+        TrainablePolicy(model, policy),
+        load_special_tokens(tiny),
+        TrainerConfig(optim=OptimConfig(lr=1e-3), loss=LossConfig(mini_batches=1, micro_batch_size=2)),
+    )
     stager = HostStager(pinned=True)
     try:
         for number in range(1, 4):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.distributions import Normal, kl_divergence
 
-from flowgrpo.services.trainer.loss import (
+from flowgrpo.algorithms.flow_grpo.loss import (
     clipped_surrogate,
     effective_sample_size,
     flow_grpo_terms,

@@ -9,7 +9,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from flowgrpo.services.trainer.loss import NftTargets, diffusion_nft_terms, implicit_velocities, velocity_kl
+from flowgrpo.algorithms.diffusion_nft.loss import (
+    NftTargets,
+    diffusion_nft_terms,
+    implicit_velocities,
+    velocity_kl,
+)
 
 
 def reference_loss(case: dict[str, torch.Tensor], i: int, *, beta: float, scale: float) -> float:
@@ -179,7 +184,7 @@ def test_guard_ratio_is_the_mean_shift_free_normalised_ratio() -> None:
     """Written out: log p - log p_old = [2 mean(z d) - mean(d^2)] / (2 var) with z = x' - mean_old,
     d = mean - mean_old; adding b = mean(d^2) / (2 var) leaves mean(z d) / var, and the sqrt(var)
     factor mean(z d) / sqrt(var). The loss per entry is the clipped surrogate of that ratio / dt."""
-    from flowgrpo.services.trainer.loss import GuardStep, grpo_guard_terms
+    from flowgrpo.algorithms.grpo_guard.loss import GuardStep, grpo_guard_terms
 
     case = guard_case(0)
     drift = ((case["mean"] - case["mean_old"]) ** 2).flatten(1).mean(dim=1)

@@ -14,10 +14,9 @@ from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_toke
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.trainer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from flowgrpo.services.trainer.config import LossConfig, NftConfig, OptimConfig, PolicyConfig
-from flowgrpo.services.trainer.nft import DiffusionNFTStep
+from flowgrpo.services.trainer.config import LossConfig, NftConfig, OptimConfig, PolicyConfig, TrainerConfig
 from flowgrpo.services.trainer.policy import TrainablePolicy
-from flowgrpo.services.trainer.step import FlowGRPOStep, Trajectory
+from flowgrpo.services.trainer.step import TrainStep, Trajectory
 
 # ODE rollouts (noise 0): NFT trains on clean latents only
 PARAMS = SamplerParams(
@@ -51,22 +50,26 @@ def clean_samples(tiny: Path, optimality: list[float]) -> list[Trajectory]:
     ]
 
 
-def nft_trainer(tiny: Path, policy: PolicyConfig = LORA, **nft: float) -> DiffusionNFTStep:
+def nft_trainer(tiny: Path, policy: PolicyConfig = LORA, **nft: float) -> TrainStep:
     model = load_bagel_model(tiny, dtype=torch.float32)
     loss = LossConfig(mini_batches=1, micro_batch_size=1)
     config = NftConfig(**{"old_decay_rate": 0.0, **nft})  # type: ignore[arg-type]
-    return DiffusionNFTStep(
-        TrainablePolicy(model, policy), load_special_tokens(tiny), OptimConfig(lr=1e-2), loss, nft=config
+    return TrainStep(
+        TrainablePolicy(model, policy),
+        load_special_tokens(tiny),
+        TrainerConfig(algorithm="diffusion_nft", optim=OptimConfig(lr=1e-2), loss=loss, nft=config),
     )
 
 
-def denoising_error(step: DiffusionNFTStep, sample: Trajectory, t: float = 0.6) -> float:
+def denoising_error(step: TrainStep, sample: Trajectory, t: float = 0.6) -> float:
     """mean((x0(v) - x0)^2) of the policy at one fixed (t, eps): how well it predicts this x0."""
     assert sample.final_latents is not None
     eps = torch.randn(sample.final_latents.shape, generator=torch.Generator().manual_seed(7))
     x_t = (1 - t) * sample.final_latents + t * eps
     with torch.no_grad():
-        v = step._velocity(step._context([sample], PARAMS), x_t[None], torch.tensor([t]), PARAMS)[0]
+        v = step.forwards.velocity(
+            step.forwards.context([sample], PARAMS), x_t[None], torch.tensor([t]), PARAMS
+        )[0]
     return float(((x_t - t * v - sample.final_latents) ** 2).mean())
 
 
@@ -105,7 +108,7 @@ def test_the_old_policy_follows_its_schedule_and_is_what_rollouts_get(tiny: Path
     # the context restores the trained weights exactly
     assert all(torch.equal(p, current[n]) for n, p in step.policy.trainable().items())
     step.run(batch, PARAMS, seed=1, step=2)
-    assert step.nft.old_decay(2) == 0.5
+    assert step.objective.nft.old_decay(2) == 0.5
 
 
 def test_draws_depend_on_coordinates_not_on_the_batch(tiny: Path) -> None:
@@ -113,9 +116,9 @@ def test_draws_depend_on_coordinates_not_on_the_batch(tiny: Path) -> None:
     sample in another batch position, or alone, draws the same; another step draws others."""
     step = nft_trainer(tiny)
     batch = clean_samples(tiny, [1.0, 0.0, 0.5, 0.5])
-    times, noises = step._draw(batch[2], PARAMS, 1, 1)
-    again = step._draw(replace(batch[2], advantage=0.0), PARAMS, 1, 1)
-    other_step = step._draw(batch[2], PARAMS, 1, 2)
+    times, noises = step.objective.draw(batch[2], PARAMS, 1, 1)
+    again = step.objective.draw(replace(batch[2], advantage=0.0), PARAMS, 1, 1)
+    other_step = step.objective.draw(batch[2], PARAMS, 1, 2)
     assert torch.equal(times, again[0]) and torch.equal(noises, again[1])
     assert not torch.equal(noises, other_step[1])
     assert times.numel() == int(5 * 0.99) == 4 and len(set(times.tolist())) == 4
@@ -147,11 +150,10 @@ def test_a_checkpoint_carries_the_old_policy(tiny: Path, tmp_path: Path) -> None
     assert load_checkpoint(path, resumed) == 1
     for name, old in step.policy.old_state().items():
         assert torch.equal(resumed.policy.old_state()[name], old)
-    flow_grpo = FlowGRPOStep(
+    flow_grpo = TrainStep(
         TrainablePolicy(load_bagel_model(tiny, dtype=torch.float32), LORA),
         load_special_tokens(tiny),
-        OptimConfig(),
-        LossConfig(),
+        TrainerConfig(optim=OptimConfig(), loss=LossConfig()),
     )
     with pytest.raises(CheckpointError, match="resume with the algorithm it was saved with"):
         load_checkpoint(path, flow_grpo)
@@ -165,4 +167,8 @@ def test_a_trainable_language_half_is_refused(tiny: Path) -> None:
     with pytest.raises(
         ValueError, match=r"language_model\.model\.embed_tokens\.weight \(the language half\)"
     ):
-        DiffusionNFTStep(policy, load_special_tokens(tiny), OptimConfig(), LossConfig(), nft=NftConfig())
+        TrainStep(
+            policy,
+            load_special_tokens(tiny),
+            TrainerConfig(algorithm="diffusion_nft", optim=OptimConfig(), loss=LossConfig(), nft=NftConfig()),
+        )

@@ -13,9 +13,9 @@ from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_toke
 from flowgrpo.models.bagel.policy import PolicyApplier, PolicyUpdate
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
 from flowgrpo.sampler_params import SamplerParams
-from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig
+from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig, TrainerConfig
 from flowgrpo.services.trainer.policy import TrainablePolicy
-from flowgrpo.services.trainer.step import FlowGRPOStep, LogProbGapError, Trajectory
+from flowgrpo.services.trainer.step import LogProbGapError, TrainStep, Trajectory
 
 PARAMS = SamplerParams(num_points=6, height=32, width=32, window_size=2, window_range=(0, 4),
                        deterministic=True, decode_images=False, cfg_text_scale=2.0)  # fmt: skip
@@ -48,10 +48,14 @@ def rollout(
     ]
 
 
-def trainer(tiny: Path, policy: PolicyConfig = LORA, **loss: object) -> FlowGRPOStep:
+def trainer(tiny: Path, policy: PolicyConfig = LORA, **loss: object) -> TrainStep:
     model = load_bagel_model(tiny, dtype=torch.float32)
     cfg = LossConfig(**{"mini_batches": 1, "micro_batch_size": 1, **loss})  # type: ignore[arg-type]
-    return FlowGRPOStep(TrainablePolicy(model, policy), load_special_tokens(tiny), OptimConfig(lr=1e-3), cfg)
+    return TrainStep(
+        TrainablePolicy(model, policy),
+        load_special_tokens(tiny),
+        TrainerConfig(optim=OptimConfig(lr=1e-3), loss=cfg),
+    )
 
 
 def sampler_for(tiny: Path) -> BagelSampler:
@@ -84,7 +88,7 @@ def test_advantage_sign_moves_the_log_prob(tiny: Path, policy: PolicyConfig, mod
         before = batch[0].log_probs.sum()
         step.run(batch, PARAMS)
         with torch.no_grad():
-            after = step._window_log_probs(batch, PARAMS).log_prob.sum()
+            after = step.forwards.window_log_probs(batch, PARAMS).log_prob.sum()
         assert (after - before) * advantage > 0, f"A={advantage}: log-prob {before} -> {after}"
 
 
@@ -124,13 +128,19 @@ def test_off_policy_samples_get_importance_weights(tiny: Path) -> None:
     step.run(rollout(sampler, [1.0, -1.0, 0.5, -0.5]), PARAMS)  # now at version 1
     stale = rollout(sampler, [1.0, -1.0, 0.5, -0.5], version=0, step=1)  # drawn with v0 weights
     with torch.no_grad():  # the proximal policy: the v1 weights the step starts from
-        prox = [float(lp) for t in stale for lp in step._window_log_probs([t], PARAMS).log_prob.flatten()]
+        prox = [
+            float(lp) for t in stale for lp in step.forwards.window_log_probs([t], PARAMS).log_prob.flatten()
+        ]
     behaviour = [float(lp) for t in stale for lp in t.log_probs]
     # the recompute checked against another path: at v0 (a trainer with the same start, never
     # updated) it gives the rollout sampler's own log-probs, bitwise; at v1 the update moved them
     control = trainer(tiny)
     with torch.no_grad():
-        at_v0 = [float(lp) for t in stale for lp in control._window_log_probs([t], PARAMS).log_prob.flatten()]
+        at_v0 = [
+            float(lp)
+            for t in stale
+            for lp in control.forwards.window_log_probs([t], PARAMS).log_prob.flatten()
+        ]
     assert at_v0 == behaviour
     metrics = step.run(stale, PARAMS)
     assert metrics["trainer/lag/max"] == 1.0
@@ -201,7 +211,10 @@ def test_the_on_policy_gap_is_measured_free_and_is_zero_for_exact_numerics(tiny:
     with the strictest alarm (0) trains like recompute."""
     batch = rollout(sampler_for(tiny), [1.5, -0.5, 0.25, 2.0])
     bypass = trainer(tiny, logp_old="bypass", max_logp_gap=0.0, mini_batches=2, bypass_check_every=10**6)
-    bypass.last_gap, bypass.steps_done = 0.0, 1  # a gap measured before, not a check step: bypass now
+    bypass.objective.last_gap, bypass.steps_done = (
+        0.0,
+        1,
+    )  # a gap measured before, not a check step: bypass now
     recompute = trainer(tiny, mini_batches=2)
     ours, theirs = bypass.run(batch, PARAMS), recompute.run(batch, PARAMS)
     assert ours["actor/logp_old_bypassed"] == 1.0 and theirs["actor/logp_old_bypassed"] == 0.0
@@ -217,7 +230,7 @@ def test_a_rollout_not_sampling_the_trainers_weights_stops_the_step_before_any_u
     """The weight-sync alarm: behaviour log-probs of another policy (here: the base, while the
     trainer already trained one step) on samples that claim the trainer's version."""
     step = trainer(tiny, logp_old=logp_old, max_logp_gap=1e-6, bypass_check_every=10**6)
-    step.last_gap = 0.0
+    step.objective.last_gap = 0.0
     step.run(rollout(sampler_for(tiny), [1.0, -1.0, 0.5, -0.5]), PARAMS)  # version 1 now
     stale = rollout(sampler_for(tiny), [1.0, -1.0, 0.5, -0.5], version=1)  # sampled by the base
     before = {k: v.detach().clone() for k, v in step.policy.trainable().items()}

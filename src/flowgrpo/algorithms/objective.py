@@ -1,0 +1,192 @@
+"""The trainer's side of an algorithm: what one training step computes around its optimizer steps.
+
+``flowgrpo.services.trainer.step.TrainStep`` owns the optimizer, the policy version and the loop:
+
+    metrics = objective.begin(batch, params, seed, step)       # e.g. FlowGRPO's logp_old
+    for each mini-batch (one optimizer step):
+        for each micro-batch of this rank's rows:
+            sums += objective.micro_batch(rows, scale)          # forward, loss, backward
+        metrics |= objective.before_update(first)               # e.g. the on-policy gap alarm
+        clip the gradients, step
+    metrics |= objective.end(optimizer_steps)                   # e.g. DiffusionNFT's old policy
+
+An objective sums its loss over the micro-batch's valid entries and back-propagates the sum times
+``scale`` (1 / the mini-batch's entries, times the ranks: FSDP averages gradients over ranks), so
+micro-batches of any size give the mini-batch's mean gradient. ``micro_batch`` returns its detached
+sums in the order of ``metric_names``; the loop turns them into per-entry means.
+
+:class:`Forwards` are the policy's forwards as the rollout's sampler computes them, shared by every
+objective: the prompts' prefill with the CFG branch, the guided velocity, the window's log-probs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import Tensor
+
+from flowgrpo.models.bagel.attention import KVCache
+from flowgrpo.models.bagel.config import SpecialTokens
+from flowgrpo.models.bagel.model import latent_position_ids
+from flowgrpo.models.bagel.sampling import (
+    compute_autocast,
+    deterministic_kernels,
+    guided_velocity,
+    prefill_prompts,
+    token_grid,
+    window_step,
+    with_cfg_branches,
+)
+from flowgrpo.sampler_math import StepResult, shifted_schedule
+from flowgrpo.sampler_params import SamplerParams
+
+if TYPE_CHECKING:
+    from flowgrpo.services.trainer.distributed import Dist
+    from flowgrpo.services.trainer.policy import TrainablePolicy
+
+Rows = list[tuple[int, bool]]  # (row of the batch, valid): padding rows (valid False) count for nothing
+
+
+@dataclass
+class Trajectory:
+    """One sample to train on, as the rollout stored it."""
+
+    prompt_uid: str
+    sample_index: int
+    policy_version: int
+    advantage: float  # the coordinator's target for the sample (DiffusionNFT: its optimality)
+    prompt_ids: Tensor  # [L] int64
+    latents: Tensor  # [W + 1, N, 64] fp32 (FlowGRPO's inputs: empty for DiffusionNFT)
+    log_probs: Tensor  # [W] fp32: behaviour log-probs
+    sigmas: Tensor  # [W + 1] fp32
+    final_latents: Tensor | None = None  # [N, 64] fp32: the clean latent (DiffusionNFT's input)
+
+
+def stop_nothing() -> None:
+    """The stop check outside a step, and once a step's first update is applied."""
+
+
+class Forwards:
+    """The policy's forwards as the sampler computes them; ``may_stop`` is the running step's
+    stop check (the loop sets it), called between the micro-batches of a pass without gradients."""
+
+    def __init__(
+        self, policy: TrainablePolicy, special: SpecialTokens, dist: Dist, micro_batch_size: int
+    ) -> None:
+        self.policy = policy
+        self.special = special
+        self.dist = dist
+        self.micro_batch_size = micro_batch_size
+        self.mixed_precision = True  # bf16 autocast on a GPU with bf16 frozen weights (compute_autocast)
+        self.may_stop: Callable[[], None] = stop_nothing
+
+    def chunks(self, rows: Rows) -> list[Rows]:
+        size = self.micro_batch_size
+        return [rows[i : i + size] for i in range(0, len(rows), size)]
+
+    def autocast(self) -> contextlib.AbstractContextManager[object]:
+        return compute_autocast(self.policy.model) if self.mixed_precision else contextlib.nullcontext()
+
+    def context(self, part: Sequence[Trajectory], params: SamplerParams) -> KVCache:
+        """The rows' prompts prefilled without gradients (the und path is frozen), with the CFG
+        branch's rows when the settings ask for it, as the sampler builds them."""
+        model = self.policy.model
+        with deterministic_or_not(params), torch.no_grad(), self.autocast():
+            prompts = prefill_prompts(model, [t.prompt_ids for t in part], invariant=params.batch_invariant)
+            return with_cfg_branches(model, prompts, params)
+
+    def velocity(self, context: KVCache, x: Tensor, t: Tensor, params: SamplerParams) -> Tensor:
+        """The policy's velocity [B, N, C] at (x, t) for the context's prompts (``guided_velocity``:
+        CFG when the settings ask for it); with gradients when grad mode is on."""
+        model = self.policy.model
+        device = context.key_mask.device
+        rows, cols = token_grid(params)
+        pos_ids = latent_position_ids(rows, cols, model.config.max_latent_size, device)
+        with deterministic_or_not(params), self.autocast():
+            return guided_velocity(
+                model, context, x.to(device), t.to(device), pos_ids, params=params, special=self.special
+            )
+
+    def window_log_probs(self, part: Sequence[Trajectory], params: SamplerParams) -> StepResult:
+        """The stored window steps [B, W] scored under the current weights (``window_step``, the
+        sampler's function): one forward per window step, like the sampler."""
+        with deterministic_or_not(params):
+            return self._window_log_probs(part, params)
+
+    def _window_log_probs(self, part: Sequence[Trajectory], params: SamplerParams) -> StepResult:
+        context = self.context(part, params)
+        device = context.key_mask.device
+        after_first = float(shifted_schedule(params.num_points, params.timestep_shift)[1])
+        latents = torch.stack([t.latents for t in part]).to(device)
+        sigmas = torch.stack([t.sigmas for t in part]).to(device)
+        steps = []
+        for k in range(latents.shape[1] - 1):
+            x, x_next, sigma, sigma_next = latents[:, k], latents[:, k + 1], sigmas[:, k], sigmas[:, k + 1]
+            v = self.velocity(context, x, sigma, params)
+            steps.append(
+                window_step(params, x, v, sigma, sigma_next, sigma_after_first=after_first, x_next=x_next)
+            )
+        return StepResult(
+            x_next=torch.stack([s.x_next for s in steps], dim=1),
+            mean=torch.stack([s.mean for s in steps], dim=1),
+            std=torch.stack([s.std for s in steps], dim=1),
+            log_prob=torch.stack([s.log_prob for s in steps], dim=1),
+        )
+
+
+def deterministic_or_not(params: SamplerParams) -> contextlib.AbstractContextManager[None]:
+    """The sampler's deterministic kernels when the settings ask for them (forwards only)."""
+    return deterministic_kernels() if params.deterministic else contextlib.nullcontext()
+
+
+class Objective(Protocol):
+    """An algorithm's loss and what its step computes besides (see the module's docstring)."""
+
+    metric_names: tuple[str, ...]  # what ``micro_batch`` sums, in order; reported as per-entry means
+    keeps_old_policy: bool  # the policy's old copy is part of the state (checkpointed)
+
+    def begin(
+        self,
+        batch: Sequence[Trajectory],
+        params: SamplerParams,
+        minis: list[list[int]],
+        *,
+        seed: int,
+        step: int,
+        version: int,
+        steps_done: int,
+    ) -> dict[str, float]:
+        """Before the first update: ``minis`` are the mini-batches' rows, ``version`` the trainer's
+        policy version, ``steps_done`` the steps trained so far. Returns metrics."""
+        ...
+
+    def entries_per_sample(self) -> int:
+        """The loss entries of one sample (a mini-batch's mean is over its samples' entries)."""
+        ...
+
+    def micro_batch(self, rows: Rows, scale: float, sums: Tensor, *, first: bool) -> None:
+        """Forward and backward (of the loss sum times ``scale``) of ``rows``; add the detached
+        sums of ``metric_names`` to ``sums`` (float64). ``first``: of the first mini-batch."""
+        ...
+
+    def before_update(self, first: bool) -> dict[str, float]:
+        """The last check before the update (every rank calls it); raise to drop the step."""
+        ...
+
+    def end(self, *, steps_done: int, optimizer_steps: int) -> dict[str, float]:
+        """After the step's updates (counters already counting them). Returns metrics."""
+        ...
+
+    def sampling_policy(self) -> contextlib.AbstractContextManager[None]:
+        """Inside, the policy is the one the rollouts sample with (what is published)."""
+        ...
+
+    def counters(self) -> dict[str, float]:
+        """The objective's state a checkpoint keeps besides tensors."""
+        ...
+
+    def restore(self, counters: dict[str, float]) -> None: ...
