@@ -104,8 +104,9 @@ class NftConfig:
     adv_clip: float = knob(5.0, 0.0, 1e6)
     # times trained per sample: int(fraction x steps) of the schedule's
     timestep_fraction: float = knob(0.99, 0.0, 1.0)
-    # the old (sampling) policy after step k: old <- d old + (1 - d) current, d = min(rate (k - after), max)
-    # (0 before ``after``); the reference's default: after 0, rate 0.001, max 0.5; OCR: 75, 0.0075, 0.999
+    # the old (sampling) policy after each training step: old <- d old + (1 - d) current, with
+    # d = min(rate (k - after), max) after k optimizer steps in all (0 before ``after``), as the
+    # reference counts its global steps; its default: after 0, rate 0.001, max 0.5; OCR: 75, 0.0075, 0.999
     old_decay_after: int = knob(0, 0, 10**9)
     old_decay_rate: float = knob(0.001, 0.0, 1.0)
     old_decay_max: float = knob(0.5, 0.0, 1.0)
@@ -121,11 +122,11 @@ class NftConfig:
                 f"and old_decay_after >= 0 (got {self.old_decay_rate}, {self.old_decay_after})"
             )
 
-    def old_decay(self, steps_done: int) -> float:
-        """The old policy's decay after ``steps_done`` training steps."""
-        if steps_done < self.old_decay_after:
+    def old_decay(self, optimizer_steps: int) -> float:
+        """The old policy's decay after ``optimizer_steps`` optimizer steps in all."""
+        if optimizer_steps < self.old_decay_after:
             return 0.0
-        return min((steps_done - self.old_decay_after) * self.old_decay_rate, self.old_decay_max)
+        return min((optimizer_steps - self.old_decay_after) * self.old_decay_rate, self.old_decay_max)
 
     def trained_times(self, num_steps: int) -> int:
         return max(1, int(num_steps * self.timestep_fraction))

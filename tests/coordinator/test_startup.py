@@ -15,10 +15,11 @@ from flowgrpo.runtime.errors import HandshakeError
 from flowgrpo.services.coordinator.launch import Services, ServiceStartError, check_services, unless_one_exits
 from flowgrpo.services.reward.service import STAGE as REWARD
 from flowgrpo.services.rollout.service import STAGE as ROLLOUT
+from flowgrpo.services.trainer.config import Algorithm, TrainerConfig
 from flowgrpo.services.trainer.service import stage
 from flowgrpo.v1 import common_pb2
 
-TRAINER = stage("flow_grpo")
+TRAINER = stage(TrainerConfig())
 
 
 def services(*stages: common_pb2.StageSpec) -> Services:
@@ -39,15 +40,15 @@ def test_a_rollout_that_no_longer_produces_a_column_is_refused_by_name() -> None
 
 
 @pytest.mark.parametrize("algorithm", ["flow_grpo", "diffusion_nft"])
-def test_each_algorithm_reads_what_the_rollout_produces(algorithm: str) -> None:
-    check_services(services(ROLLOUT, REWARD, stage(algorithm)))
+def test_each_algorithm_reads_what_the_rollout_produces(algorithm: Algorithm) -> None:
+    check_services(services(ROLLOUT, REWARD, stage(TrainerConfig(algorithm=algorithm))))
     produced = [c for c in ROLLOUT.produces if c != "final_latents"]
     rollout = common_pb2.StageSpec(stage="rollout", consumes=ROLLOUT.consumes, produces=produced)
     if algorithm == "flow_grpo":  # FlowGRPO never reads the clean latent
-        check_services(services(rollout, REWARD, stage(algorithm)))
+        check_services(services(rollout, REWARD, stage(TrainerConfig(algorithm=algorithm))))
     else:
         with pytest.raises(PipelineError, match="final_latents"):
-            check_services(services(rollout, REWARD, stage(algorithm)))
+            check_services(services(rollout, REWARD, stage(TrainerConfig(algorithm=algorithm))))
 
 
 def test_a_column_nobody_registered_is_refused() -> None:

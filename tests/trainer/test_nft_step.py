@@ -50,9 +50,9 @@ def clean_samples(tiny: Path, optimality: list[float]) -> list[Trajectory]:
     ]
 
 
-def nft_trainer(tiny: Path, policy: PolicyConfig = LORA, **nft: float) -> TrainStep:
+def nft_trainer(tiny: Path, policy: PolicyConfig = LORA, mini_batches: int = 1, **nft: float) -> TrainStep:
     model = load_bagel_model(tiny, dtype=torch.float32)
-    loss = LossConfig(mini_batches=1, micro_batch_size=1)
+    loss = LossConfig(mini_batches=mini_batches, micro_batch_size=1)
     config = NftConfig(**{"old_decay_rate": 0.0, **nft})  # type: ignore[arg-type]
     return TrainStep(
         TrainablePolicy(model, policy),
@@ -111,6 +111,26 @@ def test_the_old_policy_follows_its_schedule_and_is_what_rollouts_get(tiny: Path
     assert step.objective.nft.old_decay(2) == 0.5
 
 
+def test_the_old_policy_decays_by_optimizer_steps_as_the_reference_counts_them(tiny: Path) -> None:
+    """NVlabs' train_nft_sd3.py computes the decay from its global step, which counts gradient
+    (optimizer) steps: with 2 mini-batches a training step is 2 of them, and the ramp is twice as
+    fast as a count of training steps would make it."""
+    step = nft_trainer(tiny, mini_batches=2, old_decay_rate=0.1, old_decay_max=0.9)
+    batch = clean_samples(tiny, [1.0, 0.0, 0.5, 0.5])
+    decays = [step.run(batch, PARAMS, seed=1, step=k)["actor/nft/old_decay"] for k in (1, 2)]
+    assert decays == [2 * 0.1, 4 * 0.1] and step.optimizer_steps == 4 and step.steps_done == 2
+
+
+def test_an_optimality_outside_0_1_trains_as_its_clamp(tiny: Path) -> None:
+    """The reference clamps r to [0, 1]; a target outside it (the wire allows |r| <= 1e6) trains
+    exactly as the clamped one."""
+    wide, clamped = nft_trainer(tiny), nft_trainer(tiny)
+    wide.run(clean_samples(tiny, [3.0, -2.0, 0.5, 0.5]), PARAMS, seed=1, step=1)
+    clamped.run(clean_samples(tiny, [1.0, 0.0, 0.5, 0.5]), PARAMS, seed=1, step=1)
+    for name, value in wide.policy.trainable().items():
+        assert torch.equal(value, clamped.policy.trainable()[name]), name
+
+
 def test_draws_depend_on_coordinates_not_on_the_batch(tiny: Path) -> None:
     """The times and noises of a sample are a function of (seed, step, prompt, sample): the same
     sample in another batch position, or alone, draws the same; another step draws others."""
@@ -141,13 +161,14 @@ def test_a_step_is_reproducible_and_independent_of_batch_order(tiny: Path) -> No
 
 
 def test_a_checkpoint_carries_the_old_policy(tiny: Path, tmp_path: Path) -> None:
-    step = nft_trainer(tiny, old_decay_rate=0.5, old_decay_max=0.5)
+    step = nft_trainer(tiny, mini_batches=2, old_decay_rate=0.5, old_decay_max=0.5)
     batch = clean_samples(tiny, [1.0, 0.0, 0.75, 0.25])
     step.run(batch, PARAMS, seed=1, step=1)
     path = save_checkpoint(tmp_path, step, step=1)
     assert path is not None
-    resumed = nft_trainer(tiny, old_decay_rate=0.5, old_decay_max=0.5)
+    resumed = nft_trainer(tiny, mini_batches=2, old_decay_rate=0.5, old_decay_max=0.5)
     assert load_checkpoint(path, resumed) == 1
+    assert (resumed.version, resumed.steps_done, resumed.optimizer_steps) == (1, 1, 2)  # the decay's count
     for name, old in step.policy.old_state().items():
         assert torch.equal(resumed.policy.old_state()[name], old)
     flow_grpo = TrainStep(

@@ -14,6 +14,7 @@ from flowgrpo.models.bagel.policy import PolicyApplier, PolicyUpdate
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig, TrainerConfig
+from flowgrpo.services.trainer.distributed import Dist
 from flowgrpo.services.trainer.policy import TrainablePolicy
 from flowgrpo.services.trainer.step import LogProbGapError, TrainStep, Trajectory
 
@@ -288,3 +289,37 @@ def sampled(
     ]  # fmt: skip
     order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(order_seed)).tolist()
     return [batch[i] for i in order]
+
+
+class SecondOfTwoRanks(Dist):
+    """Rank 1 of 2 without a process group: its share of rows, its own sums (what the objective
+    computes on that rank before any all-reduce)."""
+
+    def __init__(self) -> None:
+        super().__init__(rank=1, world=2)
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    def max(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+
+def test_grpo_guard_on_a_rank_above_0_has_the_proximal_means_of_every_row_it_trains(tiny: Path) -> None:
+    """6 rows in 2 mini-batches of 3 on 2 ranks: rank 1 trains row 1 and a padding row, then row 4
+    and a padding row. The proximal step means must be those of exactly these rows: a recompute
+    shared over the whole batch gave rank 1 rows 1, 3 and 5, and row 4's missing mean (taken as 0)
+    made its ratio exp(drift / 2 var) far from 1 (and a padding row's could overflow: inf x mask 0
+    is a NaN loss)."""
+    sampler = sampler_for(tiny)
+    batch = (rollout(sampler, [1.0, -1.0, 0.5, -0.5]) + rollout(sampler, [0.3, -0.3, 0.0, 0.0], step=1))[:6]
+    model = load_bagel_model(tiny, dtype=torch.float32)
+    loss = LossConfig(mode="grpo_guard", mini_batches=2, micro_batch_size=2, clip_eps=0.2)
+    step = TrainStep(
+        TrainablePolicy(model, LORA), load_special_tokens(tiny), TrainerConfig(loss=loss), SecondOfTwoRanks()
+    )
+    metrics = step.run(batch, PARAMS)
+    assert all(math.isfinite(v) for v in metrics.values()), metrics
+    assert metrics["actor/skipped_steps"] == 0
+    # this rank's sums over the mini-batch's 3 rows (no all-reduce here): its one valid row of 3
+    assert abs(3 * metrics["actor/ratio_mean"] - 1.0) < 0.05  # 0.76 with row 4's mean lost

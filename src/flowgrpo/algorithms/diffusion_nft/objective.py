@@ -152,7 +152,7 @@ class DiffusionNFTObjective:
 
     def end(self, *, steps_done: int, optimizer_steps: int) -> dict[str, float]:
         """The old policy one decay toward the current one (the decay after ``optimizer_steps``)."""
-        decay = self.nft.old_decay(steps_done)
+        decay = self.nft.old_decay(optimizer_steps)
         self.forwards.policy.refresh_old(decay)
         return {"actor/nft/old_decay": decay}
 
