@@ -33,4 +33,3 @@ def group_advantages(
         a = (r - r.mean()) / (scale + config.eps)
         out[uid] = np.clip(a, -config.clip, config.clip).tolist()
     return out, zero_std / max(len(rewards), 1)
-
