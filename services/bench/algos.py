@@ -14,7 +14,13 @@ step). What it learnt is the trained run minus its control, on one of two tasks 
   range): the final accuracy, its control, the final gain in points, and the images and trainer
   seconds (``timing_s/train``) at the first validation whose gain reaches 50% and 90% of the
   best final gain (the largest median over the algorithms run); a run that never reaches it
-  counts as infinite. A plot (``--plot``): the gain against images and against trainer seconds.
+  counts as infinite. The sample-efficiency frontier: the held-out accuracy the reference
+  algorithm (``--reference``, FlowGRPO) reaches at the end of its budget (its median final
+  accuracy over the seeds) is the target; per algorithm, the images, the rollout's denoiser
+  forwards (``rollout_forwards_per_image``: CFG rows counted, a branched group's shared prefix
+  once) and the wall-clock (rollout + trainer seconds) at the first validation that reaches it,
+  and how many times fewer images than the reference that is. A plot (``--plot``): the gain
+  against images and against trainer seconds.
 - ``jpeg``: the JPEG demo (``examples/tiny_jpeg.yaml``, a random tiny model rewarded for JPEG
   compressibility), the per-step mean reward paired with the control's (step 1 precedes any
   update, so the pair agrees there). Per algorithm: the final gain (the last quarter's mean)
@@ -37,9 +43,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from flowgrpo.sampler_params import SamplerSettings
 from flowgrpo.services.bench.learning import HELD_OUT_KEY, Case, run_case, validations_of
 from flowgrpo.services.bench.stats import Figure, write_json
+
+if TYPE_CHECKING:
+    from flowgrpo.services.coordinator.config import RunConfig
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -77,6 +88,12 @@ COMPOSE: dict[str, Algorithm] = {
     "grpo_guard": Algorithm("tiny_compose.yaml", ("trainer.loss.mode=grpo_guard",)),
     "diffusion_nft": Algorithm("tiny_demo.yaml", ("sampling.cfg_text_scale=4.0",)),
     "diffusion_nft_cfg_free": Algorithm("tiny_demo.yaml"),
+    # FlowGRPO without CFG (flow_grpo's fast recipe, UniGRPO): the conditional branch alone samples
+    # and is trained, one forward a step instead of two
+    "flow_grpo_cfg_free": Algorithm(
+        "tiny_compose.yaml",
+        ("sampling.branch=false", "sampling.window_range=[0,7]", "sampling.cfg_text_scale=1.0"),
+    ),
 }
 TASKS = {"compose": COMPOSE, "jpeg": JPEG}
 
@@ -242,6 +259,15 @@ class HeldOutCurve:
         """Accuracy minus the control's, in points."""
         return [(a - self.control) * 100 for a in self.accuracy]
 
+    @property
+    def wall_s(self) -> list[float]:
+        """Rollout plus trainer seconds before each validation."""
+        return [r + t for r, t in zip(self.rollout_s, self.trainer_s, strict=True)]
+
+    def reach_accuracy(self, target: float, axis: list[float]) -> float:
+        """``axis`` at the first validation whose accuracy is at least ``target`` (inf: none)."""
+        return next((x for x, a in zip(axis, self.accuracy, strict=True) if a >= target), math.inf)
+
     def reach(self, target: float, axis: list[float]) -> float:
         """``axis`` at the first validation whose gain is at least ``target`` points (inf: none)."""
         return next((x for x, g in zip(axis, self.gain, strict=True) if g >= target), math.inf)
@@ -289,6 +315,10 @@ class HeldOutRow:
     trainer_s_to_most: Figure
     trainer_s: Figure  # the whole run's
     rollout_s: Figure
+    images_to_target: Figure  # to the reference's final accuracy (inf: not reached)
+    forwards_to_target: Figure  # the rollout's denoiser forwards to it
+    wall_s_to_target: Figure  # rollout + trainer seconds to it
+    fewer_images: Figure  # the reference's median images to the target / this run's
 
 
 def best_final_gain(curves: list[HeldOutCurve]) -> float:
@@ -299,9 +329,29 @@ def best_final_gain(curves: list[HeldOutCurve]) -> float:
     return max(statistics.median(g) for g in by_algorithm.values())
 
 
-def held_out_row(algorithm: str, curves: list[HeldOutCurve], best: float) -> HeldOutRow:
+@dataclass(frozen=True)
+class Frontier:
+    """What every algorithm is measured against: the reference's final accuracy (a fraction), the
+    reference's median images to reach it, and each algorithm's denoiser forwards per image."""
+
+    target: float
+    reference_images: float
+    forwards_per_image: dict[str, float]
+
+
+def frontier_of(curves: list[HeldOutCurve], reference: str, forwards_per_image: dict[str, float]) -> Frontier:
+    ours = [c for c in curves if c.algorithm == reference]
+    if not ours:
+        raise SystemExit(f"--reference {reference} was not run: add it to --algorithms")
+    target = statistics.median(c.accuracy[-1] for c in ours)
+    images = statistics.median(c.reach_accuracy(target, c.images) for c in ours)
+    return Frontier(target, images, forwards_per_image)
+
+
+def held_out_row(algorithm: str, curves: list[HeldOutCurve], best: float, frontier: Frontier) -> HeldOutRow:
     """``best``: :func:`best_final_gain`; at or below 0 nothing was learnt and nothing is reached."""
     half, most = (0.5 * best, 0.9 * best) if best > 0 else (math.inf, math.inf)
+    target, per_image = frontier.target, frontier.forwards_per_image[algorithm]
 
     def fig(value: Callable[[HeldOutCurve], float], unit: str) -> Figure:
         return Figure.of([value(c) for c in curves], unit)
@@ -318,7 +368,28 @@ def held_out_row(algorithm: str, curves: list[HeldOutCurve], best: float) -> Hel
         trainer_s_to_most=fig(lambda c: c.reach(most, c.trainer_s), "s"),
         trainer_s=fig(lambda c: c.trainer_s[-1], "s"),
         rollout_s=fig(lambda c: c.rollout_s[-1], "s"),
+        images_to_target=fig(lambda c: c.reach_accuracy(target, c.images), "images"),
+        forwards_to_target=fig(lambda c: c.reach_accuracy(target, c.images) * per_image, "forwards"),
+        wall_s_to_target=fig(lambda c: c.reach_accuracy(target, c.wall_s), "s"),
+        fewer_images=fig(lambda c: frontier.reference_images / c.reach_accuracy(target, c.images), "x"),
     )
+
+
+def rollout_forwards_per_image(settings: SamplerSettings, group_size: int) -> float:
+    """The denoiser forwards one training image costs the rollout: a row per CFG branch at each of
+    the schedule's steps; with ``branch``, the group's steps before its window are computed once
+    for the group: the expectation for a window beginning uniformly in [lo, hi - window_size] (the
+    random strategy's draw per group, the progressive one's cycle; the fixed one's is the seed's)."""
+    from flowgrpo.models.bagel.sampling import needs_uncond  # torch: only once runs are tabulated
+
+    steps = settings.num_points - 1
+    rows = 2 if needs_uncond(settings) else 1
+    if not settings.branch:
+        return float(rows * steps)
+    lo, hi = settings.window_range
+    starts = range(lo, hi - settings.window_size + 1)
+    shared = statistics.fmean(starts) * (1 - 1 / group_size)  # the prefix, once per group
+    return rows * (steps - shared)
 
 
 def reach_cell(figure: Figure, spec: str = ",.0f") -> str:
@@ -330,7 +401,7 @@ def reach_cell(figure: Figure, spec: str = ",.0f") -> str:
     return f"{one(figure.median)} ({one(figure.min)}-{one(figure.max)})"
 
 
-def print_held_out_table(rows: list[HeldOutRow], best: float) -> None:
+def print_held_out_table(rows: list[HeldOutRow], best: float, frontier: Frontier, reference: str) -> None:
     cells: list[tuple[str, int, Callable[[HeldOutRow], str]]] = [
         ("algorithm", 22, lambda r: r.algorithm),
         ("held-out accuracy %", 20, lambda r: r.accuracy.brief(".1f")),
@@ -343,12 +414,18 @@ def print_held_out_table(rows: list[HeldOutRow], best: float) -> None:
         ("trainer s to 90%", 18, lambda r: reach_cell(r.trainer_s_to_most)),
         ("trainer s", 16, lambda r: r.trainer_s.brief(".0f")),
         ("rollout s", 16, lambda r: r.rollout_s.brief(".0f")),
+        ("images to target", 22, lambda r: reach_cell(r.images_to_target)),
+        ("x fewer images", 18, lambda r: reach_cell(r.fewer_images, ".1f")),
+        ("forwards to target", 26, lambda r: reach_cell(r.forwards_to_target)),
+        ("wall s to target", 18, lambda r: reach_cell(r.wall_s_to_target)),
     ]
     print(" ".join(f"{name:>{width}}" for name, width, _ in cells))
     for r in rows:
         print(" ".join(f"{cell(r):>{width}}" for _, width, cell in cells))
     print(f"median (min-max) over the seeds; best final gain {best:+.1f} points (50%: {best / 2:+.1f}, "
           f"90%: {0.9 * best:+.1f}); never: not reached by the last validation")  # fmt: skip
+    print(f"target: {reference}'s final accuracy, {frontier.target * 100:.1f}% (median over its seeds), "
+          f"reached by it after {frontier.reference_images:,.0f} images; x fewer 0: never")  # fmt: skip
 
 
 def plot_held_out(curves: list[HeldOutCurve], path: str) -> None:
@@ -364,10 +441,22 @@ def plot_held_out(curves: list[HeldOutCurve], path: str) -> None:
 
 
 def images_per_step(algorithm: Algorithm, overrides: list[str]) -> int:
+    cfg = run_config(algorithm, overrides)
+    return cfg.data.prompts_per_step * cfg.data.group_size
+
+
+def run_config(algorithm: Algorithm, overrides: list[str]) -> RunConfig:
     from flowgrpo.services.coordinator.config import load_run_config
 
-    cfg = load_run_config(EXAMPLES / algorithm.recipe, [*algorithm.overrides, *overrides])
-    return cfg.data.prompts_per_step * cfg.data.group_size
+    return load_run_config(EXAMPLES / algorithm.recipe, [*algorithm.overrides, *overrides])
+
+
+def forwards_of(
+    algorithms: dict[str, Algorithm], chosen: list[str], args: argparse.Namespace
+) -> dict[str, float]:
+    """Each chosen algorithm's rollout forwards per image (:func:`rollout_forwards_per_image`)."""
+    configs = {a: run_config(algorithms[a], args.overrides) for a in chosen}
+    return {a: rollout_forwards_per_image(cfg.sampling, cfg.data.group_size) for a, cfg in configs.items()}
 
 
 def schedule_of(name: str, algorithm: Algorithm, args: argparse.Namespace) -> list[str]:
@@ -418,7 +507,13 @@ def main(argv: list[str] | None = None) -> int:
         report = (
             jpeg_report(pairs, chosen, args.plot)
             if args.task == "jpeg"
-            else compose_report(pairs, chosen, args.plot)
+            else compose_report(
+                pairs,
+                chosen,
+                args.plot,
+                lambda curves: frontier_of(curves, args.reference, forwards_of(algorithms, chosen, args)),
+                args.reference,
+            )
         )
     write_json(args.json, {**report, "task": args.task, "algorithms": {a: algorithms[a] for a in chosen}})
     return 0
@@ -436,7 +531,11 @@ def jpeg_report(
 
 
 def compose_report(
-    pairs: list[tuple[str, int, Path, Path]], chosen: list[str], png: str | None
+    pairs: list[tuple[str, int, Path, Path]],
+    chosen: list[str],
+    png: str | None,
+    frontier_of_curves: Callable[[list[HeldOutCurve]], Frontier],
+    reference: str,
 ) -> dict[str, object]:
     curves = [
         held_out_curve(
@@ -445,11 +544,12 @@ def compose_report(
         for a, seed, trained, control in pairs
     ]
     best = best_final_gain(curves)
-    rows = [held_out_row(a, [c for c in curves if c.algorithm == a], best) for a in chosen]
-    print_held_out_table(rows, best)
+    frontier = frontier_of_curves(curves)
+    rows = [held_out_row(a, [c for c in curves if c.algorithm == a], best, frontier) for a in chosen]
+    print_held_out_table(rows, best, frontier, reference)
     if png:
         plot_held_out(curves, png)
-    return {"rows": rows, "curves": curves, "best_final_gain": best}
+    return {"rows": rows, "curves": curves, "best_final_gain": best, "frontier": frontier}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -464,6 +564,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--images", type=int, default=6400, help="compose: images every algorithm generates")
     parser.add_argument("--eval-images", type=int, default=640, help="compose: images between validations")
     parser.add_argument("--steps", type=int, default=40, help="jpeg: steps of every run")
+    parser.add_argument(
+        "--reference", default="flow_grpo", help="compose: the algorithm whose final accuracy is the target"
+    )
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every run")
     parser.add_argument("--jobs", type=int, default=1, help="runs at once")
     parser.add_argument("--json", help="also write every row and every pair's curve here")

@@ -52,7 +52,7 @@ def test_the_compose_benchmark_pairs_held_out_validations(tmp_path: Path) -> Non
     out, again, kept = tmp_path / "algos.json", tmp_path / "again.json", tmp_path / "runs"
     chosen = ["flow_grpo_branch", "diffusion_nft_cfg_free"]  # both recipes the task's algorithms use
     argv = [*SHORT_COMPOSE, "--seeds", "0", "--images", "8", "--eval-images", "4", "--jobs", "2",
-            "--algorithms", *chosen]  # fmt: skip
+            "--reference", "flow_grpo_branch", "--algorithms", *chosen]  # fmt: skip
     assert algos.main([*argv, "--json", str(out), "--keep", str(kept)]) == 0
     report = json.loads(out.read_text())
     assert algos.main([*argv, "--json", str(again), "--tabulate", str(kept)]) == 0  # nothing run again
@@ -72,6 +72,13 @@ def test_the_compose_benchmark_pairs_held_out_validations(tmp_path: Path) -> Non
         assert row["accuracy"]["median"] == pytest.approx(curve["accuracy"][-1] * 100)
         finals.append(final)
     assert report["best_final_gain"] == pytest.approx(max(finals))
+    assert report["frontier"]["target"] == report["curves"][0]["accuracy"][-1]  # the reference's final
+    # CFG 4 (two rows) over 9 steps, a group of 8 sharing steps before a window starting in 2..6;
+    # the CFG-free demo recipe: one row over 9 steps
+    assert report["frontier"]["forwards_per_image"] == {
+        "flow_grpo_branch": pytest.approx(2 * (9 - 4 * (1 - 1 / 8))),
+        "diffusion_nft_cfg_free": 9.0,
+    }
 
 
 def synthetic(algorithm: str, seed: int, accuracy: list[float]) -> algos.HeldOutCurve:
@@ -100,18 +107,48 @@ def test_the_thresholds_are_the_first_validations_at_half_and_90_percent_of_the_
                 return axis[i]
         return math.inf
 
+    frontier = algos.frontier_of(curves, "slow", {"fast": 10.0, "slow": 20.0, "flat": 10.0})
     for name in ("fast", "slow"):
         mine = [c for c in curves if c.algorithm == name]
-        row = algos.held_out_row(name, mine, best)
+        row = algos.held_out_row(name, mine, best, frontier)
         half = sorted(first(c, 15.0, c.images) for c in mine)
         most = sorted(first(c, 27.0, c.trainer_s) for c in mine)
         for figure, expected in ((row.images_to_half, half), (row.trainer_s_to_most, most)):
             assert (figure.min, figure.median, figure.max) == tuple(expected)
-    fast = algos.held_out_row("fast", curves[:3], best)
+    fast = algos.held_out_row("fast", curves[:3], best, frontier)
     assert (fast.images_to_half.median, fast.images_to_most.median) == (640.0, 1920.0)
     assert fast.images_to_most.max == math.inf  # seed 2 ends at +20 < 27: never
     assert algos.reach_cell(fast.images_to_most) == "1,920 (1,280-never)"
-    slow = algos.held_out_row("slow", curves[3:], best)
+    slow = algos.held_out_row("slow", curves[3:], best, frontier)
     assert slow.images_to_most.median == math.inf and slow.images_to_half.median == 1920.0
-    nothing = algos.held_out_row("flat", [synthetic("flat", 0, [0.3, 0.3])], 0.0)
+    nothing = algos.held_out_row("flat", [synthetic("flat", 0, [0.3, 0.3])], 0.0, frontier)
     assert nothing.images_to_half.median == math.inf  # no gain: no threshold is reached, not step 0's
+
+
+def test_the_frontier_is_the_images_to_the_reference_algorithms_final_accuracy() -> None:
+    """slow (the reference) ends at 46, 30 and 40%: the target is 40%, which slow reaches at 1,920
+    images on seeds 0 and 2 and never on seed 1 (median 1,920); fast reaches it at 640, 1,280, 640."""
+    curves = [
+        synthetic("fast", 0, [0.30, 0.50, 0.60, 0.60]),
+        synthetic("fast", 1, [0.20, 0.25, 0.45, 0.50]),
+        synthetic("fast", 2, [0.25, 0.40, 0.40, 0.45]),
+        synthetic("slow", 0, [0.30, 0.30, 0.36, 0.46]),
+        synthetic("slow", 1, [0.20, 0.10, 0.20, 0.30]),
+        synthetic("slow", 2, [0.25, 0.30, 0.35, 0.40]),
+    ]
+    frontier = algos.frontier_of(curves, "slow", {"fast": 10.0, "slow": 20.0})
+    assert (frontier.target, frontier.reference_images) == (0.40, 1920.0)
+    best = algos.best_final_gain(curves)
+    fast = algos.held_out_row("fast", curves[:3], best, frontier)
+    assert (fast.images_to_target.min, fast.images_to_target.median, fast.images_to_target.max) == (
+        640,
+        640,
+        1280,
+    )
+    assert (fast.fewer_images.min, fast.fewer_images.median) == (1.5, 3.0)
+    assert fast.forwards_to_target.median == 6400.0  # 640 images x 10 forwards
+    assert fast.wall_s_to_target.max == 2 * (15 + 20)  # seed 1, the second validation: trainer + rollout
+    slow = algos.held_out_row("slow", curves[3:], best, frontier)
+    assert slow.images_to_target.max == math.inf and slow.fewer_images.median == 1.0
+    with pytest.raises(SystemExit, match="--reference medium was not run"):
+        algos.frontier_of(curves, "medium", {})
