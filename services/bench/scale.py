@@ -59,7 +59,7 @@ from flowgrpo.runtime.config import ServerConfig
 from flowgrpo.runtime.security import TOKEN_ENV
 from flowgrpo.services.bench.stats import write_json
 from flowgrpo.services.coordinator.config import RunConfig, load_run_config
-from flowgrpo.services.coordinator.launch import launch, role_config, terminate_groups
+from flowgrpo.services.coordinator.launch import launch, role_config, run_settings, terminate_groups
 from flowgrpo.services.coordinator.outputs import RunOutputs
 from flowgrpo.services.coordinator.registry import (
     CoordinatorService,
@@ -272,7 +272,7 @@ async def run_point(n: int, opts: ScaleOptions, work: Path, model: str) -> Point
     registry = MeasuredRegistry(run_id=f"scale-{n}", heartbeat_interval_s=opts.heartbeat_interval_s,
                                 lost_after_s=opts.lost_after_s,
                                 max_heartbeats_per_s=opts.max_heartbeats_per_s if opts.fixes else math.inf,
-                                )  # fmt: skip
+                                settings=run_settings(cfg))  # fmt: skip
     members = cfg.launch.rollout_replicas + cfg.launch.reward_replicas + 1
     concurrency = (
         server_concurrency(cfg.server.concurrency, members) if opts.fixes else cfg.server.concurrency

@@ -10,6 +10,11 @@
   addresses, or, without addresses, those that register with this coordinator (their
   ``coordinator=HOST:PORT``) until the configured replica counts are there; only handshakes.
 
+Every launcher compares the settings each replica took from its own config (its READY handshake's
+``ServiceInfo.settings``, ``flowgrpo.config_digest``) with the run recipe's (:func:`run_settings`)
+and refuses one that differs as any other handshake refusal (:class:`HandshakeError`): at the
+start the run fails naming the first differing key; a trainer brought back is not taken.
+
 In ``local`` the replicas also register with the coordinator and send heartbeats (a hung replica
 is found without waiting for a call's deadline), and a rollout or reward process that dies is
 started again (``launch.restarts`` times): it registers and rejoins the run. A trainer that dies is
@@ -29,7 +34,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,6 +44,7 @@ import grpc.aio
 from flowgrpo.bus.config import SECRET_ENV
 from flowgrpo.columns import COLUMNS, StageSpec, check_pipeline
 from flowgrpo.config import dump_yaml
+from flowgrpo.config_digest import Settings, refusal, role_settings
 from flowgrpo.runtime import open_channel, wait_ready
 from flowgrpo.runtime.client import health
 from flowgrpo.runtime.config import ServerConfig
@@ -50,7 +56,7 @@ from flowgrpo.services.coordinator.handles import STUBS, Replica
 from flowgrpo.services.coordinator.lifecycle import record_process
 from flowgrpo.services.coordinator.pool import RunError
 from flowgrpo.services.coordinator.progress import StartupReport
-from flowgrpo.services.coordinator.registry import CoordinatorService
+from flowgrpo.services.coordinator.registry import ROLES, CoordinatorService
 from flowgrpo.services.coordinator.revive import TrainerSource
 from flowgrpo.services.reward.config import RewardServiceConfig
 from flowgrpo.services.rollout.config import RolloutServiceConfig
@@ -109,6 +115,19 @@ def role_config(cfg: RunConfig, role: str, **process: Any) -> Any:
             trainer = replace(trainer, checkpoint_dir=str(Path(cfg.run_dir).resolve() / "checkpoints"))
         return TrainerServiceConfig(trainer=trainer, **process)
     raise ValueError(f"no service role {role!r}: one of rollout, reward, trainer")
+
+
+def run_settings(cfg: RunConfig) -> dict[str, Settings]:
+    """Per role, the settings a replica must have taken from its own config: those of the config
+    :func:`role_config` gives it (``flowgrpo.config_digest.MUST_AGREE``)."""
+    return {role: role_settings(role, role_config(cfg, role)) for role in ROLES}
+
+
+def check_settings(info: common_pb2.ServiceInfo, expected: Mapping[str, Settings]) -> None:
+    """Refuse (:class:`HandshakeError`) the replica whose READY handshake answered ``info`` when
+    its settings are not ``expected`` of its role (or it sent none)."""
+    if info.role in expected and (why := refusal(info, expected[info.role])) is not None:
+        raise HandshakeError(why)
 
 
 def service_configs(cfg: RunConfig, coordinator: str = "") -> dict[str, Any]:
@@ -187,6 +206,7 @@ async def _launch_inprocess(cfg: RunConfig, registry: CoordinatorService, report
 
     classes = {"rollout": RolloutService, "reward": RewardService, "trainer": TrainerService}
     services = Services([], [], None)  # type: ignore[arg-type]
+    expected = run_settings(cfg)
     try:
         for rid, config in service_configs(cfg).items():
             role = rid.split("-")[0]
@@ -199,6 +219,7 @@ async def _launch_inprocess(cfg: RunConfig, registry: CoordinatorService, report
             services.infos.append(info)
             info.grpc_address = "inprocess"
             report.ready(info)
+            check_settings(info, expected)  # the same config: they agree, but the check runs as elsewhere
             registry.join(info, beats=False)  # listed by RunStatus; actors here send no heartbeats
             _place(services, replica)
     except BaseException:
@@ -359,8 +380,8 @@ class LocalTrainer:
                 address = await _ready_address("trainer", proc, self.config, self.run_dir,
                                                self.cfg.launch.start_timeout_s)  # fmt: skip
                 replica, channel = await unless_one_exits(
-                    _connect_one("trainer", address, self.cfg.launch.start_timeout_s), {"trainer": proc},
-                    self.run_dir,
+                    _connect_one("trainer", address, self.cfg.launch.start_timeout_s, run_settings(self.cfg)),
+                    {"trainer": proc}, self.run_dir,
                 )  # fmt: skip
             except (
                 ServiceStartError,
@@ -409,20 +430,28 @@ class RemoteTrainer:
         log.warning("the trainer at %s is gone; waiting up to %.0f s for one to %s", failed.address, wait_s,
                     f"answer at {self.cfg.launch.trainer_address}" if self.cfg.launch.trainer_address
                     else f"register at {self.registry.grpc_address}")  # fmt: skip
+        expected, refused = run_settings(self.cfg), ""
         while (remaining := deadline - time.monotonic()) > 0:
             for address in self._candidates(failed):
                 try:
-                    replica, channel = await _connect_one("trainer", address, min(remaining, 3.0))
-                except (NotReadyError, HandshakeError, grpc.aio.AioRpcError, ValueError):
+                    replica, channel = await _connect_one("trainer", address, min(remaining, 3.0), expected)
+                except HandshakeError as error:  # another role, another recipe's settings
+                    if str(error) != refused:
+                        log.warning("the trainer at %s cannot serve the run: %s", address, error)
+                    refused = str(error)
+                    continue
+                except (NotReadyError, grpc.aio.AioRpcError, ValueError):
                     continue
                 self._channels.append(channel)
                 return replica
             self.registry.changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.registry.changed.wait(), timeout=min(max(remaining, 0.01), 1.0))
+        refusals = dict.fromkeys(why for why in (refused, *self.registry.refusals("trainer")) if why)
         raise RunError(
             f"no trainer answered within launch.trainer_rejoin_timeout_s={wait_s:.0f} s (start one with "
             f"coordinator={self.registry.grpc_address} and the same trainer.checkpoint_dir)"
+            + "".join(f"; refused: {why}" for why in refusals)
         )
 
     def _candidates(self, failed: Replica) -> list[str]:
@@ -619,6 +648,18 @@ def last_line(path: Path, most: int = 500) -> str:
     return line if len(line) <= most else line[:most] + "..."
 
 
+async def all_or_none(waits: Sequence[Awaitable[T]]) -> list[T]:
+    """Every result of ``waits``, run together; the first failure cancels the others and is raised
+    at once (a refused replica ends the start now, not when the slowest wait gives up)."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 # --- already running ----------------------------------------------------------------------------
 
 
@@ -637,10 +678,12 @@ async def _registered(cfg: RunConfig, registry: CoordinatorService) -> tuple[lis
             got = "; ".join(
                 f"{role}: {', '.join(i.replica_id for i in have[role]) or 'none'}" for role in want
             )
+            refused = "".join(f"; refused: {why}" for role in want for why in registry.refusals(role))
             raise TimeoutError(
                 f"launch.launcher=remote waited launch.start_timeout_s={cfg.launch.start_timeout_s:.0f} s "
-                f"for {_counts(want)} to register at {registry.grpc_address}; registered: {got}. Start the "
-                "services with coordinator=<this address>, or lower launch.rollout_replicas / reward_replicas"
+                f"for {_counts(want)} to register at {registry.grpc_address}; registered: {got}{refused}. "
+                "Start the services with coordinator=<this address> and the run's recipe, or lower "
+                "launch.rollout_replicas / reward_replicas"
             )
         registry.changed.clear()
         with contextlib.suppress(TimeoutError):
@@ -657,13 +700,17 @@ def _counts(want: dict[str, int]) -> str:
     return ", ".join(f"{n} {role}{'s' if n > 1 else ''}" for role, n in want.items())
 
 
-async def _connect_one(role: str, address: str, timeout_s: float) -> tuple[Replica, grpc.aio.Channel]:
-    """A replica that answered the READY handshake at ``address``, and its channel."""
+async def _connect_one(
+    role: str, address: str, timeout_s: float, expected: Mapping[str, Settings]
+) -> tuple[Replica, grpc.aio.Channel]:
+    """A replica that answered the READY handshake at ``address`` with the ``expected`` settings
+    (:func:`check_settings`), and its channel."""
     channel = open_channel(address)
     try:
         info = await wait_ready(
             address, role=role, timeout_s=timeout_s, channel=channel, client_role="coordinator"
         )
+        check_settings(info, expected)
     except BaseException:
         await channel.close()
         raise
@@ -674,9 +721,15 @@ async def _connect(
     cfg: RunConfig, rollouts: Sequence[str], rewards: Sequence[str], trainer: str, report: StartupReport
 ) -> Services:
     services = Services([], [], None)  # type: ignore[arg-type]
-    timeout = cfg.launch.start_timeout_s
+    timeout, expected = cfg.launch.start_timeout_s, run_settings(cfg)
     targets = [("rollout", a) for a in rollouts] + [("reward", a) for a in rewards] + [("trainer", trainer)]
-    infos = await asyncio.gather(*(report.wait_ready(a, role=r, timeout_s=timeout) for r, a in targets))
+
+    async def ready(role: str, address: str) -> common_pb2.ServiceInfo:
+        info = await report.wait_ready(address, role=role, timeout_s=timeout)
+        check_settings(info, expected)
+        return info
+
+    infos = await all_or_none([ready(role, address) for role, address in targets])
     for (role, address), info in zip(targets, infos, strict=True):
         channel = open_channel(address)
         services._stop.append(channel.close)

@@ -7,6 +7,11 @@ calls in flight and sends the work elsewhere, without waiting for the call's own
 lost replica that beats again is told it is unknown, registers again and rejoins (the run loop
 first brings its weights up to date). Every change is put on :attr:`events` for the run loop.
 
+A registration is refused (INVALID_ARGUMENT, the replica keeps trying) when the replica's
+settings, sent in its ``ServiceInfo``, differ from the run recipe's (``flowgrpo.config_digest``):
+it gets no slot, the coordinator's log says why once, and :meth:`CoordinatorService.refusals`
+keeps the reason for the run's own messages (a start-up that times out, a trainer not back).
+
 Served in the coordinator's process by the same runtime as the services (health, handshake,
 tracing, token), so ``flowgrpo status`` and container probes reach it like any service.
 """
@@ -17,11 +22,13 @@ import asyncio
 import logging
 import resource
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
 
 from flowgrpo import PROTOCOL_VERSION
+from flowgrpo.config_digest import Settings, refusal
 from flowgrpo.runtime import Actor, InvalidArgument, ServiceError, message, wait_ready
 from flowgrpo.runtime.errors import HandshakeError, NotReadyError
 from flowgrpo.runtime.membership import JITTER
@@ -31,6 +38,7 @@ log = logging.getLogger(__name__)
 
 ROLES = ("rollout", "reward", "trainer")
 VERIFY_S = 3.0  # how long a registrant (or the replica it would replace) has to answer the handshake
+MAX_REFUSALS = 64  # refused registrants whose reason is kept (the newest)
 
 
 @dataclass
@@ -70,9 +78,15 @@ class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
         lost_after_s: float = 20.0,
         verify: bool = True,
         max_heartbeats_per_s: float = 50.0,
+        *,
+        settings: Mapping[str, Settings] | None = None,
     ) -> None:
         super().__init__(replica_id="coordinator")
         self.run_id = run_id
+        # per role, the settings of the run's recipe a registrant must have (launch.run_settings);
+        # a role not in it is not compared (a registry without a run: tests, benchmarks)
+        self.expected: dict[str, Settings] = dict(settings or {})
+        self.refused: dict[str, tuple[str, str]] = {}  # replica id -> (role, why it was refused)
         # call a registrant back before accepting it (False only for tests of the bookkeeping)
         self.verify = verify
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -203,7 +217,8 @@ class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
         self.join(info)
 
     def check(self, info: common_pb2.ServiceInfo) -> None:
-        """Refuse a registration this coordinator cannot use (version, role, id, address)."""
+        """Refuse a registration this coordinator cannot use (version, role, id, address, settings
+        other than the run recipe's)."""
         if info.protocol_version != PROTOCOL_VERSION:
             raise InvalidArgument(
                 f"{info.replica_id or '(unnamed)'} speaks {info.protocol_version or '(none)'!r}, this "
@@ -219,6 +234,25 @@ class CoordinatorService(Actor, coordinator_pb2_grpc.CoordinatorServicer):
             raise InvalidArgument(
                 f"replica id {info.replica_id!r} is already a {known.info.role}; give each replica its own id"
             )
+        if info.role in self.expected and (why := refusal(info, self.expected[info.role])) is not None:
+            self._refuse(info, why)
+            raise InvalidArgument(why)
+        self.refused.pop(info.replica_id, None)
+
+    def _refuse(self, info: common_pb2.ServiceInfo, why: str) -> None:
+        """Keep ``why`` for :meth:`refusals`; said in the log once per reason (a refused replica
+        tries again every few seconds)."""
+        if self.refused.get(info.replica_id) != (info.role, why):
+            log.warning("refused a registration: %s", why)
+        self.refused.pop(info.replica_id, None)  # the newest last: the oldest goes first past the bound
+        self.refused[info.replica_id] = (info.role, why)
+        while len(self.refused) > MAX_REFUSALS:
+            del self.refused[next(iter(self.refused))]
+
+    def refusals(self, role: str) -> list[str]:
+        """Why ``role`` replicas were refused for their settings: each one's last reason, forgotten
+        once it registers with the run's."""
+        return [why for of_role, why in self.refused.values() if of_role == role]
 
     async def _answers_as(self, info: common_pb2.ServiceInfo) -> bool:
         """Whether ``info.grpc_address`` answers the READY handshake as that replica (with this

@@ -30,7 +30,7 @@ from flowgrpo.runtime.credentials import RunCredentials, remove_run_credentials,
 from flowgrpo.runtime.security import TOKEN_ENV, resolve_token
 from flowgrpo.runtime.server import REPLY_FLUSH_S
 from flowgrpo.services.coordinator.config import RunConfig, with_checkpoint
-from flowgrpo.services.coordinator.launch import Services, launch
+from flowgrpo.services.coordinator.launch import Services, launch, run_settings
 from flowgrpo.services.coordinator.lifecycle import RunInterrupted, RunLock, StopSignals, stop_leftovers
 from flowgrpo.services.coordinator.outputs import RunOutputs
 from flowgrpo.services.coordinator.progress import StartupReport
@@ -255,6 +255,7 @@ def _coordinator_server(cfg: RunConfig) -> tuple[CoordinatorService, ServiceServ
         heartbeat_interval_s=cfg.launch.heartbeat_interval_s,
         lost_after_s=cfg.launch.lost_after_s,
         max_heartbeats_per_s=cfg.launch.max_heartbeats_per_s,
+        settings=run_settings(cfg),  # a registrant started with another recipe's is refused
     )
     ready_file = Path(cfg.run_dir).resolve() / "services" / "coordinator.ready.json"
     members = cfg.launch.rollout_replicas + cfg.launch.reward_replicas + 1  # heartbeats: docs/scaling.md

@@ -29,6 +29,7 @@ from opentelemetry import trace
 
 from flowgrpo.bus import BusClient, BusError, Fetched, TensorRef
 from flowgrpo.bus.refs import endpoint_problem
+from flowgrpo.config_digest import role_settings
 from flowgrpo.rewards import RewardModel, Sample, build_reward
 from flowgrpo.rewards.combine import Batch, Scored
 from flowgrpo.rewards.images import MAX_SIDE
@@ -75,6 +76,7 @@ class RewardService(Actor, reward_pb2_grpc.RewardServicer):
         self.model: RewardModel | None = model  # built in start() unless given
         self.client = BusClient(config.bus)  # fetches images from the producers' stores
         self.stages = [STAGE]
+        self.settings = role_settings(self.role, config)  # the coordinator compares them with its recipe's
 
     async def start(self) -> None:
         with self.startup_phase("scorers") as phase:

@@ -38,6 +38,7 @@ from flowgrpo.bus.dtypes import itemsize
 from flowgrpo.bus.relay import Keeper, RelayedFetch, Source
 from flowgrpo.bus.torch_tensors import put_tensor, to_torch
 from flowgrpo.columns import TRAJECTORY_COLUMNS
+from flowgrpo.config_digest import role_settings
 from flowgrpo.devices import release_cached_memory
 from flowgrpo.fields import FieldError, check_float, check_id, check_int
 from flowgrpo.models.bagel.checkpoint import read_bagel_config
@@ -89,6 +90,7 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
         self.keeper: Keeper | None = None  # the weight versions it relays, in that store
         self.client = BusClient(config.bus)
         self.stages = [STAGE]
+        self.settings = role_settings(self.role, config)  # the coordinator compares them with its recipe's
         self.limits: ModelLimits | None = None  # the checkpoint's image side, prompt length, vocabulary
 
     async def start(self) -> None:

@@ -21,6 +21,7 @@ import grpc.aio
 from flowgrpo.algorithms import algorithm_of
 from flowgrpo.algorithms.flow_grpo.objective import LogProbGapError
 from flowgrpo.bus import BusServer, serve_store
+from flowgrpo.config_digest import role_settings
 from flowgrpo.devices import release_cached_memory
 from flowgrpo.runtime import Actor, InvalidArgument, ServiceError, message, raise_if_abandoned
 from flowgrpo.services.trainer.checkpoint import CheckpointWriteError, confined_folder
@@ -50,6 +51,7 @@ class TrainerService(Actor, trainer_pb2_grpc.TrainerServicer):
         self.current = common_pb2.WeightUpdate()  # the newest publication
         self.bus: BusServer | None = None
         self.stages = [stage(config.trainer)]
+        self.settings = role_settings(self.role, config)  # the coordinator compares them with its recipe's
 
     async def start(self) -> None:
         cfg = self.config.trainer

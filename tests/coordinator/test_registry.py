@@ -1,11 +1,12 @@
 """The coordinator's registry over real gRPC, with a real ``flowgrpo serve reward`` process:
 it registers, beats, is declared lost when frozen (SIGSTOP), registers again when it thaws
 (SIGCONT), and leaves when it drains (SIGTERM); RunStatus reports each state. Bad registrations
-are refused with what was wrong."""
+(another version, another recipe's settings) are refused with what was wrong."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import grpc
 import pytest
 
 from flowgrpo.config import dump_yaml
+from flowgrpo.config_digest import digest
 from flowgrpo.rewards.config import RewardConfig, ScorerSpec
 from flowgrpo.runtime import Service, ServiceServer, open_channel
 from flowgrpo.runtime.config import ServerConfig
@@ -158,6 +160,63 @@ def test_a_bad_registration_is_refused_with_what_was_wrong(
                 await stub.Register(coordinator_pb2.RegisterRequest(info=info), timeout=10)
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert message in (caught.value.details() or "")
+        finally:
+            await channel.close()
+            await server.stop(0)
+
+    asyncio.run(body())
+
+
+def _trainer(replica_id: str, settings: dict[str, str] | None) -> common_pb2.ServiceInfo:
+    from flowgrpo import PROTOCOL_VERSION
+
+    info = common_pb2.ServiceInfo(role="trainer", replica_id=replica_id, grpc_address="h:1",
+                                  protocol_version=PROTOCOL_VERSION, software_version="0.9")  # fmt: skip
+    if settings is not None:  # None: older software, which sends no settings
+        info.settings.update(settings)
+        info.settings_digest = digest(settings)
+    return info
+
+
+def test_a_registrant_of_another_recipe_gets_no_slot_and_the_reason_is_kept(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Refused with INVALID_ARGUMENT naming the first differing setting (the replica says it in its
+    log and tries again), said once in the coordinator's log however often it tries, kept for the
+    run's own messages until the replica registers with the run's settings."""
+    want = {"trainer.algorithm": '"flow_grpo"', "trainer.loss.clip_eps": "0.01"}
+    other = {**want, "trainer.loss.clip_eps": "0.0001"}
+    said = (
+        "trainer trainer-0 at h:1 was started with trainer.loss.clip_eps=0.0001, the run's recipe has "
+        "0.01: start it with the run's recipe (the only differing setting)"
+    )
+
+    async def register(stub: coordinator_pb2_grpc.CoordinatorStub, info: common_pb2.ServiceInfo) -> str:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Register(coordinator_pb2.RegisterRequest(info=info), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        where, _, why = (caught.value.details() or "").partition(": ")
+        assert where == "coordinator coordinator"  # the server names who refused
+        return why
+
+    async def body() -> None:
+        registry = CoordinatorService("run-1", verify=False, settings={"trainer": want})
+        server = serve_registry(registry)
+        channel = open_channel(await server.start())
+        try:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            with caplog.at_level(logging.WARNING, logger="flowgrpo.services.coordinator.registry"):
+                assert [await register(stub, _trainer("trainer-0", other)) for _ in range(3)] == [said] * 3
+            assert [r.getMessage() for r in caplog.records] == [f"refused a registration: {said}"]
+            no_digest = await register(stub, _trainer("trainer-old", None))
+            assert no_digest.startswith("trainer trainer-old at h:1 sent no settings digest")
+            assert not registry.members and registry.events.empty()  # no slot, no event for the run
+            assert registry.refusals("trainer") == [said, no_digest] and registry.refusals("rollout") == []
+
+            # started again with the run's recipe: it is taken, and its refusal forgotten
+            await stub.Register(coordinator_pb2.RegisterRequest(info=_trainer("trainer-0", want)), timeout=10)
+            assert registry.members["trainer-0"].state == "up"
+            assert registry.refusals("trainer") == [no_digest]
         finally:
             await channel.close()
             await server.stop(0)

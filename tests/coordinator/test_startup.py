@@ -1,4 +1,5 @@
-"""The startup check refuses a pipeline whose stages do not fit, naming the missing column."""
+"""The startup check refuses a pipeline whose stages do not fit, naming the missing column, and a
+replica whose settings are not the run recipe's, naming the first differing one."""
 
 from __future__ import annotations
 
@@ -11,8 +12,18 @@ from pathlib import Path
 import pytest
 
 from flowgrpo.columns import PipelineError
+from flowgrpo.config_digest import MUST_AGREE, digest, role_settings
 from flowgrpo.runtime.errors import HandshakeError
-from flowgrpo.services.coordinator.launch import Services, ServiceStartError, check_services, unless_one_exits
+from flowgrpo.services.coordinator.config import load_run_config
+from flowgrpo.services.coordinator.launch import (
+    Services,
+    ServiceStartError,
+    all_or_none,
+    check_services,
+    check_settings,
+    run_settings,
+    unless_one_exits,
+)
 from flowgrpo.services.reward.service import STAGE as REWARD
 from flowgrpo.services.rollout.service import STAGE as ROLLOUT
 from flowgrpo.services.trainer.config import Algorithm, TrainerConfig
@@ -20,6 +31,7 @@ from flowgrpo.services.trainer.service import stage
 from flowgrpo.v1 import common_pb2
 
 TRAINER = stage(TrainerConfig())
+RECIPE = Path(__file__).resolve().parents[2] / "examples" / "tiny_jpeg.yaml"
 
 
 def services(*stages: common_pb2.StageSpec) -> Services:
@@ -91,3 +103,64 @@ def test_a_refusal_from_a_process_that_lives_on_is_raised_as_it_is(tmp_path: Pat
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_run_s_settings_are_each_role_s_recipe_section() -> None:
+    """What the coordinator expects (from the run config) and what a replica started with
+    ``flowgrpo serve ROLE --recipe`` sends (from its service config) are one computation."""
+    cfg = load_run_config(RECIPE)
+    expected = run_settings(cfg)
+    assert set(expected) == set(MUST_AGREE) == {"rollout", "reward", "trainer"}
+    assert expected["trainer"]["trainer.loss.clip_eps"] == "0.01"  # the recipe's, not the default 1e-05
+    assert expected["rollout"] == {
+        "rollout.dtype": '"float32"',
+        "rollout.engine": '"native"',
+        "rollout.lora_mode": '"peft"',
+    }
+    assert expected["reward"]["reward.scorers[1].name"] == '"image_brightness"'
+    for role, settings in expected.items():
+        assert role_settings(role, cfg) == settings  # the run config's sections have the same names
+        assert all(key.startswith(MUST_AGREE[role]) for key in settings)
+
+
+def _trainer_info(settings: dict[str, str]) -> common_pb2.ServiceInfo:
+    return common_pb2.ServiceInfo(role="trainer", replica_id="trainer-0", grpc_address="10.0.0.2:50051",
+                                  settings=settings, settings_digest=digest(settings))  # fmt: skip
+
+
+def test_a_replica_of_another_recipe_is_a_handshake_refusal() -> None:
+    expected = run_settings(load_run_config(RECIPE))
+    check_settings(_trainer_info(expected["trainer"]), expected)
+    check_settings(common_pb2.ServiceInfo(role="coordinator"), expected)  # a role without settings
+    other = {**expected["trainer"], "trainer.algorithm": '"diffusion_nft"'}
+    with pytest.raises(HandshakeError) as refused:
+        check_settings(_trainer_info(other), expected)
+    assert str(refused.value) == (
+        'trainer trainer-0 at 10.0.0.2:50051 was started with trainer.algorithm="diffusion_nft", the '
+        "run's recipe has \"flow_grpo\": start it with the run's recipe (the only differing setting)"
+    )
+
+
+def test_all_or_none_raises_the_first_failure_at_once_and_cancels_the_others() -> None:
+    cancelled: list[str] = []
+
+    async def slow() -> int:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append("slow")
+            raise
+        return 1
+
+    async def fast() -> int:
+        return 2
+
+    async def refused() -> int:
+        await asyncio.sleep(0.05)
+        raise HandshakeError("trainer trainer-0 at h:1 was started with ...")
+
+    started = time.monotonic()
+    assert asyncio.run(all_or_none([fast(), fast()])) == [2, 2]
+    with pytest.raises(HandshakeError, match="was started with"):
+        asyncio.run(all_or_none([slow(), fast(), refused()]))
+    assert time.monotonic() - started < 5 and cancelled == ["slow"]

@@ -15,6 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from flowgrpo import PROTOCOL_VERSION
+from flowgrpo.config_digest import digest
 from flowgrpo.runtime import ServerConfig, ServiceServer, open_channel, wait_ready
 from flowgrpo.runtime.startup import describe_startup, starting_phase
 from flowgrpo.v1 import (
@@ -52,6 +53,7 @@ async def rpc_error(call: Awaitable[object]) -> grpc.aio.AioRpcError:
 def test_not_ready_while_starting_then_serving() -> None:
     async def body() -> None:
         actor = ProbeActor(start_delay_s=1.0)
+        actor.settings = {"probe.mode": '"fast"', "probe.eps": "1e-05"}  # what it took from its recipe
         server = ServiceServer(actor, ServerConfig(), services(actor))
         starting = asyncio.create_task(server.start())
         await until(lambda: bool(server.address), "the server to bind")
@@ -74,6 +76,7 @@ def test_not_ready_while_starting_then_serving() -> None:
             and info.policy_version == -1
             and info.pid == os.getpid()
         )
+        assert dict(info.settings) == actor.settings and info.settings_digest == digest(actor.settings)
         assert starting_phase(refused.details()) == ("probe-0", "model for 0 s")
         assert said and all(starting_phase(s) is not None for s in said)
         assert [(p.name, p.detail) for p in info.startup] == [("imports", ""), ("model", "probe weights")]

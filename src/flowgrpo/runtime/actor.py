@@ -35,6 +35,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, ClassVar, Concatenate, ParamSpec, TypeVar
 
 from flowgrpo import PROTOCOL_VERSION, __version__
+from flowgrpo.config_digest import Settings, digest
 from flowgrpo.runtime.mailbox import NOT_STARTED, Mailbox, WorkerThread
 from flowgrpo.runtime.startup import starting_refusal
 from flowgrpo.v1 import common_pb2
@@ -61,6 +62,8 @@ class Actor:
         self.stages: list[common_pb2.StageSpec] = []  # the columns it consumes and produces
         self.policy_version = -1  # rollout / trainer: the weights they hold
         self.labels: dict[str, str] = {}
+        # what it took from its own recipe that must agree with the run's (config_digest.role_settings)
+        self.settings: Settings = {}
         self.startup: list[common_pb2.StartupPhase] = []  # how start() went, phase by phase
         self.startup_s = 0.0  # from the process's start (or launch()) to ready; the handshake says it
         self._phase: tuple[str, float] | None = None  # the start-up phase running, since (monotonic)
@@ -90,6 +93,8 @@ class Actor:
             labels=self.labels,
             startup=self.startup,
             startup_s=self.startup_s,
+            settings=self.settings,
+            settings_digest=digest(self.settings),
         )
 
     @contextlib.contextmanager

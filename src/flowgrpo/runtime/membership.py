@@ -42,6 +42,17 @@ BEAT_AGAIN = (
     grpc.StatusCode.CANCELLED,
 )
 
+# A registration answered with one of these was read and refused (another version, settings other
+# than the run recipe's, a replica id in use): the replica says so, and tries again all the same
+# (the coordinator may be restarted with another recipe, the other replica may go).
+REFUSED = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNAUTHENTICATED,
+)
+
 
 def jittered(seconds: float) -> float:
     return seconds * random.uniform(1 - JITTER, 1 + JITTER)
@@ -90,11 +101,12 @@ class Membership:
         await self._channel.close()
 
     async def _run(self) -> None:
-        failures = 0
+        failures = 0  # failed attempts in a row
+        said: grpc.StatusCode | None = None  # the status of them last said in the log
         while not self._orphaned():
             try:
                 self._interval = await self._register()
-                failures = 0
+                failures, said = 0, None
                 while await self._heartbeat(self._interval):
                     if self._orphaned():
                         return
@@ -104,11 +116,9 @@ class Membership:
                 )
             except grpc.aio.AioRpcError as error:
                 failures += 1
-                if failures == 1 or failures % 30 == 0:  # say it, but not every 2 s
-                    log.warning(
-                        "cannot reach the coordinator at %s (%s: %s); retrying every %.0f s",
-                        self.address, error.code().name, error.details(), RETRY_S,
-                    )  # fmt: skip
+                if error.code() != said or failures % 30 == 0:  # each new reason at once, not every 2 s
+                    said = error.code()
+                    _say_failed(self.address, error)
                 await asyncio.sleep(jittered(RETRY_S))
 
     async def _register(self) -> float:
@@ -150,3 +160,11 @@ class Membership:
             return False
         self.on_orphaned()
         return True
+
+
+def _say_failed(address: str, error: grpc.aio.AioRpcError) -> None:
+    what = "refused this replica" if error.code() in REFUSED else "cannot be reached"
+    log.warning(
+        "the coordinator at %s %s (%s: %s); retrying every %.0f s",
+        address, what, error.code().name, error.details(), RETRY_S,
+    )  # fmt: skip

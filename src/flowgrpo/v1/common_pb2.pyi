@@ -602,6 +602,26 @@ class ServiceInfo(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class SettingsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     ROLE_FIELD_NUMBER: _builtins.int
     REPLICA_ID_FIELD_NUMBER: _builtins.int
     SOFTWARE_VERSION_FIELD_NUMBER: _builtins.int
@@ -615,6 +635,8 @@ class ServiceInfo(_message.Message):
     LABELS_FIELD_NUMBER: _builtins.int
     STARTUP_FIELD_NUMBER: _builtins.int
     STARTUP_S_FIELD_NUMBER: _builtins.int
+    SETTINGS_FIELD_NUMBER: _builtins.int
+    SETTINGS_DIGEST_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     """"rollout", "reward", "trainer", "coordinator" """
     replica_id: _builtins.str
@@ -630,6 +652,7 @@ class ServiceInfo(_message.Message):
     hostname: _builtins.str
     startup_s: _builtins.float
     """from its process's start (in process: its launch) to ready; 0: not known"""
+    settings_digest: _builtins.str
     @_builtins.property
     def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___StageSpec]: ...
     @_builtins.property
@@ -637,6 +660,14 @@ class ServiceInfo(_message.Message):
     @_builtins.property
     def startup(self) -> _containers.RepeatedCompositeFieldContainer[Global___StartupPhase]:
         """how it started, phase by phase (empty when not known)"""
+
+    @_builtins.property
+    def settings(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The settings it took from its own recipe that must agree with the run's (which ones, per role:
+        flowgrpo.config_digest.MUST_AGREE), dotted key -> canonical JSON value, and the sha256 of that
+        map; the coordinator refuses a replica whose settings differ from its recipe's, or that sends
+        no digest (older software).
+        """
 
     def __init__(
         self,
@@ -654,10 +685,12 @@ class ServiceInfo(_message.Message):
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         startup: _abc.Iterable[Global___StartupPhase] | None = ...,
         startup_s: _builtins.float = ...,
+        settings: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        settings_digest: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bus_endpoint", b"bus_endpoint", "grpc_address", b"grpc_address", "hostname", b"hostname", "labels", b"labels", "pid", b"pid", "policy_version", b"policy_version", "protocol_version", b"protocol_version", "replica_id", b"replica_id", "role", b"role", "software_version", b"software_version", "stages", b"stages", "startup", b"startup", "startup_s", b"startup_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bus_endpoint", b"bus_endpoint", "grpc_address", b"grpc_address", "hostname", b"hostname", "labels", b"labels", "pid", b"pid", "policy_version", b"policy_version", "protocol_version", b"protocol_version", "replica_id", b"replica_id", "role", b"role", "settings", b"settings", "settings_digest", b"settings_digest", "software_version", b"software_version", "stages", b"stages", "startup", b"startup", "startup_s", b"startup_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
