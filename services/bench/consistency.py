@@ -1,14 +1,14 @@
 """Do the rollout and the trainer compute the same function? (``flowgrpo bench consistency``)
 
 Two models with the same random weights in one process: the rollout's ``NativeBagelEngine``
-(LoRA applied by its ``lora_mode``) and the trainer's ``FlowGRPOStep`` on a LoRA
+(LoRA applied by its ``lora_mode``) and the trainer's FlowGRPO ``TrainStep`` on a LoRA
 ``TrainablePolicy`` (autocast over bf16 frozen weights on a GPU), each with its query path
 compiled when ``--compile`` (as both services do on a GPU; the trainer's activation
 checkpointing, which recomputes only in the backward, is left out). Per mode (``plain``: the batched forward;
 ``invariant``: ``sampling.batch_invariant``):
 
 1. the rollout samples ``--batch`` trajectories in one batch; the trainer recomputes their window
-   log-probs in micro-batches of ``--micro-batch`` (``FlowGRPOStep.recompute``, what logp_old
+   log-probs in micro-batches of ``--micro-batch`` (``FlowGRPOObjective.recompute``, what logp_old
    computes): the gap per window step, max |trainer - rollout| over the samples;
 2. the trainer trains one step, its LoRA is published to the rollout, the rollout samples again
    and the trainer recomputes: the gap after an update (both sides at the new version);

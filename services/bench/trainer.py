@@ -6,7 +6,7 @@ targets, fp32 A/B and AdamW state; or ``--policy full``: every ``moe_gen`` param
 sharded with FSDP2 when started under torchrun), 512px (1024 latent tokens), text CFG 4, an SDE
 window of 2 steps on a 15-point schedule. The batch is drawn by ``BagelSampler.generate`` with
 the same model (so the logp_old recompute is measured against real behaviour log-probs), moved
-to the host as the service receives it, then trained by ``FlowGRPOStep.run``: one logp_old
+to the host as the service receives it, then trained by ``TrainStep.run``: one logp_old
 recompute pass (no gradients) and ``mini_batches`` optimizer steps over micro-batches.
 
 Each configuration (micro-batch size, activation checkpointing on/off, LoRA matmuls in bf16
