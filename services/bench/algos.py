@@ -371,7 +371,7 @@ def held_out_row(algorithm: str, curves: list[HeldOutCurve], best: float, fronti
         images_to_target=fig(lambda c: c.reach_accuracy(target, c.images), "images"),
         forwards_to_target=fig(lambda c: c.reach_accuracy(target, c.images) * per_image, "forwards"),
         wall_s_to_target=fig(lambda c: c.reach_accuracy(target, c.wall_s), "s"),
-        fewer_images=fig(lambda c: frontier.reference_images / c.reach_accuracy(target, c.images), "x"),
+        fewer_images=fig(lambda c: fewer(frontier.reference_images, c.reach_accuracy(target, c.images)), "x"),
     )
 
 
@@ -390,6 +390,21 @@ def rollout_forwards_per_image(settings: SamplerSettings, group_size: int) -> fl
     starts = range(lo, hi - settings.window_size + 1)
     shared = statistics.fmean(starts) * (1 - 1 / group_size)  # the prefix, once per group
     return rows * (steps - shared)
+
+
+def fewer(reference_images: float, images: float) -> float:
+    """How many times fewer images than the reference: 0 where the run never reached the target,
+    inf where its base already had (no image needed)."""
+    return math.inf if images == 0 else reference_images / images
+
+
+def fewer_cell(figure: Figure) -> str:
+    """``3.0 (1.5-4.0)``; ``never`` for 0, ``at start`` for inf."""
+
+    def one(value: float) -> str:
+        return "never" if value == 0 else "at start" if math.isinf(value) else f"{value:.1f}"
+
+    return f"{one(figure.median)} ({one(figure.min)}-{one(figure.max)})"
 
 
 def reach_cell(figure: Figure, spec: str = ",.0f") -> str:
@@ -415,7 +430,7 @@ def print_held_out_table(rows: list[HeldOutRow], best: float, frontier: Frontier
         ("trainer s", 16, lambda r: r.trainer_s.brief(".0f")),
         ("rollout s", 16, lambda r: r.rollout_s.brief(".0f")),
         ("images to target", 22, lambda r: reach_cell(r.images_to_target)),
-        ("x fewer images", 18, lambda r: reach_cell(r.fewer_images, ".1f")),
+        ("x fewer images", 22, lambda r: fewer_cell(r.fewer_images)),
         ("forwards to target", 26, lambda r: reach_cell(r.forwards_to_target)),
         ("wall s to target", 18, lambda r: reach_cell(r.wall_s_to_target)),
     ]
@@ -425,7 +440,7 @@ def print_held_out_table(rows: list[HeldOutRow], best: float, frontier: Frontier
     print(f"median (min-max) over the seeds; best final gain {best:+.1f} points (50%: {best / 2:+.1f}, "
           f"90%: {0.9 * best:+.1f}); never: not reached by the last validation")  # fmt: skip
     print(f"target: {reference}'s final accuracy, {frontier.target * 100:.1f}% (median over its seeds), "
-          f"reached by it after {frontier.reference_images:,.0f} images; x fewer 0: never")  # fmt: skip
+          f"reached by it after {frontier.reference_images:,.0f} images")  # fmt: skip
 
 
 def plot_held_out(curves: list[HeldOutCurve], path: str) -> None:

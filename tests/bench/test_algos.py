@@ -73,10 +73,10 @@ def test_the_compose_benchmark_pairs_held_out_validations(tmp_path: Path) -> Non
         finals.append(final)
     assert report["best_final_gain"] == pytest.approx(max(finals))
     assert report["frontier"]["target"] == report["curves"][0]["accuracy"][-1]  # the reference's final
-    # CFG 4 (two rows) over 9 steps, a group of 8 sharing steps before a window starting in 2..6;
-    # the CFG-free demo recipe: one row over 9 steps
+    # CFG 4 (two rows) over 9 steps, a group of 4 sharing steps before a window starting in 2..6
+    # (4 on average); the CFG-free demo recipe: one row over 9 steps
     assert report["frontier"]["forwards_per_image"] == {
-        "flow_grpo_branch": pytest.approx(2 * (9 - 4 * (1 - 1 / 8))),
+        "flow_grpo_branch": pytest.approx(2 * (9 - 4 * (1 - 1 / 4))),
         "diffusion_nft_cfg_free": 9.0,
     }
 
@@ -150,5 +150,6 @@ def test_the_frontier_is_the_images_to_the_reference_algorithms_final_accuracy()
     assert fast.wall_s_to_target.max == 2 * (15 + 20)  # seed 1, the second validation: trainer + rollout
     slow = algos.held_out_row("slow", curves[3:], best, frontier)
     assert slow.images_to_target.max == math.inf and slow.fewer_images.median == 1.0
+    assert algos.fewer_cell(fast.fewer_images) == "3.0 (1.5-3.0)" and algos.fewer(1920.0, 0.0) == math.inf
     with pytest.raises(SystemExit, match="--reference medium was not run"):
         algos.frontier_of(curves, "medium", {})
