@@ -514,6 +514,44 @@ def test_diffusion_nft_trains_async_at_lag_1_on_optimalities(tiny: Path, tmp_pat
     assert metrics[-1]["actor/nft/old_deviation"] > 0  # the trained policy has left the sampling one
 
 
+AWM = ("trainer.algorithm=awm", "trainer.awm.train_times=3", "trainer.awm.ema_decay_rate=0.25",
+       "trainer.loss.kl_beta=3e-3")  # fmt: skip
+FLOW_GRPO_ONLY = ("actor/pg_clipfrac", "actor/ratio_mean", "actor/is_ess", "actor/rollout_logp_gap/max")
+
+
+def assert_awm_trained(metrics: list[dict[str, float]]) -> None:
+    """Every step: weights A in [-1, 1] on both sides of 0, gradients, AWM's own metrics, the
+    average of past policies decayed by the recipe's 2 optimizer steps a step, no FlowGRPO metric."""
+    for r in metrics:
+        assert -1.0 <= r["critic/advantages/min"] < 0.0 < r["critic/advantages/max"] <= 1.0, r
+        assert r["actor/grad_norm"] > 0 and r["actor/awm/matching_loss"] > 0, r
+        assert r["actor/awm/ema_decay"] == min(0.25 * 2 * r["step"], 0.3), r
+        assert not [key for key in FLOW_GRPO_ONLY if key in r], r
+    assert metrics[-1]["actor/awm/ema_kl"] > 0 and metrics[-1]["actor/kl_loss"] > 0  # trained off both
+
+
+def test_awm_trains_sync_on_sde_rollouts_with_cfg(tiny: Path, tmp_path: Path) -> None:
+    """AWM end to end as the recipe samples (SDE window, CFG 2): the loss reads only the clean
+    latents and fits the guided velocity the sampler used."""
+    train(tmp_path, tiny, "launch.launcher=inprocess", "schedule.save_every=0", *AWM)
+    metrics = read_metrics(tmp_path)
+    assert [r["trainer/lag/max"] for r in metrics] == [0.0] * STEPS
+    assert_awm_trained(metrics)
+
+
+def test_awm_trains_async_at_lag_1_on_ode_rollouts(tiny: Path, tmp_path: Path) -> None:
+    """AWM async with eta = 1: no ratio (the reference's is identically 1 on-policy), a sample of
+    the previous version trained as it is; its checkpoint carries the average of past policies."""
+    train(tmp_path, tiny, "launch.launcher=inprocess", "schedule.mode=async", "schedule.staleness=1",
+          "sampling.noise_level=0", *AWM)  # fmt: skip
+    metrics = read_metrics(tmp_path)
+    assert [r["trainer/lag/max"] for r in metrics] == [0.0] + [1.0] * (STEPS - 1)
+    assert_awm_trained(metrics)
+    saved = sorted((tmp_path / "checkpoints").glob("step_*"))
+    assert [p.name for p in saved] == ["step_00000002", "step_00000004"]
+    assert all((p / "old_policy").is_dir() for p in saved)
+
+
 def test_batch_invariant_runs_train_bitwise_alike_without_recomputing_logp_old(
     tiny: Path, tmp_path: Path
 ) -> None:
