@@ -88,6 +88,17 @@ COMPOSE: dict[str, Algorithm] = {
     "grpo_guard": Algorithm("tiny_compose.yaml", ("trainer.loss.mode=grpo_guard",)),
     "diffusion_nft": Algorithm("tiny_demo.yaml", ("sampling.cfg_text_scale=4.0",)),
     "diffusion_nft_cfg_free": Algorithm("tiny_demo.yaml"),
+    # AWM on the demo's rollouts (CFG-free ODE, 8 x 8), with the reference's GenEval KL (3e-3) and
+    # its advantages' normalisation (the std of the whole step's rewards, ddof 0)
+    "awm": Algorithm(
+        "tiny_demo.yaml",
+        (
+            "trainer.algorithm=awm",
+            "trainer.loss.kl_beta=3e-3",
+            "advantages.global_std=true",
+            "advantages.std_ddof=0",
+        ),
+    ),
     # FlowGRPO without CFG (flow_grpo's fast recipe, UniGRPO): the conditional branch alone samples
     # and is trained, one forward a step instead of two
     "flow_grpo_cfg_free": Algorithm(

@@ -29,7 +29,7 @@ save and load plans between ranks as pickled objects over the process group, in 
 The RNG state is per rank; resumed on more ranks than saved it, the extra ranks take rank 0's.
 
 Asynchronous saves (``trainer.async_save``, :func:`start_checkpoint`): what the next steps
-change (weights, AdamW moments, DiffusionNFT's old policy, the LoRA adapter) is copied to host
+change (weights, AdamW moments, the policy's old copy, the LoRA adapter) is copied to host
 memory and the small files (RNG, counters) are written before the call returns; the copies are
 written by DCP's ``async_save`` in a background thread (over a gloo group of its own when there
 are several ranks, so its collectives never interleave with the training's), and then rank 0
@@ -91,7 +91,8 @@ class Checkpointed(Protocol):
 
     @property
     def keeps_old_policy(self) -> bool:
-        """Whether the policy's old copy (DiffusionNFT's sampling policy) is part of the state."""
+        """Whether the policy's old copy (DiffusionNFT's sampling policy, AWM's average of past
+        policies) is part of the state."""
         ...
 
     def counters(self) -> dict[str, float]:
@@ -431,7 +432,7 @@ def start_checkpoint(
 def _stage(
     trainer: Checkpointed, stager: Callable[[dict[str, Tensor]], dict[str, Tensor]], base_model: str
 ) -> _Staged:
-    """Host copies of the weights, DiffusionNFT's old policy and AdamW's state (every rank its
+    """Host copies of the weights, the policy's old copy and AdamW's state (every rank its
     shards), and of the LoRA adapter (gathered, rank 0)."""
     staged = _Staged(base_model=str(Path(base_model).resolve()) if base_model else "")
     if trainer.policy.kind == "full":
@@ -582,7 +583,8 @@ def _check_weights(path: Path, trainer: Checkpointed) -> Callable[[], None]:
 
 
 def _write_old_policy(tmp: Path, trainer: Checkpointed) -> None:
-    """DiffusionNFT's old (sampling) policy: part of the state a resumed run needs (it is an
+    """The policy's old copy (DiffusionNFT's sampling policy, AWM's average): part of the state a
+    resumed run needs (it is an
     average of every earlier version, not something the weights can give back)."""
     if trainer.keeps_old_policy:
         _dcp_save(tmp / "old_policy", trainer.policy.old_state(), trainer.dist)
@@ -592,9 +594,9 @@ def _check_old_policy(path: Path, trainer: Checkpointed) -> Callable[[], None]:
     stored = (path / "old_policy").is_dir()
     if stored != trainer.keeps_old_policy:
         raise CheckpointError(
-            f"{path} {'holds' if stored else 'has no'} a DiffusionNFT old policy and this trainer "
-            f"{'does not train' if stored else 'trains'} DiffusionNFT: resume with the algorithm "
-            "it was saved with"
+            f"{path} {'holds' if stored else 'has no'} an old copy of the policy (DiffusionNFT's old "
+            f"policy, AWM's average) and this trainer {'keeps none' if stored else 'keeps one'}: resume "
+            "with the algorithm it was saved with (and its settings)"
         )
     if not stored:
         return lambda: None

@@ -53,7 +53,7 @@ class TrainablePolicy:
             else _unfreeze_gen_path(model, config.heads, config.text)
         )
         self._reference: dict[str, Tensor] | None = None
-        self._old: dict[str, Tensor] | None = None  # DiffusionNFT's old policy (keep_old)
+        self._old: dict[str, Tensor] | None = None  # the old copy (keep_old): NFT's old policy, AWM's average
         # trainer.share_base: the allocation every frozen weight is a view of (load.py)
         self.base_bucket: BucketWriter | None = None
         if not model.vae2llm.weight.is_meta:
@@ -147,7 +147,7 @@ class TrainablePolicy:
         with self._swapped(self._reference):
             yield
 
-    # --- DiffusionNFT's old (sampling) policy -------------------------------------------------
+    # --- the old copy: DiffusionNFT's old (sampling) policy, AWM's average of past policies ------
 
     def keep_old(self) -> None:
         """The old policy starts as the trainable tensors are now; it is an average of them, so

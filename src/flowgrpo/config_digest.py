@@ -61,6 +61,7 @@ MUST_AGREE: dict[str, tuple[str, ...]] = {
         "trainer.optim",
         "trainer.loss",
         "trainer.nft",
+        "trainer.awm",
         "trainer.publish_dtype",
     ),
 }
