@@ -176,8 +176,11 @@ def training_flops(work: Workload, lengths: list[int], *, recomputed: bool) -> d
     forward: the base, no LoRA), "update" (forward + backward)."""
     trainer = work.cfg.trainer
     flops = pass_rows(work, lengths, work.lora())
+    old_forward = trainer.algorithm == "diffusion_nft" or (
+        trainer.algorithm == "awm" and trainer.awm.ema_kl_beta > 0
+    )
     return {
-        "logp_old": flops["old"] if recomputed or trainer.algorithm == "diffusion_nft" else 0.0,
+        "logp_old": flops["old"] if recomputed or old_forward else 0.0,
         "reference": pass_rows(work, lengths, BASE)["old"] if trainer.loss.kl_beta > 0 else 0.0,
         "update": flops["update"],
     }
@@ -185,11 +188,16 @@ def training_flops(work: Workload, lengths: list[int], *, recomputed: bool) -> d
 
 def pass_rows(work: Workload, lengths: list[int], lora: Lora) -> dict[str, float]:
     """The trainer's forwards and backwards per trajectory: FlowGRPO's at each window step,
-    DiffusionNFT's at each trained time; one row per CFG branch the trainer runs (it calls the
-    sampler's ``guided_velocity``). ``pass_flops`` counts both branches; ``nft_pass_flops`` the
-    rows it is given (the conditional ones, and with CFG the empty-context ones too)."""
-    nft = work.cfg.trainer.algorithm == "diffusion_nft"
-    times = work.cfg.trainer.nft.trained_times(work.params.num_steps) if nft else work.params.window_size
+    DiffusionNFT's and AWM's at each trained time (the old forward: NFT's old policy, AWM's
+    average); one row per CFG branch the trainer runs (it calls the sampler's ``guided_velocity``).
+    ``pass_flops`` counts both branches; ``nft_pass_flops`` the rows it is given (the conditional
+    ones, and with CFG the empty-context ones too)."""
+    trainer = work.cfg.trainer
+    nft = trainer.algorithm in ("diffusion_nft", "awm")  # the forward process: clean latents re-noised
+    times = {
+        "diffusion_nft": trainer.nft.trained_times(work.params.num_steps),
+        "awm": trainer.awm.train_times,
+    }.get(trainer.algorithm, work.params.window_size)
     geometry, kind, rank, targets = (work.model, work.latent_tokens), lora.kind, lora.rank, lora.targets
     if not nft and work.cfg_rows == 2:
         return pass_flops(*geometry, lengths, times, kind=kind, rank=rank, targets=targets)
