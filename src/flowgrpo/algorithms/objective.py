@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from flowgrpo.models.bagel.attention import KVCache
-from flowgrpo.models.bagel.config import SpecialTokens
+from flowgrpo.models.bagel.config import SpecialTokens, is_text_path
 from flowgrpo.models.bagel.model import latent_position_ids
 from flowgrpo.models.bagel.sampling import (
     compute_autocast,
@@ -41,7 +41,7 @@ from flowgrpo.models.bagel.sampling import (
     window_step,
     with_cfg_branches,
 )
-from flowgrpo.sampler_math import StepResult, shifted_schedule
+from flowgrpo.sampler_math import StepResult, sample_noise, shifted_schedule
 from flowgrpo.sampler_params import SamplerParams
 
 if TYPE_CHECKING:
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from flowgrpo.services.trainer.policy import TrainablePolicy
 
 Rows = list[tuple[int, bool]]  # (row of the batch, valid): padding rows (valid False) count for nothing
+Draw = tuple[Tensor, Tensor]  # a sample's trained times [K] and noises [K, N, C] (the forward process)
 
 
 @dataclass
@@ -136,6 +137,95 @@ class Forwards:
             std=torch.stack([s.std for s in steps], dim=1),
             log_prob=torch.stack([s.log_prob for s in steps], dim=1),
         )
+
+
+class ForwardProcessObjective:
+    """What the objectives that train on the forward process share (DiffusionNFT, AWM): each
+    sample's clean latent is noised again at times and with noises drawn from its coordinates
+    (``draw``), and a micro-batch runs its rows at each of their times in turn (``time_backward``)
+    on one prefill of their prompts, shared by every policy the objective evaluates (current, old,
+    reference): right only while the language half, which the prefill reads, is frozen (checked)."""
+
+    def __init__(self, forwards: Forwards, algorithm: str) -> None:
+        text = [n for n in forwards.policy.trainable() if is_text_path(n)]
+        if text:
+            raise ValueError(f"{algorithm} trains the gen path; {text[0]} (the language half) is trainable")
+        self.forwards = forwards
+        self._batch: Sequence[Trajectory] = ()
+        self._params: SamplerParams | None = None
+        self._draws: list[Draw] = []
+
+    def begin(
+        self,
+        batch: Sequence[Trajectory],
+        params: SamplerParams,
+        minis: list[list[int]],
+        *,
+        seed: int,
+        step: int,
+        version: int,
+        steps_done: int,
+    ) -> dict[str, float]:
+        self._batch, self._params = batch, params
+        self._draws = [self.draw(t, params, seed, step) for t in batch]
+        return {}
+
+    def draw(self, sample: Trajectory, params: SamplerParams, seed: int, step: int) -> Draw:
+        raise NotImplementedError
+
+    def entries_per_sample(self) -> int:
+        raise NotImplementedError
+
+    def micro_batch(self, rows: Rows, scale: float, sums: Tensor, *, first: bool) -> None:
+        params = self._params
+        assert params is not None  # begin ran
+        context = self.forwards.context([self._batch[r] for r, _ in rows], params)
+        for k in range(self.entries_per_sample()):
+            sums += self.time_backward(rows, context, k, params, scale)
+
+    def time_backward(
+        self, rows: Rows, context: KVCache, k: int, params: SamplerParams, scale: float
+    ) -> Tensor:
+        """Forward and backward of the rows at each row's k-th time; the detached sums of
+        ``metric_names``."""
+        raise NotImplementedError
+
+    def noised(self, rows: Rows, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The rows' clean latents x0, their k-th times t and noises eps, and x_t = (1 - t) x0 + t eps."""
+        index = [r for r, _ in rows]
+        x0 = torch.stack([self._batch[r].final_latents for r in index])  # type: ignore[misc]
+        t = torch.stack([self._draws[r][0][k] for r in index])
+        eps = torch.stack([self._draws[r][1][k] for r in index])
+        return x0, t, eps, (1.0 - t.view(-1, 1, 1)) * x0 + t.view(-1, 1, 1) * eps
+
+    def before_update(self, first: bool) -> dict[str, float]:
+        return {}
+
+    def counters(self) -> dict[str, float]:
+        return {}
+
+    def restore(self, counters: dict[str, float]) -> None:
+        """Nothing beyond the policy's old copy, checkpointed with the weights."""
+
+
+def draw_noises(sample: Trajectory, count: int, *, seed: int, step: int, stream: str) -> Tensor:
+    """``count`` noises [K, N, C] shaped like the sample's clean latent, from its coordinates and
+    ``stream``/k (never from the batch layout)."""
+    assert sample.final_latents is not None  # the core fetched them
+    shape = tuple(sample.final_latents.shape)
+    return torch.stack(
+        [
+            sample_noise(
+                shape,
+                seed=seed,
+                step=step,
+                prompt_uid=sample.prompt_uid,
+                sample_index=sample.sample_index,
+                stream=f"{stream}/{k}",
+            )
+            for k in range(count)
+        ]
+    )
 
 
 def deterministic_or_not(params: SamplerParams) -> contextlib.AbstractContextManager[None]:

@@ -27,28 +27,31 @@ index), like the rollout's: results never depend on the number of ranks or the b
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from flowgrpo.algorithms.awm import time_strata
 from flowgrpo.algorithms.awm.loss import AwmTargets, awm_terms, velocity_distance
-from flowgrpo.algorithms.objective import Forwards, Rows, Trajectory
+from flowgrpo.algorithms.objective import (
+    Draw,
+    ForwardProcessObjective,
+    Forwards,
+    Rows,
+    Trajectory,
+    draw_noises,
+)
 from flowgrpo.models.bagel.attention import KVCache
-from flowgrpo.models.bagel.config import is_text_path
-from flowgrpo.sampler_math import coordinate_seed, sample_noise, shifted_schedule
+from flowgrpo.sampler_math import coordinate_seed, shifted_schedule
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.trainer.config import AwmConfig, LossConfig
 
-Draw = tuple[Tensor, Tensor]  # a sample's trained times [K] and noises [K, N, C]
 
-
-class AWMObjective:
+class AWMObjective(ForwardProcessObjective):
     """Keeps the average of past policies (``policy.keep_old``) when its pull is on."""
 
     def __init__(self, forwards: Forwards, loss: LossConfig, awm: AwmConfig) -> None:
-        self.forwards = forwards
+        super().__init__(forwards, "AWM")
         self.loss = loss
         self.awm = awm
         self.keeps_old_policy = awm.ema_kl_beta > 0
@@ -57,30 +60,8 @@ class AWMObjective:
             + (("actor/kl_loss",) if loss.kl_beta > 0 else ())
             + (("actor/awm/ema_kl",) if self.keeps_old_policy else ())
         )
-        policy = forwards.policy
-        text = [n for n in policy.trainable() if is_text_path(n)]
-        if text:  # the current, reference and average policies share one prefill (micro_batch)
-            raise ValueError(f"AWM trains the gen path; {text[0]} (the language half) is trainable")
-        if self.keeps_old_policy and not policy.model.vae2llm.weight.is_meta:
-            policy.keep_old()
-        self._batch: Sequence[Trajectory] = ()
-        self._params: SamplerParams | None = None
-        self._draws: list[Draw] = []
-
-    def begin(
-        self,
-        batch: Sequence[Trajectory],
-        params: SamplerParams,
-        minis: list[list[int]],
-        *,
-        seed: int,
-        step: int,
-        version: int,
-        steps_done: int,
-    ) -> dict[str, float]:
-        self._batch, self._params = batch, params
-        self._draws = [self.draw(t, params, seed, step) for t in batch]
-        return {}
+        if self.keeps_old_policy and not forwards.policy.model.vae2llm.weight.is_meta:
+            forwards.policy.keep_old()
 
     def entries_per_sample(self) -> int:
         return self.awm.train_times
@@ -88,47 +69,19 @@ class AWMObjective:
     def draw(self, sample: Trajectory, params: SamplerParams, seed: int, step: int) -> Draw:
         """The sample's trained times [K], one point of the schedule drawn uniformly in each
         stratum (``time_strata``), and its noises [K, N, C]."""
-        assert sample.final_latents is not None  # the core fetched them
         schedule = shifted_schedule(params.num_points, params.timestep_shift)[:-1]
         strata = time_strata(len(schedule), self.awm)
         key = (seed, step, sample.prompt_uid, sample.sample_index)
         generator = torch.Generator().manual_seed(coordinate_seed(*key, "awm/times"))
         uniform = torch.rand(len(strata), generator=generator, dtype=torch.float64).tolist()
         index = [lo + int(u * (hi - lo)) for (lo, hi), u in zip(strata, uniform, strict=True)]
-        shape = tuple(sample.final_latents.shape)
-        noises = [
-            sample_noise(
-                shape,
-                seed=seed,
-                step=step,
-                prompt_uid=sample.prompt_uid,
-                sample_index=sample.sample_index,
-                stream=f"awm/{k}",
-            )
-            for k in range(len(strata))
-        ]
-        return schedule[index], torch.stack(noises)
+        return schedule[index], draw_noises(sample, len(strata), seed=seed, step=step, stream="awm")
 
-    def micro_batch(self, rows: Rows, scale: float, sums: Tensor, *, first: bool) -> None:
-        """Each of the rows' trained times in turn, forward and backward; the prompts' context once
-        for all of them and every policy: the prefill reads only the language half, which no
-        policy here trains (checked at __init__)."""
-        params = self._params
-        assert params is not None  # begin ran
-        context = self.forwards.context([self._batch[r] for r, _ in rows], params)
-        for k in range(self.entries_per_sample()):
-            sums += self._time_backward(rows, context, k, params, scale)
-
-    def _time_backward(
+    def time_backward(
         self, rows: Rows, context: KVCache, k: int, params: SamplerParams, scale: float
     ) -> Tensor:
-        """Forward and backward of the rows at each row's k-th time; the detached sums of the terms."""
         forwards, policy, batch = self.forwards, self.forwards.policy, self._batch
-        index = [r for r, _ in rows]
-        x0 = torch.stack([batch[r].final_latents for r in index])  # type: ignore[misc]
-        t = torch.stack([self._draws[r][0][k] for r in index])
-        eps = torch.stack([self._draws[r][1][k] for r in index])
-        x_t = (1.0 - t.view(-1, 1, 1)) * x0 + t.view(-1, 1, 1) * eps
+        x0, t, eps, x_t = self.noised(rows, k)
         v_ref = v_ema = None
         if self.loss.kl_beta > 0:
             with torch.no_grad(), policy.reference():
@@ -138,7 +91,7 @@ class AWMObjective:
                 v_ema = forwards.velocity(context, x_t, t, params)
         v = forwards.velocity(context, x_t, t, params)
         device = v.device
-        weights = torch.tensor([batch[r].advantage for r in index]).clamp(-1.0, 1.0)  # as the reference
+        weights = torch.tensor([batch[r].advantage for r, _ in rows]).clamp(-1.0, 1.0)  # as the reference
         mask = torch.tensor([float(valid) for _, valid in rows])
         targets = AwmTargets(*(x.to(device) for x in (x0, eps, t, weights, mask)))
         terms = awm_terms(
@@ -156,9 +109,6 @@ class AWMObjective:
         parts += [terms.ema_kl_sum] if v_ema is not None else []
         return torch.stack([p.double().cpu() for p in parts])
 
-    def before_update(self, first: bool) -> dict[str, float]:
-        return {}
-
     def end(self, *, steps_done: int, optimizer_steps: int) -> dict[str, float]:
         """The average one decay toward the current policy (the decay after ``optimizer_steps``)."""
         if not self.keeps_old_policy:
@@ -170,9 +120,3 @@ class AWMObjective:
     def sampling_policy(self) -> contextlib.AbstractContextManager[None]:
         """The trained policy itself: the reference samples on-policy (its average only regularises)."""
         return contextlib.nullcontext()
-
-    def counters(self) -> dict[str, float]:
-        return {}
-
-    def restore(self, counters: dict[str, float]) -> None:
-        """Nothing beyond the average (checkpointed with the weights: ``keeps_old_policy``)."""

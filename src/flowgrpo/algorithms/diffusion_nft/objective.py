@@ -20,29 +20,32 @@ index), like the rollout's: results never depend on the number of ranks or the b
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from flowgrpo.algorithms.diffusion_nft.loss import NftTargets, diffusion_nft_terms, velocity_kl
-from flowgrpo.algorithms.objective import Forwards, Rows, Trajectory
+from flowgrpo.algorithms.objective import (
+    Draw,
+    ForwardProcessObjective,
+    Forwards,
+    Rows,
+    Trajectory,
+    draw_noises,
+)
 from flowgrpo.models.bagel.attention import KVCache
-from flowgrpo.models.bagel.config import is_text_path
-from flowgrpo.sampler_math import coordinate_seed, sample_noise, shifted_schedule
+from flowgrpo.sampler_math import coordinate_seed, shifted_schedule
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.trainer.config import LossConfig, NftConfig
 
-Draw = tuple[Tensor, Tensor]  # a sample's trained times [K] and noises [K, N, C]
 
-
-class DiffusionNFTObjective:
+class DiffusionNFTObjective(ForwardProcessObjective):
     """Keeps the old policy (``policy.keep_old``) and refreshes it after every step."""
 
     keeps_old_policy = True
 
     def __init__(self, forwards: Forwards, loss: LossConfig, nft: NftConfig) -> None:
-        self.forwards = forwards
+        super().__init__(forwards, "DiffusionNFT")
         self.loss = loss
         self.nft = nft
         self.metric_names = (
@@ -51,30 +54,8 @@ class DiffusionNFTObjective:
             "actor/nft/negative_loss",
             "actor/nft/old_deviation",
         ) + (("actor/kl_loss",) if loss.kl_beta > 0 else ())
-        policy = forwards.policy
-        text = [n for n in policy.trainable() if is_text_path(n)]
-        if text:  # the old, reference and current policies share one prefill (micro_batch)
-            raise ValueError(f"DiffusionNFT trains the gen path; {text[0]} (the language half) is trainable")
-        if not policy.model.vae2llm.weight.is_meta:
-            policy.keep_old()
-        self._batch: Sequence[Trajectory] = ()
-        self._params: SamplerParams | None = None
-        self._draws: list[Draw] = []
-
-    def begin(
-        self,
-        batch: Sequence[Trajectory],
-        params: SamplerParams,
-        minis: list[list[int]],
-        *,
-        seed: int,
-        step: int,
-        version: int,
-        steps_done: int,
-    ) -> dict[str, float]:
-        self._batch, self._params = batch, params
-        self._draws = [self.draw(t, params, seed, step) for t in batch]
-        return {}
+        if not forwards.policy.model.vae2llm.weight.is_meta:
+            forwards.policy.keep_old()
 
     def entries_per_sample(self) -> int:
         return int(self._draws[0][0].numel())
@@ -82,49 +63,19 @@ class DiffusionNFTObjective:
     def draw(self, sample: Trajectory, params: SamplerParams, seed: int, step: int) -> Draw:
         """The sample's trained times [K] (distinct points of the schedule before t = 0, a random
         subset as the reference's shuffled schedule) and its noises [K, N, C]."""
-        assert sample.final_latents is not None  # the core fetched them
         schedule = shifted_schedule(params.num_points, params.timestep_shift)[:-1]
         count = self.nft.trained_times(len(schedule))
         key = (seed, step, sample.prompt_uid, sample.sample_index)
         generator = torch.Generator().manual_seed(coordinate_seed(*key, "nft/times"))
         times = schedule[torch.randperm(len(schedule), generator=generator)[:count]]
-        shape = tuple(sample.final_latents.shape)
-        noises = torch.stack(
-            [
-                sample_noise(
-                    shape,
-                    seed=seed,
-                    step=step,
-                    prompt_uid=sample.prompt_uid,
-                    sample_index=sample.sample_index,
-                    stream=f"nft/{k}",
-                )
-                for k in range(count)
-            ]
-        )
-        return times, noises
+        return times, draw_noises(sample, count, seed=seed, step=step, stream="nft")
 
-    def micro_batch(self, rows: Rows, scale: float, sums: Tensor, *, first: bool) -> None:
-        """Each of the rows' trained times in turn, forward and backward; the prompts' context once
-        for all of them and every policy: the prefill reads only the language half, which no
-        policy here trains (checked at __init__)."""
-        params = self._params
-        assert params is not None  # begin ran
-        context = self.forwards.context([self._batch[r] for r, _ in rows], params)
-        for k in range(self.entries_per_sample()):
-            sums += self._time_backward(rows, context, k, params, scale)
-
-    def _time_backward(
+    def time_backward(
         self, rows: Rows, context: KVCache, k: int, params: SamplerParams, scale: float
     ) -> Tensor:
-        """Forward and backward of the rows at each row's k-th time; the detached sums of the terms."""
         forwards, batch = self.forwards, self._batch
-        index = [r for r, _ in rows]
         mask = torch.tensor([float(valid) for _, valid in rows])
-        x0 = torch.stack([batch[r].final_latents for r in index])  # type: ignore[misc]
-        t = torch.stack([self._draws[r][0][k] for r in index])
-        eps = torch.stack([self._draws[r][1][k] for r in index])
-        x_t = (1.0 - t.view(-1, 1, 1)) * x0 + t.view(-1, 1, 1) * eps
+        x0, t, _, x_t = self.noised(rows, k)
         with torch.no_grad(), forwards.policy.old():
             v_old = forwards.velocity(context, x_t, t, params)
         v_ref = None
@@ -133,7 +84,7 @@ class DiffusionNFTObjective:
                 v_ref = forwards.velocity(context, x_t, t, params)
         v = forwards.velocity(context, x_t, t, params)
         device = v.device
-        optimality = torch.tensor([batch[r].advantage for r in index]).clamp(0.0, 1.0)
+        optimality = torch.tensor([batch[r].advantage for r, _ in rows]).clamp(0.0, 1.0)  # as the reference
         targets = NftTargets(
             v_old, x0.to(device), x_t.to(device), t.to(device), optimality.to(device), mask.to(device)
         )
@@ -147,9 +98,6 @@ class DiffusionNFTObjective:
             parts.append((kl.detach() * mask.to(device)).sum())
         return torch.stack([p.double().cpu() for p in parts])
 
-    def before_update(self, first: bool) -> dict[str, float]:
-        return {}
-
     def end(self, *, steps_done: int, optimizer_steps: int) -> dict[str, float]:
         """The old policy one decay toward the current one (the decay after ``optimizer_steps``)."""
         decay = self.nft.old_decay(optimizer_steps)
@@ -158,9 +106,3 @@ class DiffusionNFTObjective:
 
     def sampling_policy(self) -> contextlib.AbstractContextManager[None]:
         return self.forwards.policy.old()
-
-    def counters(self) -> dict[str, float]:
-        return {}
-
-    def restore(self, counters: dict[str, float]) -> None:
-        """Nothing beyond the old policy (checkpointed with the weights: ``keeps_old_policy``)."""
