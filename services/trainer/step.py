@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from flowgrpo.algorithms import algorithm_of
+from flowgrpo.algorithms.dgpo.objective import DGPOObjective
 from flowgrpo.algorithms.diffusion_nft.objective import DiffusionNFTObjective
 from flowgrpo.algorithms.flow_grpo.objective import ON_POLICY_GAP, FlowGRPOObjective, LogProbGapError
 from flowgrpo.algorithms.grpo_guard.objective import GRPOGuardObjective
@@ -49,6 +50,8 @@ def make_objective(forwards: Forwards, cfg: TrainerConfig) -> Objective:
     name = algorithm_of(cfg).name
     if name == "diffusion_nft":
         return DiffusionNFTObjective(forwards, cfg.loss, cfg.nft)
+    if name == "dgpo":
+        return DGPOObjective(forwards, cfg.loss, cfg.dgpo)
     if name == "grpo_guard":
         return GRPOGuardObjective(forwards, cfg.loss)
     return FlowGRPOObjective(forwards, cfg.loss)

@@ -9,7 +9,7 @@ import pytest
 
 from flowgrpo.algorithms import ALGORITHMS, algorithm_of
 from flowgrpo.sampler_params import SamplerSettings
-from flowgrpo.services.trainer.config import LossConfig, NftConfig, TrainerConfig
+from flowgrpo.services.trainer.config import DgpoConfig, LossConfig, NftConfig, TrainerConfig
 
 ADVANTAGES = {"p0": [2.5, -7.0, 0.0, 1.0], "p1": [-0.5, 6.0]}
 
@@ -37,16 +37,27 @@ def test_diffusion_nft_targets_are_the_clipped_advantages_mapped_onto_0_1() -> N
     assert targets == {"p0": [0.75, 0.0, 0.5, 0.6], "p1": [0.45, 1.0]}
 
 
+def test_dgpo_targets_are_the_advantages_clipped_as_they_weigh_a_group() -> None:
+    """A clipped to [-c, c] (c = 5 here, 2 below), nothing else: the signs and sizes weigh the
+    group's samples in its log-sigmoid."""
+    trainer = TrainerConfig(algorithm="dgpo")
+    assert ALGORITHMS["dgpo"].targets(ADVANTAGES, trainer) == {"p0": [2.5, -5.0, 0.0, 1.0], "p1": [-0.5, 5.0]}
+    narrow = TrainerConfig(algorithm="dgpo", dgpo=DgpoConfig(adv_clip=2.0))
+    assert ALGORITHMS["dgpo"].targets(ADVANTAGES, narrow) == {"p0": [2.0, -2.0, 0.0, 1.0], "p1": [-0.5, 2.0]}
+
+
 def test_each_algorithm_names_the_columns_it_trains_on() -> None:
     assert ALGORITHMS["flow_grpo"].columns == ("prompt_ids", "latents", "log_probs", "sigmas")
     assert ALGORITHMS["grpo_guard"].columns == ALGORITHMS["flow_grpo"].columns
     assert ALGORITHMS["diffusion_nft"].columns == ("prompt_ids", "final_latents")
+    assert ALGORITHMS["dgpo"].columns == ("prompt_ids", "final_latents")
 
 
 def test_the_trainer_config_names_its_algorithm() -> None:
     assert algorithm_of(TrainerConfig()).name == "flow_grpo"
     assert algorithm_of(TrainerConfig(loss=LossConfig(mode="grpo_guard"))).name == "grpo_guard"
     assert algorithm_of(TrainerConfig(algorithm="diffusion_nft")).name == "diffusion_nft"
+    assert algorithm_of(TrainerConfig(algorithm="dgpo")).name == "dgpo"
 
 
 @pytest.mark.parametrize(
@@ -56,6 +67,13 @@ def test_the_trainer_config_names_its_algorithm() -> None:
         (TrainerConfig(loss=LossConfig(mode="grpo_guard", logp_old="bypass")), None, "logp_old=recompute"),
         (TrainerConfig(algorithm="diffusion_nft", loss=LossConfig(max_logp_gap=1e-3)), None, "max_logp_gap"),
         (TrainerConfig(algorithm="diffusion_nft", loss=LossConfig(mode="grpo_guard")), None, "has its own"),
+        (TrainerConfig(algorithm="dgpo", loss=LossConfig(max_logp_gap=1e-3)), None, "max_logp_gap"),
+        (TrainerConfig(algorithm="dgpo", loss=LossConfig(mode="grpo_guard")), None, "dgpo has its own"),
+        (
+            TrainerConfig(algorithm="dgpo"),
+            SamplerSettings(num_points=4, window_range=(0, 3)),
+            "trainer.dgpo.time_points=5 exceeds the schedule's 3 steps",
+        ),
     ],
 )
 def test_cross_section_checks_name_the_keys(
@@ -67,5 +85,5 @@ def test_cross_section_checks_name_the_keys(
 
 def test_settings_that_fit_pass_every_check() -> None:
     for trainer in (TrainerConfig(), TrainerConfig(loss=LossConfig(mode="grpo_guard")),
-                    TrainerConfig(algorithm="diffusion_nft")):  # fmt: skip
+                    TrainerConfig(algorithm="diffusion_nft"), TrainerConfig(algorithm="dgpo")):  # fmt: skip
         algorithm_of(trainer).check(trainer, SamplerSettings())
