@@ -204,31 +204,36 @@ class DGPOObjective:
 
     def _errors(self, part: Rows) -> dict[int, Tensor]:
         """Per valid row, its errors [3, K] (current, DPO reference, old) at every trained time,
-        without gradients; the base's velocities are kept for the KL term."""
-        forwards, policy = self.forwards, self.forwards.policy
-        conditional, base_params = self._conditional(), self._base_params()
-        context = forwards.context([self._batch[r] for r, _ in part], conditional)
-        base_context = with_cfg_branches(policy.model, context, base_params)
-        need_base = self.dgpo.reference == "base" or self.loss.kl_beta > 0
-        need_old = self.dgpo.reference == "old" or not math.isinf(self.dgpo.clip_range)
-        per_time = []
+        without gradients; each policy swapped in once for all the times."""
+        policy = self.forwards.policy
+        conditional = self._conditional()
+        context = self.forwards.context([self._batch[r] for r, _ in part], conditional)
         with torch.no_grad():
-            for k in range(self.entries_per_sample()):
-                x0, eps, x_t, t = self._inputs(part, k)
-                current = forwards.velocity(context, x_t, t, conditional)
-                base = old = current
-                if need_base:
-                    with policy.reference():
-                        base = forwards.velocity(base_context, x_t, t, base_params)
-                if need_old:
-                    with policy.old():
-                        old = forwards.velocity(context, x_t, t, conditional)
-                ref = base if self.dgpo.reference == "base" else old
-                per_time.append(torch.stack([denoising_error(u, x0, eps) for u in (current, ref, old)], 1))
-                if self.loss.kl_beta > 0:
-                    self._keep_kl_targets(part, k, base)
-        stacked = torch.stack(per_time, dim=-1).double().cpu()  # [B, 3, K]
+            current = old = self._errors_of(part, context, conditional, keep=False)
+            base = current
+            if self.dgpo.reference == "base" or self.loss.kl_beta > 0:
+                base_params = self._base_params()
+                base_context = with_cfg_branches(policy.model, context, base_params)
+                with policy.reference():
+                    base = self._errors_of(part, base_context, base_params, keep=self.loss.kl_beta > 0)
+            if self.dgpo.reference == "old" or not math.isinf(self.dgpo.clip_range):
+                with policy.old():
+                    old = self._errors_of(part, context, conditional, keep=False)
+        ref = base if self.dgpo.reference == "base" else old
+        stacked = torch.stack([current, ref, old], dim=1).double().cpu()  # [B, 3, K]
         return {r: stacked[i] for i, (r, valid) in enumerate(part) if valid}
+
+    def _errors_of(self, part: Rows, context: KVCache, params: SamplerParams, *, keep: bool) -> Tensor:
+        """The rows' errors [B, K] under the policy in place; ``keep``: its velocities are the KL's
+        targets (the base's)."""
+        per_time = []
+        for k in range(self.entries_per_sample()):
+            x0, eps, x_t, t = self._inputs(part, k)
+            v = self.forwards.velocity(context, x_t, t, params)
+            if keep:
+                self._keep_kl_targets(part, k, v)
+            per_time.append(denoising_error(v, x0, eps))
+        return torch.stack(per_time, dim=1)
 
     def _keep_kl_targets(self, part: Rows, k: int, base: Tensor) -> None:
         for i, (r, valid) in enumerate(part):
