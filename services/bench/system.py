@@ -193,6 +193,8 @@ def pass_rows(work: Workload, lengths: list[int], lora: Lora) -> dict[str, float
     ``pass_flops`` counts both branches; ``nft_pass_flops`` the rows it is given (the conditional
     ones, and with CFG the empty-context ones too)."""
     trainer = work.cfg.trainer
+    if trainer.algorithm == "dgpo":
+        raise SystemExit("flowgrpo bench system: DGPO's trainer FLOPs (its coupling pass) are not counted")
     nft = trainer.algorithm in ("diffusion_nft", "awm")  # the forward process: clean latents re-noised
     times = {
         "diffusion_nft": trainer.nft.trained_times(work.params.num_steps),

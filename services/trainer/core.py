@@ -77,7 +77,8 @@ class TrainerCore:
             dtype=dtype,
             device=cfg.device,
             param_dtype=dtype if cfg.device.startswith("cuda") else None,  # FSDP's gathered compute dtype
-            keep_reference=cfg.loss.kl_beta > 0,
+            # the KL term's reference, or DGPO's (its DPO reference is the frozen base by default)
+            keep_reference=cfg.loss.kl_beta > 0 or (cfg.algorithm == "dgpo" and cfg.dgpo.reference == "base"),
             activation_checkpointing=cfg.activation_checkpointing,
             compile=cfg.compile,
             share_base=cfg.share_base,

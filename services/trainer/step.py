@@ -31,6 +31,7 @@ from torch import Tensor
 
 from flowgrpo.algorithms import algorithm_of
 from flowgrpo.algorithms.awm.objective import AWMObjective
+from flowgrpo.algorithms.dgpo.objective import DGPOObjective
 from flowgrpo.algorithms.diffusion_nft.objective import DiffusionNFTObjective
 from flowgrpo.algorithms.flow_grpo.objective import ON_POLICY_GAP, FlowGRPOObjective, LogProbGapError
 from flowgrpo.algorithms.grpo_guard.objective import GRPOGuardObjective
@@ -52,6 +53,8 @@ def make_objective(forwards: Forwards, cfg: TrainerConfig) -> Objective:
         return DiffusionNFTObjective(forwards, cfg.loss, cfg.nft)
     if name == "awm":
         return AWMObjective(forwards, cfg.loss, cfg.awm)
+    if name == "dgpo":
+        return DGPOObjective(forwards, cfg.loss, cfg.dgpo)
     if name == "grpo_guard":
         return GRPOGuardObjective(forwards, cfg.loss)
     return FlowGRPOObjective(forwards, cfg.loss)

@@ -62,6 +62,7 @@ MUST_AGREE: dict[str, tuple[str, ...]] = {
         "trainer.loss",
         "trainer.nft",
         "trainer.awm",
+        "trainer.dgpo",
         "trainer.publish_dtype",
     ),
 }

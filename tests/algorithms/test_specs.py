@@ -12,7 +12,7 @@ from flowgrpo.algorithms import ALGORITHMS, algorithm_of
 from flowgrpo.algorithms.awm import time_strata
 from flowgrpo.config import ConfigError, validate
 from flowgrpo.sampler_params import SamplerSettings
-from flowgrpo.services.trainer.config import AwmConfig, LossConfig, NftConfig, TrainerConfig
+from flowgrpo.services.trainer.config import AwmConfig, DgpoConfig, LossConfig, NftConfig, TrainerConfig
 
 ADVANTAGES = {"p0": [2.5, -7.0, 0.0, 1.0], "p1": [-0.5, 6.0]}
 
@@ -82,11 +82,21 @@ def test_awm_config_refuses_what_has_no_meaning() -> None:
             validate(TrainerConfig(algorithm="awm", awm=bad), "trainer")
 
 
+def test_dgpo_targets_are_the_advantages_clipped_as_they_weigh_a_group() -> None:
+    """A clipped to [-c, c] (c = 5 here, 2 below), nothing else: the signs and sizes weigh the
+    group's samples in its log-sigmoid."""
+    trainer = TrainerConfig(algorithm="dgpo")
+    assert ALGORITHMS["dgpo"].targets(ADVANTAGES, trainer) == {"p0": [2.5, -5.0, 0.0, 1.0], "p1": [-0.5, 5.0]}
+    narrow = TrainerConfig(algorithm="dgpo", dgpo=DgpoConfig(adv_clip=2.0))
+    assert ALGORITHMS["dgpo"].targets(ADVANTAGES, narrow) == {"p0": [2.0, -2.0, 0.0, 1.0], "p1": [-0.5, 2.0]}
+
+
 def test_each_algorithm_names_the_columns_it_trains_on() -> None:
     assert ALGORITHMS["flow_grpo"].columns == ("prompt_ids", "latents", "log_probs", "sigmas")
     assert ALGORITHMS["grpo_guard"].columns == ALGORITHMS["flow_grpo"].columns
     assert ALGORITHMS["diffusion_nft"].columns == ("prompt_ids", "final_latents")
     assert ALGORITHMS["awm"].columns == ("prompt_ids", "final_latents")
+    assert ALGORITHMS["dgpo"].columns == ("prompt_ids", "final_latents")
 
 
 def test_the_trainer_config_names_its_algorithm() -> None:
@@ -94,6 +104,7 @@ def test_the_trainer_config_names_its_algorithm() -> None:
     assert algorithm_of(TrainerConfig(loss=LossConfig(mode="grpo_guard"))).name == "grpo_guard"
     assert algorithm_of(TrainerConfig(algorithm="diffusion_nft")).name == "diffusion_nft"
     assert algorithm_of(TrainerConfig(algorithm="awm")).name == "awm"
+    assert algorithm_of(TrainerConfig(algorithm="dgpo")).name == "dgpo"
 
 
 @pytest.mark.parametrize(
@@ -116,6 +127,13 @@ def test_the_trainer_config_names_its_algorithm() -> None:
             SamplerSettings(),
             r"\[1, int\(14 x 0\.1\) = 1\)",
         ),
+        (TrainerConfig(algorithm="dgpo", loss=LossConfig(max_logp_gap=1e-3)), None, "max_logp_gap"),
+        (TrainerConfig(algorithm="dgpo", loss=LossConfig(mode="grpo_guard")), None, "dgpo has its own"),
+        (
+            TrainerConfig(algorithm="dgpo"),
+            SamplerSettings(num_points=4, window_range=(0, 3)),
+            "trainer.dgpo.time_points=5 exceeds the schedule's 3 steps",
+        ),
     ],
 )
 def test_cross_section_checks_name_the_keys(
@@ -129,5 +147,6 @@ def test_settings_that_fit_pass_every_check() -> None:
     for trainer in (TrainerConfig(), TrainerConfig(loss=LossConfig(mode="grpo_guard")),
                     TrainerConfig(algorithm="diffusion_nft"), TrainerConfig(algorithm="awm"),
                     TrainerConfig(algorithm="awm", awm=AwmConfig(from_first_point=True,
-                                                                 timestep_fraction=0.1))):  # fmt: skip
+                                                                 timestep_fraction=0.1)),
+                    TrainerConfig(algorithm="dgpo")):  # fmt: skip
         algorithm_of(trainer).check(trainer, SamplerSettings())

@@ -378,6 +378,14 @@ BAD_OVERRIDES = {
         ["trainer.algorithm=diffusion_nft has its own", "trainer.loss.mode=flow_grpo"],
     ),
     "NFT beta": (["trainer.algorithm=diffusion_nft", "trainer.nft.beta=0"], ["trainer.nft.beta=0.0"]),
+    "DGPO times beyond the schedule": (
+        ["trainer.algorithm=dgpo", "trainer.dgpo.time_points=20"],
+        ["trainer.dgpo.time_points=20 exceeds the schedule's 14 steps", "sampling.num_points"],
+    ),
+    "DGPO more times than points": (
+        ["trainer.algorithm=dgpo", "trainer.dgpo.trained_times=6"],
+        ["trainer.dgpo.trained_times=6", "trainer.dgpo.time_points=5"],
+    ),
 }
 
 

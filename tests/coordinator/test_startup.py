@@ -51,7 +51,7 @@ def test_a_rollout_that_no_longer_produces_a_column_is_refused_by_name() -> None
     assert "trainer" in str(error.value)
 
 
-@pytest.mark.parametrize("algorithm", ["flow_grpo", "diffusion_nft", "awm"])
+@pytest.mark.parametrize("algorithm", ["flow_grpo", "diffusion_nft", "awm", "dgpo"])
 def test_each_algorithm_reads_what_the_rollout_produces(algorithm: Algorithm) -> None:
     check_services(services(ROLLOUT, REWARD, stage(TrainerConfig(algorithm=algorithm))))
     produced = [c for c in ROLLOUT.produces if c != "final_latents"]

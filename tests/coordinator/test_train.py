@@ -552,6 +552,32 @@ def test_awm_trains_async_at_lag_1_on_ode_rollouts(tiny: Path, tmp_path: Path) -
     assert all((p / "old_policy").is_dir() for p in saved)
 
 
+DGPO = ("trainer.algorithm=dgpo", "sampling.noise_level=0", "trainer.dgpo.trained_times=2",
+        "trainer.dgpo.time_points=3", "trainer.dgpo.old_decay_rate=0.25", "trainer.dgpo.old_decay_max=0.5",
+        "trainer.dgpo.sample_old_after=2", "trainer.optim.lr=1e-3")  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_dgpo_trains_on_group_preferences_sync_and_async(tiny: Path, tmp_path: Path, mode: str) -> None:
+    """DGPO end to end: ODE rollouts, the trainer reading clean latents only, each group's samples
+    weighed by their clipped advantages against the frozen base, which the policy leaves from its
+    first update on (the recipe's 2 optimizer steps a step: the second mini-batch already sees it);
+    the old policy follows its EMA after every optimizer step and, after 2 of them, is what the
+    rollouts sample. Async with eta = 1: every sample after the first step is a version old (no
+    ratio: the image is data)."""
+    schedule = ("schedule.mode=async", "schedule.staleness=1") if mode == "async" else ()
+    train(tmp_path, tiny, "launch.launcher=inprocess", *schedule, *DGPO)
+    metrics = read_metrics(tmp_path)
+    lag = [0.0] + [1.0 if mode == "async" else 0.0] * (STEPS - 1)
+    assert [r["trainer/lag/max"] for r in metrics] == lag
+    for r in metrics:
+        assert -5.0 <= r["critic/advantages/min"] < 0.0 < r["critic/advantages/max"] <= 5.0, r
+        assert r["actor/dgpo/old_decay"] == min(0.25 * (2 * r["step"] - 1), 0.5)  # after the 2nd update
+        assert r["actor/grad_norm"] > 0 and 0.0 <= r["actor/pg_clipfrac"] <= 1.0
+        assert r["actor/dgpo/error_gap"] != 0.0 and 0.0 < r["actor/dgpo/weight"] < 1.0
+        assert "actor/ratio_mean" not in r and "actor/nft/old_deviation" not in r
+
+
 def test_batch_invariant_runs_train_bitwise_alike_without_recomputing_logp_old(
     tiny: Path, tmp_path: Path
 ) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from flowgrpo.algorithms.awm import AWM
+from flowgrpo.algorithms.dgpo import DGPO
 from flowgrpo.algorithms.diffusion_nft import DIFFUSION_NFT
 from flowgrpo.algorithms.flow_grpo import FLOW_GRPO
 from flowgrpo.algorithms.grpo_guard import GRPO_GUARD
@@ -21,9 +22,8 @@ from flowgrpo.algorithms.spec import AlgorithmSpec, Targets
 if TYPE_CHECKING:
     from flowgrpo.services.trainer.config import TrainerConfig
 
-ALGORITHMS: dict[str, AlgorithmSpec] = {
-    spec.name: spec for spec in (FLOW_GRPO, GRPO_GUARD, DIFFUSION_NFT, AWM)
-}
+SPECS = (FLOW_GRPO, GRPO_GUARD, DIFFUSION_NFT, AWM, DGPO)
+ALGORITHMS: dict[str, AlgorithmSpec] = {spec.name: spec for spec in SPECS}
 
 __all__ = ["ALGORITHMS", "AlgorithmSpec", "Targets", "algorithm_of"]
 
