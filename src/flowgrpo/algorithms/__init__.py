@@ -20,7 +20,7 @@ from flowgrpo.algorithms.grpo_guard import GRPO_GUARD
 from flowgrpo.algorithms.spec import AlgorithmSpec, Targets
 
 if TYPE_CHECKING:
-    from flowgrpo.services.trainer.config import TrainerConfig
+    from flowgrpo.configs.trainer import TrainerConfig
 
 SPECS = (FLOW_GRPO, GRPO_GUARD, DIFFUSION_NFT, AWM, DGPO)
 ALGORITHMS: dict[str, AlgorithmSpec] = {spec.name: spec for spec in SPECS}

@@ -1,6 +1,6 @@
 """The trainer's side of an algorithm: what one training step computes around its optimizer steps.
 
-``flowgrpo.services.trainer.step.TrainStep`` owns the optimizer, the policy version and the loop:
+The trainer's ``TrainStep`` (services/trainer/step.py) owns the optimizer, the policy version and the loop:
 
     metrics = objective.begin(batch, params, seed, step)       # e.g. FlowGRPO's logp_old
     for each mini-batch (one optimizer step):
@@ -24,14 +24,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from flowgrpo.models.bagel.attention import KVCache
 from flowgrpo.models.bagel.config import SpecialTokens, is_text_path
-from flowgrpo.models.bagel.model import latent_position_ids
+from flowgrpo.models.bagel.model import BagelModel, latent_position_ids
 from flowgrpo.models.bagel.sampling import (
     compute_autocast,
     deterministic_kernels,
@@ -44,9 +44,32 @@ from flowgrpo.models.bagel.sampling import (
 from flowgrpo.sampler_math import StepResult, sample_noise, shifted_schedule
 from flowgrpo.sampler_params import SamplerParams
 
-if TYPE_CHECKING:
-    from flowgrpo.services.trainer.distributed import Dist
-    from flowgrpo.services.trainer.policy import TrainablePolicy
+
+class Ranks(Protocol):
+    """What an objective needs of the trainer's data parallelism (the trainer's ``Dist``)."""
+
+    @property
+    def world(self) -> int: ...
+    def share(self, rows: list[int]) -> list[tuple[int, bool]]:
+        """This rank's rows of ``rows`` as (row, valid), padded to the same count on every rank."""
+        ...
+
+    def sum(self, value: Tensor) -> Tensor: ...
+    def max(self, value: Tensor) -> Tensor: ...
+
+
+class Policy(Protocol):
+    """What an objective needs of the trained policy (the trainer's ``TrainablePolicy``): its
+    model, its trained tensors, and the frozen reference and old copy swapped in for forwards."""
+
+    @property
+    def model(self) -> BagelModel: ...
+    def trainable(self) -> dict[str, torch.nn.Parameter]: ...
+    def reference(self) -> contextlib.AbstractContextManager[None]: ...
+    def keep_old(self) -> None: ...
+    def old(self) -> contextlib.AbstractContextManager[None]: ...
+    def refresh_old(self, decay: float) -> None: ...
+
 
 Rows = list[tuple[int, bool]]  # (row of the batch, valid): padding rows (valid False) count for nothing
 Draw = tuple[Tensor, Tensor]  # a sample's trained times [K] and noises [K, N, C] (the forward process)
@@ -75,9 +98,7 @@ class Forwards:
     """The policy's forwards as the sampler computes them; ``may_stop`` is the running step's
     stop check (the loop sets it), called between the micro-batches of a pass without gradients."""
 
-    def __init__(
-        self, policy: TrainablePolicy, special: SpecialTokens, dist: Dist, micro_batch_size: int
-    ) -> None:
+    def __init__(self, policy: Policy, special: SpecialTokens, dist: Ranks, micro_batch_size: int) -> None:
         self.policy = policy
         self.special = special
         self.dist = dist

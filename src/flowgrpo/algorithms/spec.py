@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from flowgrpo.configs.trainer import TrainerConfig
     from flowgrpo.sampler_params import SamplerSettings
-    from flowgrpo.services.trainer.config import TrainerConfig
 
 Targets = dict[str, list[float]]  # prompt uid -> one training target per sample of its group
 

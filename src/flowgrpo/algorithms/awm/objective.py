@@ -41,10 +41,10 @@ from flowgrpo.algorithms.objective import (
     Trajectory,
     draw_noises,
 )
+from flowgrpo.configs.trainer import AwmConfig, LossConfig
 from flowgrpo.models.bagel.attention import KVCache
 from flowgrpo.sampler_math import coordinate_seed, shifted_schedule
 from flowgrpo.sampler_params import SamplerParams
-from flowgrpo.services.trainer.config import AwmConfig, LossConfig
 
 
 class AWMObjective(ForwardProcessObjective):

@@ -13,8 +13,8 @@ from flowgrpo.algorithms.flow_grpo import check_no_window_knobs
 from flowgrpo.algorithms.spec import Targets
 
 if TYPE_CHECKING:
+    from flowgrpo.configs.trainer import TrainerConfig
     from flowgrpo.sampler_params import SamplerSettings
-    from flowgrpo.services.trainer.config import TrainerConfig
 
 
 def clipped_advantages(advantages: Sequence[float], clip: float) -> list[float]:

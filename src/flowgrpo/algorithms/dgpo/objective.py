@@ -47,12 +47,12 @@ from flowgrpo.algorithms.dgpo.loss import (
 )
 from flowgrpo.algorithms.diffusion_nft.loss import velocity_kl
 from flowgrpo.algorithms.objective import Forwards, Rows, Trajectory
+from flowgrpo.configs.trainer import DgpoConfig, LossConfig
 from flowgrpo.models.bagel.attention import KVCache
 from flowgrpo.models.bagel.config import is_text_path
 from flowgrpo.models.bagel.sampling import with_cfg_branches
 from flowgrpo.sampler_math import coordinate_seed, sample_noise, shifted_schedule
 from flowgrpo.sampler_params import SamplerParams
-from flowgrpo.services.trainer.config import DgpoConfig, LossConfig
 
 # what the pre-pass keeps per (sample, time), reported as per-entry means in this order
 VALUES = ("actor/pg_loss", "actor/dgpo/weight", "actor/dgpo/error", "actor/dgpo/error_gap",

@@ -33,10 +33,10 @@ from flowgrpo.algorithms.objective import (
     Trajectory,
     draw_noises,
 )
+from flowgrpo.configs.trainer import LossConfig, NftConfig
 from flowgrpo.models.bagel.attention import KVCache
 from flowgrpo.sampler_math import coordinate_seed, shifted_schedule
 from flowgrpo.sampler_params import SamplerParams
-from flowgrpo.services.trainer.config import LossConfig, NftConfig
 
 
 class DiffusionNFTObjective(ForwardProcessObjective):

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 from flowgrpo.algorithms.spec import Targets
 
 if TYPE_CHECKING:
+    from flowgrpo.configs.trainer import TrainerConfig
     from flowgrpo.sampler_params import SamplerSettings
-    from flowgrpo.services.trainer.config import TrainerConfig
 
 WINDOW_COLUMNS = ("prompt_ids", "latents", "log_probs", "sigmas")  # the SDE window as the rollout stored it
 

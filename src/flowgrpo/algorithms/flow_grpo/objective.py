@@ -29,10 +29,10 @@ from flowgrpo.algorithms.flow_grpo.loss import (
     kl_to_reference,
 )
 from flowgrpo.algorithms.objective import Forwards, Rows, Trajectory
+from flowgrpo.configs.trainer import LossConfig
 from flowgrpo.runtime.errors import ServiceError
 from flowgrpo.sampler_math import StepResult
 from flowgrpo.sampler_params import SamplerParams
-from flowgrpo.services.trainer.config import LossConfig
 
 ON_POLICY_GAP = "actor/on_policy_logp_gap/max"
 ON_POLICY_ROWS = "actor/on_policy_logp_gap/rows"  # samples the alarm compared this step (0: it saw none)

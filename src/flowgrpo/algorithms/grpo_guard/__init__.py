@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 from flowgrpo.algorithms.flow_grpo import FlowGRPO
 
 if TYPE_CHECKING:
+    from flowgrpo.configs.trainer import TrainerConfig
     from flowgrpo.sampler_params import SamplerSettings
-    from flowgrpo.services.trainer.config import TrainerConfig
 
 
 @dataclass(frozen=True)

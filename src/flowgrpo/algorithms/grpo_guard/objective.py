@@ -16,9 +16,9 @@ from flowgrpo.algorithms.flow_grpo.loss import LossTerms
 from flowgrpo.algorithms.flow_grpo.objective import FlowGRPOObjective
 from flowgrpo.algorithms.grpo_guard.loss import GuardStep, grpo_guard_terms
 from flowgrpo.algorithms.objective import Forwards, Rows, Trajectory
+from flowgrpo.configs.trainer import LossConfig
 from flowgrpo.sampler_math import StepResult
 from flowgrpo.sampler_params import SamplerParams
-from flowgrpo.services.trainer.config import LossConfig
 
 
 class GRPOGuardObjective(FlowGRPOObjective):
