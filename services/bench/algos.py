@@ -99,6 +99,13 @@ COMPOSE: dict[str, Algorithm] = {
             "advantages.std_ddof=0",
         ),
     ),
+    # DGPO on the demo's rollouts, in the reference's CFG-free mode (the base's guided velocity,
+    # CFG 4, as the DPO reference and KL target), beta 100, clip 1e-3 (its first CPU check)
+    "dgpo": Algorithm(
+        "tiny_demo.yaml",
+        ("trainer.algorithm=dgpo", "trainer.dgpo.reference_cfg=4", "trainer.loss.kl_beta=1e-3",
+         "trainer.dgpo.clip_range=1e-3"),
+    ),  # fmt: skip
     # FlowGRPO without CFG (flow_grpo's fast recipe, UniGRPO): the conditional branch alone samples
     # and is trained, one forward a step instead of two
     "flow_grpo_cfg_free": Algorithm(
