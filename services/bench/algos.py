@@ -103,9 +103,13 @@ COMPOSE: dict[str, Algorithm] = {
     # CFG 4, as the DPO reference and KL target), beta 100, clip 1e-3 (its first CPU check)
     "dgpo": Algorithm(
         "tiny_demo.yaml",
-        ("trainer.algorithm=dgpo", "trainer.dgpo.reference_cfg=4", "trainer.loss.kl_beta=1e-3",
-         "trainer.dgpo.clip_range=1e-3"),
-    ),  # fmt: skip
+        (
+            "trainer.algorithm=dgpo",
+            "trainer.dgpo.reference_cfg=4",
+            "trainer.loss.kl_beta=1e-3",
+            "trainer.dgpo.clip_range=1e-3",
+        ),
+    ),
     # FlowGRPO without CFG (flow_grpo's fast recipe, UniGRPO): the conditional branch alone samples
     # and is trained, one forward a step instead of two
     "flow_grpo_cfg_free": Algorithm(
