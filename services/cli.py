@@ -139,7 +139,7 @@ def _print_config(config: Any) -> None:
 
 def _recipe_role_config(recipe: str, role: str) -> Any:
     """``role``'s service config from a run recipe (the section the coordinator would give it)."""
-    from flowgrpo.services.coordinator.config import read_recipe_sections
+    from flowgrpo.configs.run import read_recipe_sections
     from flowgrpo.services.coordinator.launch import role_config
 
     return role_config(read_recipe_sections(recipe), role)
@@ -150,7 +150,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     import shlex
 
     from flowgrpo.config import ConfigError
-    from flowgrpo.services.coordinator.config import load_run_config
+    from flowgrpo.configs.run import load_run_config
 
     try:  # before the run's heavy modules: a bad recipe fails small and fast
         config = load_run_config(args.recipe, args.overrides)

@@ -14,7 +14,7 @@ import pytest
 from flowgrpo import __version__
 from flowgrpo.config import apply_overrides
 from flowgrpo.config_digest import canonical, differing, digest, flatten, refusal, role_settings
-from flowgrpo.services.coordinator.config import load_run_config
+from flowgrpo.configs.run import load_run_config
 from flowgrpo.services.coordinator.launch import role_config
 from flowgrpo.v1 import common_pb2
 

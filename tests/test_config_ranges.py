@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 
 from flowgrpo.config import ConfigError, load_config
+from flowgrpo.configs.reward import RewardServiceConfig
+from flowgrpo.configs.rollout import RolloutServiceConfig
+from flowgrpo.configs.run import RunConfig
+from flowgrpo.configs.trainer import TrainerServiceConfig
 from flowgrpo.runtime.config import ClientConfig
-from flowgrpo.services.coordinator.config import RunConfig
-from flowgrpo.services.reward.config import RewardServiceConfig
-from flowgrpo.services.rollout.config import RolloutServiceConfig
-from flowgrpo.services.trainer.config import TrainerServiceConfig
 from flowgrpo.services.trainer.sft_config import SftConfig
 
 # the run's recipe, each service's own config, the gRPC client's (open_channel), flowgrpo sft's

@@ -21,20 +21,20 @@ TORCH_FREE = [
     "flowgrpo.runtime",
     "flowgrpo.telemetry",
     "flowgrpo.logs",
-    "flowgrpo.services.rollout.config",
+    "flowgrpo.configs.rollout",
     "flowgrpo.services.rollout.main",
-    "flowgrpo.services.trainer.config",
+    "flowgrpo.configs.trainer",
     "flowgrpo.rewards",
     "flowgrpo.rewards.judge",
     "flowgrpo.rewards.plugins",
     "flowgrpo.rewards.compose",
     "flowgrpo.compose.verify",
     "flowgrpo.compose.split",
-    "flowgrpo.services.reward.config",
+    "flowgrpo.configs.reward",
     "flowgrpo.services.reward.main",
     "flowgrpo.services.trainer.main",
     "flowgrpo.data",
-    "flowgrpo.services.coordinator.config",
+    "flowgrpo.configs.run",
     "flowgrpo.services.coordinator.launch",
     "flowgrpo.services.coordinator.run",
     "flowgrpo.services.coordinator.train",
@@ -61,7 +61,7 @@ def test_the_configs_import_without_the_judge_clients_http_libraries() -> None:
     imports the reward configs, the judge's among them."""
     code = (
         "import sys; sys.modules['httpx'] = None; sys.modules['tenacity'] = None\n"
-        "import flowgrpo.rewards.judge, flowgrpo.services.coordinator.config\n"
+        "import flowgrpo.rewards.judge, flowgrpo.configs.run\n"
         "assert sys.modules['httpx'] is None and sys.modules['tenacity'] is None\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -46,6 +46,31 @@ def test_the_library_imports_no_service() -> None:
     assert not offenders, f"the library (src/flowgrpo) imports a service: {offenders}"
 
 
+def test_the_coordinator_imports_no_other_service_but_in_its_in_process_launcher() -> None:
+    """The run's config is the library's (flowgrpo.configs): the coordinator's image needs no
+    rollout, reward or trainer module; only ``_launch_inprocess`` starts them in its own process."""
+    others = ("flowgrpo.services.rollout", "flowgrpo.services.reward", "flowgrpo.services.trainer")
+    offenders, allowed = [], 0
+    for path in sorted((ROOT / "services" / "coordinator").glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        inprocess = {
+            id(n)
+            for f in ast.walk(tree)
+            if isinstance(f, ast.AsyncFunctionDef) and f.name == "_launch_inprocess"
+            for n in ast.walk(f)
+        }
+        for node in ast.walk(tree):
+            module = node.module if isinstance(node, ast.ImportFrom) else None
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [module or ""]
+            if any(n == o or n.startswith(o + ".") for n in names for o in others):
+                if id(node) in inprocess:
+                    allowed += 1
+                else:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert allowed == 3  # the in-process launcher's three services: the check sees imports
+    assert not offenders, f"the coordinator imports another service's module: {offenders}"
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")

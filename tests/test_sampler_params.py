@@ -9,9 +9,9 @@ import math
 import pytest
 
 from flowgrpo.config import ConfigError, apply_overrides
+from flowgrpo.configs.run import RunConfig, SamplingConfig
 from flowgrpo.fields import FieldError
 from flowgrpo.sampler_params import SamplerParams, SamplerSettings
-from flowgrpo.services.coordinator.config import RunConfig, SamplingConfig
 from flowgrpo.v1 import common_pb2
 
 # a value of every field, each different from its default (a field the conversion dropped

@@ -50,7 +50,7 @@ from flowgrpo.services.bench.learning import HELD_OUT_KEY, Case, run_case, valid
 from flowgrpo.services.bench.stats import Figure, write_json
 
 if TYPE_CHECKING:
-    from flowgrpo.services.coordinator.config import RunConfig
+    from flowgrpo.configs.run import RunConfig
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -483,7 +483,7 @@ def images_per_step(algorithm: Algorithm, overrides: list[str]) -> int:
 
 
 def run_config(algorithm: Algorithm, overrides: list[str]) -> RunConfig:
-    from flowgrpo.services.coordinator.config import load_run_config
+    from flowgrpo.configs.run import load_run_config
 
     return load_run_config(EXAMPLES / algorithm.recipe, [*algorithm.overrides, *overrides])
 

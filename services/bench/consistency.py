@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from flowgrpo.algorithms.flow_grpo.objective import FlowGRPOObjective
+from flowgrpo.configs.trainer import LossConfig, OptimConfig, PolicyConfig, TrainerConfig
 from flowgrpo.models.bagel.config import bagel_7b, tiny
 from flowgrpo.models.bagel.parallelize import parallelize_bagel
 from flowgrpo.models.bagel.policy import PolicyUpdate
@@ -48,7 +49,6 @@ from flowgrpo.services.bench.common import (
 )
 from flowgrpo.services.bench.stats import Figure, repeats_arg, timed, write_json
 from flowgrpo.services.rollout.engine import NativeBagelEngine
-from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig, TrainerConfig
 from flowgrpo.services.trainer.policy import TrainablePolicy
 from flowgrpo.services.trainer.step import ON_POLICY_GAP, TrainStep, Trajectory
 

@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from flowgrpo.configs.run import load_run_config
 from flowgrpo.services.coordinator.compare import compare_runs
-from flowgrpo.services.coordinator.config import load_run_config
 from flowgrpo.services.coordinator.train import train
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "tiny_jpeg.yaml"

@@ -46,9 +46,10 @@ import zmq
 from flowgrpo.bus import BusClient, BusConfig, BusServer, TensorBytes, TensorRef, TensorStore
 from flowgrpo.bus.config import SECRET_ENV, SECRET_FILE_ENV
 from flowgrpo.bus.relay import Keeper, Source, version_tag
+from flowgrpo.configs.publication import PublicationConfig
 from flowgrpo.fields import FieldError
 from flowgrpo.services.bench.stats import MIN_REPEATS, Figure, ratio, repeats_arg, write_json
-from flowgrpo.services.coordinator.relay import Member, PublicationConfig, plan_relay
+from flowgrpo.services.coordinator.relay import Member, plan_relay
 from flowgrpo.services.rollout import relay
 from flowgrpo.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
@@ -367,7 +368,7 @@ async def _publish_all(
     sizes: dict[str, int],
 ) -> list[Run]:
     # the coordinator's pool: imported here, so that the 64 node processes start without it
-    from flowgrpo.services.coordinator.config import LaunchConfig
+    from flowgrpo.configs.run import LaunchConfig
     from flowgrpo.services.coordinator.handles import Replica
     from flowgrpo.services.coordinator.pool import ReplicaPool
 

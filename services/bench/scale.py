@@ -53,12 +53,12 @@ from typing import Any
 from flowgrpo.bus import BusClient, serve_store
 from flowgrpo.bus.config import SECRET_ENV
 from flowgrpo.config import dump_yaml
+from flowgrpo.configs.run import RunConfig, load_run_config
 from flowgrpo.data import load_split
 from flowgrpo.runtime import Service, ServiceServer
 from flowgrpo.runtime.config import ServerConfig
 from flowgrpo.runtime.security import TOKEN_ENV
 from flowgrpo.services.bench.stats import write_json
-from flowgrpo.services.coordinator.config import RunConfig, load_run_config
 from flowgrpo.services.coordinator.launch import launch, role_config, run_settings, terminate_groups
 from flowgrpo.services.coordinator.outputs import RunOutputs
 from flowgrpo.services.coordinator.registry import (

@@ -33,12 +33,12 @@ from typing import Any
 import zmq
 
 from flowgrpo.config import load_config
+from flowgrpo.configs.reward import RewardServiceConfig
+from flowgrpo.configs.rollout import RolloutServiceConfig
 from flowgrpo.fileio import atomic_write
 from flowgrpo.runtime import Service, ServiceServer
 from flowgrpo.runtime.actor import Actor
 from flowgrpo.runtime.membership import Membership
-from flowgrpo.services.reward.config import RewardServiceConfig
-from flowgrpo.services.rollout.config import RolloutServiceConfig
 from flowgrpo.v1 import reward_pb2_grpc, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)

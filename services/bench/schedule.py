@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from flowgrpo.configs.run import load_run_config
 from flowgrpo.services.bench.stats import MIN_REPEATS, Figure, ratio, write_json
-from flowgrpo.services.coordinator.config import load_run_config
 from flowgrpo.services.coordinator.trace import busy_per_step
 from flowgrpo.services.coordinator.train import train
 

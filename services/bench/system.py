@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from flowgrpo.configs.run import RunConfig, load_run_config
 from flowgrpo.data import load_split
 from flowgrpo.models.bagel.checkpoint import read_bagel_config
 from flowgrpo.models.bagel.config import BagelConfig
@@ -64,7 +65,6 @@ from flowgrpo.services.bench.common import GiB, MatmulPeak, spec_step_flops
 from flowgrpo.services.bench.schedule import images_per_s, steps_arg
 from flowgrpo.services.bench.stats import MIN_REPEATS, Figure, ratio, write_json
 from flowgrpo.services.bench.trainer_flops import nft_pass_flops, pass_flops, row_flops
-from flowgrpo.services.coordinator.config import RunConfig, load_run_config
 from flowgrpo.services.coordinator.run import PromptOrder
 from flowgrpo.services.coordinator.train import prepare_data, prepare_model, train
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from flowgrpo.configs.trainer import DEFAULT_LORA_TARGETS, NftConfig, PolicyConfig
 from flowgrpo.models.bagel.checkpoint import EMA_FILE, save_bagel_checkpoint, tiny_tokenizer
 from flowgrpo.models.bagel.config import bagel_7b, flux_vae, tiny, tiny_vae
 from flowgrpo.models.bagel.parallelize import parallelize_bagel, uncheckpoint_query_layers
@@ -72,7 +73,6 @@ from flowgrpo.services.bench.trainer_step import (
     random_batch,
     sampled_batch,
 )
-from flowgrpo.services.trainer.config import DEFAULT_LORA_TARGETS, NftConfig, PolicyConfig
 from flowgrpo.services.trainer.distributed import Dist, close_distributed, init_distributed
 from flowgrpo.services.trainer.load import load_policy
 from flowgrpo.services.trainer.policy import TrainablePolicy

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch.distributed
 
+from flowgrpo.configs.trainer import LossConfig, TrainerConfig
 from flowgrpo.services.bench.common import sync
 from flowgrpo.services.bench.stats import Figure, Runs, ratio, run_timed
 from flowgrpo.services.bench.trainer_step import StepBench, Variant, configure_variant
@@ -35,7 +36,6 @@ from flowgrpo.services.trainer.checkpoint import (
     save_checkpoint,
     start_checkpoint,
 )
-from flowgrpo.services.trainer.config import LossConfig, TrainerConfig
 from flowgrpo.services.trainer.step import TrainStep
 
 WAYS = ("none", "sync", "async")

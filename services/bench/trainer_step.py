@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flowgrpo.configs.trainer import LossConfig, NftConfig, TrainerConfig
 from flowgrpo.models.bagel.config import BagelConfig, SpecialTokens
 from flowgrpo.models.bagel.model import BagelModel
 from flowgrpo.models.bagel.parallelize import (
@@ -25,7 +26,6 @@ from flowgrpo.sampler_math import shifted_schedule
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.bench.common import GiB, free, mfu
 from flowgrpo.services.bench.stats import Figure, Runs, run_timed
-from flowgrpo.services.trainer.config import LossConfig, NftConfig, TrainerConfig
 from flowgrpo.services.trainer.distributed import Dist
 from flowgrpo.services.trainer.policy import TrainablePolicy
 from flowgrpo.services.trainer.step import TrainStep, Trajectory

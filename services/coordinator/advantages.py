@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from flowgrpo.services.coordinator.config import AdvantageConfig
+from flowgrpo.configs.run import AdvantageConfig
 
 
 def group_advantages(

@@ -45,22 +45,22 @@ from flowgrpo.bus.config import SECRET_ENV
 from flowgrpo.columns import COLUMNS, StageSpec, check_pipeline
 from flowgrpo.config import dump_yaml
 from flowgrpo.config_digest import Settings, refusal, role_settings
+from flowgrpo.configs.reward import RewardServiceConfig
+from flowgrpo.configs.rollout import RolloutServiceConfig
+from flowgrpo.configs.run import RunConfig, with_checkpoint
+from flowgrpo.configs.trainer import TrainerServiceConfig
 from flowgrpo.runtime import open_channel, wait_ready
 from flowgrpo.runtime.client import health
 from flowgrpo.runtime.config import ServerConfig
 from flowgrpo.runtime.errors import HandshakeError, NotReadyError
 from flowgrpo.runtime.launch import PARENT_FD_ENV
 from flowgrpo.runtime.security import TOKEN_ENV
-from flowgrpo.services.coordinator.config import RunConfig, with_checkpoint
 from flowgrpo.services.coordinator.handles import STUBS, Replica
 from flowgrpo.services.coordinator.lifecycle import record_process
 from flowgrpo.services.coordinator.pool import RunError
 from flowgrpo.services.coordinator.progress import StartupReport
 from flowgrpo.services.coordinator.registry import ROLES, CoordinatorService
 from flowgrpo.services.coordinator.revive import TrainerSource
-from flowgrpo.services.reward.config import RewardServiceConfig
-from flowgrpo.services.rollout.config import RolloutServiceConfig
-from flowgrpo.services.trainer.config import TrainerServiceConfig
 from flowgrpo.v1 import common_pb2
 
 log = logging.getLogger(__name__)

@@ -41,8 +41,8 @@ from tensorboard.plugins.text.summary_v2 import text_pb
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 from flowgrpo.config import dump_yaml, redacted, to_dict
+from flowgrpo.configs.run import LoggerConfig
 from flowgrpo.fileio import atomic_write
-from flowgrpo.services.coordinator.config import LoggerConfig
 
 STATE_FILE = "run_state.json"
 STATES_DIR = "states"  # the run state saved at each checkpoint, by step

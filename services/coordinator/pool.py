@@ -25,15 +25,15 @@ import grpc.aio
 
 from flowgrpo.bus import StoreInfo
 from flowgrpo.bus.relay import version_tag
+from flowgrpo.configs.publication import PublicationConfig
+from flowgrpo.configs.run import LaunchConfig
 from flowgrpo.runtime import open_channel, wait_ready
-from flowgrpo.services.coordinator.config import LaunchConfig
 from flowgrpo.services.coordinator.handles import STUBS, Replica, ReplicaError
 from flowgrpo.services.coordinator.registry import CoordinatorService
 from flowgrpo.services.coordinator.relay import (
     MAX_SOURCES,
     Member,
     Publication,
-    PublicationConfig,
     plan_relay,
     plan_star,
     publish,

@@ -28,8 +28,8 @@ from typing import Any
 import yaml
 
 from flowgrpo.config import ConfigError, redacted, to_dict
+from flowgrpo.configs.run import RunConfig, with_checkpoint
 from flowgrpo.fileio import atomic_write
-from flowgrpo.services.coordinator.config import RunConfig, with_checkpoint
 from flowgrpo.services.coordinator.outputs import STATE_FILE
 from flowgrpo.yamlfile import YamlError, brief, read_yaml_file
 

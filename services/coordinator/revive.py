@@ -27,7 +27,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
-from flowgrpo.services.coordinator.config import LaunchConfig
+from flowgrpo.configs.run import LaunchConfig
 from flowgrpo.services.coordinator.handles import Replica, ReplicaError
 from flowgrpo.services.coordinator.pool import ReplicaPool, RunError, TrainerGone
 from flowgrpo.v1 import common_pb2, trainer_pb2

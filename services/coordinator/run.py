@@ -27,10 +27,10 @@ from opentelemetry import trace
 
 from flowgrpo.algorithms import algorithm_of
 from flowgrpo.bus import BusClient, BusError, TensorRef, TensorStore
+from flowgrpo.configs.run import RunConfig
 from flowgrpo.data import PromptRow, PromptSplit
 from flowgrpo.rewards.config import ScorerSpec
 from flowgrpo.services.coordinator.advantages import group_advantages
-from flowgrpo.services.coordinator.config import RunConfig
 from flowgrpo.services.coordinator.handles import Replica
 from flowgrpo.services.coordinator.lifecycle import RunInterrupted
 from flowgrpo.services.coordinator.outputs import RunOutputs, RunState, evenly_spaced, read_metrics

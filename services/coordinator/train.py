@@ -23,13 +23,13 @@ from typing import Any
 
 from flowgrpo.bus import serve_store
 from flowgrpo.bus.config import SECRET_ENV
+from flowgrpo.configs.run import RunConfig, with_checkpoint
 from flowgrpo.data import DatasetError, PromptSplit, load_split
 from flowgrpo.data.prepare import PrepareOptions, prepare_dataset
 from flowgrpo.runtime import Service, ServiceServer
 from flowgrpo.runtime.credentials import RunCredentials, remove_run_credentials, write_run_credentials
 from flowgrpo.runtime.security import TOKEN_ENV, resolve_token
 from flowgrpo.runtime.server import REPLY_FLUSH_S
-from flowgrpo.services.coordinator.config import RunConfig, with_checkpoint
 from flowgrpo.services.coordinator.launch import Services, launch, run_settings
 from flowgrpo.services.coordinator.lifecycle import RunInterrupted, RunLock, StopSignals, stop_leftovers
 from flowgrpo.services.coordinator.outputs import RunOutputs

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from flowgrpo.configs.reward import RewardServiceConfig
 from flowgrpo.runtime import Service
 from flowgrpo.runtime.launch import run_service
-from flowgrpo.services.reward.config import RewardServiceConfig
 from flowgrpo.v1 import reward_pb2_grpc
 
 CONFIG = RewardServiceConfig

@@ -30,11 +30,11 @@ from opentelemetry import trace
 from flowgrpo.bus import BusClient, BusError, Fetched, TensorRef
 from flowgrpo.bus.refs import endpoint_problem
 from flowgrpo.config_digest import role_settings
+from flowgrpo.configs.reward import RewardServiceConfig
 from flowgrpo.rewards import RewardModel, Sample, build_reward
 from flowgrpo.rewards.combine import Batch, Scored
 from flowgrpo.rewards.images import MAX_SIDE
 from flowgrpo.runtime import Actor, InvalidArgument, message
-from flowgrpo.services.reward.config import RewardServiceConfig
 from flowgrpo.services.reward.stream import Pump, take_batch
 from flowgrpo.telemetry import links_from
 from flowgrpo.v1 import common_pb2, reward_pb2, reward_pb2_grpc

@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from flowgrpo.bus import cuda_ipc
+from flowgrpo.configs.rollout import BaseWeights
 from flowgrpo.models.bagel.checkpoint import (
     load_bagel_model,
     load_special_tokens,
@@ -34,7 +35,6 @@ from flowgrpo.models.bagel.sampling import (
     concat_trajectories,
 )
 from flowgrpo.sampler_params import SamplerParams
-from flowgrpo.services.rollout.config import BaseWeights
 from flowgrpo.services.rollout.shared_base import attach_base
 from flowgrpo.v1 import common_pb2
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from flowgrpo.configs.rollout import RolloutServiceConfig
 from flowgrpo.runtime import Service
 from flowgrpo.runtime.launch import run_service
-from flowgrpo.services.rollout.config import RolloutServiceConfig
 from flowgrpo.v1 import rollout_pb2_grpc
 
 CONFIG = RolloutServiceConfig

@@ -19,12 +19,12 @@ from collections.abc import Sequence
 from flowgrpo.bus import BusClient, TensorRef
 from flowgrpo.bus.refs import endpoint_problem
 from flowgrpo.bus.relay import Keeper, RelayedFetch, Source, fetch_nearest
+from flowgrpo.configs.publication import MAX_STALL_S, MIN_STALL_S
 from flowgrpo.fields import FieldError, check_id
 from flowgrpo.v1 import common_pb2, rollout_pb2
 
 MAX_SOURCES = 8  # holders one request may name (the coordinator sends the nearest ancestors)
 DEFAULT_STALL_S = 10.0  # a holder that sends nothing for this long is given up
-MIN_STALL_S, MAX_STALL_S = 0.05, 300.0
 
 
 def publisher_of(update: common_pb2.WeightUpdate) -> Source | None:

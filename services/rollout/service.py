@@ -39,6 +39,7 @@ from flowgrpo.bus.relay import Keeper, RelayedFetch, Source
 from flowgrpo.bus.torch_tensors import put_tensor, to_torch
 from flowgrpo.columns import TRAJECTORY_COLUMNS
 from flowgrpo.config_digest import role_settings
+from flowgrpo.configs.rollout import RolloutServiceConfig
 from flowgrpo.devices import release_cached_memory
 from flowgrpo.fields import FieldError, check_float, check_id, check_int
 from flowgrpo.models.bagel.checkpoint import read_bagel_config
@@ -61,7 +62,6 @@ from flowgrpo.runtime.data import fetch_inputs
 from flowgrpo.runtime.errors import ServiceError
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.rollout import relay
-from flowgrpo.services.rollout.config import RolloutServiceConfig
 from flowgrpo.services.rollout.engine import BaseWeightsMissing, NativeBagelEngine, RolloutEngine
 from flowgrpo.services.rollout.shared_base import SharedBaseError
 from flowgrpo.services.rollout.synthetic import SyntheticEngine

@@ -512,7 +512,7 @@ def find_run_checkpoint(run_dir: str | Path, step: int | None = None) -> RunChec
     """The checkpoint of ``step`` (None: the latest) of the run in ``run_dir``; its
     ``config.yaml`` names the base checkpoint and where the trainer saved. What the checkpoint
     holds (LoRA or the full gen path) its own ``trainer.json`` says: see read_policy_update."""
-    from flowgrpo.services.coordinator.config import read_recipe_sections
+    from flowgrpo.configs.run import read_recipe_sections
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():

@@ -15,6 +15,7 @@ from opentelemetry import trace
 from flowgrpo.algorithms import algorithm_of
 from flowgrpo.bus import BusClient, TensorRef
 from flowgrpo.bus.torch_tensors import to_torch
+from flowgrpo.configs.trainer import TrainerServiceConfig
 from flowgrpo.fields import FieldError, check_float, check_id, check_int
 from flowgrpo.models.bagel.checkpoint import load_special_tokens
 from flowgrpo.models.bagel.sampling import token_grid
@@ -40,7 +41,6 @@ from flowgrpo.services.trainer.checkpoint import (
     save_checkpoint,
     start_checkpoint,
 )
-from flowgrpo.services.trainer.config import TrainerServiceConfig
 from flowgrpo.services.trainer.distributed import Dist
 from flowgrpo.services.trainer.load import load_policy
 from flowgrpo.services.trainer.publish import Publisher

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from flowgrpo.bus.cuda_ipc import BucketWriter, bucket_bytes
+from flowgrpo.configs.trainer import PolicyConfig
 from flowgrpo.models.bagel.checkpoint import (
     EMA_FILE,
     IGNORED_PREFIXES,
@@ -27,7 +28,6 @@ from flowgrpo.models.bagel.checkpoint import (
 )
 from flowgrpo.models.bagel.model import BagelModel
 from flowgrpo.models.bagel.parallelize import parallelize_bagel
-from flowgrpo.services.trainer.config import PolicyConfig
 from flowgrpo.services.trainer.distributed import Dist, local_tensor
 from flowgrpo.services.trainer.policy import TrainablePolicy
 

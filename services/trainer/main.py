@@ -3,9 +3,9 @@ trainer``: rank 0 serves gRPC, the other ranks follow it (FSDP2 data parallelism
 
 from __future__ import annotations
 
+from flowgrpo.configs.trainer import TrainerServiceConfig
 from flowgrpo.runtime import Service
 from flowgrpo.runtime.launch import run_service
-from flowgrpo.services.trainer.config import TrainerServiceConfig
 from flowgrpo.v1 import trainer_pb2_grpc
 
 CONFIG = TrainerServiceConfig

@@ -29,10 +29,10 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import Tensor, nn
 
 from flowgrpo.bus.cuda_ipc import BucketWriter
+from flowgrpo.configs.trainer import PolicyConfig
 from flowgrpo.models.bagel.config import is_gen_path, is_text_path
 from flowgrpo.models.bagel.model import BagelModel
 from flowgrpo.models.bagel.policy import LORA_A, LORA_B
-from flowgrpo.services.trainer.config import PolicyConfig
 from flowgrpo.services.trainer.distributed import full_tensor, local_tensor, shard_like
 
 ADAPTER = "default"

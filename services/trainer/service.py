@@ -22,10 +22,10 @@ from flowgrpo.algorithms import algorithm_of
 from flowgrpo.algorithms.flow_grpo.objective import LogProbGapError
 from flowgrpo.bus import BusServer, serve_store
 from flowgrpo.config_digest import role_settings
+from flowgrpo.configs.trainer import TrainerConfig, TrainerServiceConfig
 from flowgrpo.devices import release_cached_memory
 from flowgrpo.runtime import Actor, InvalidArgument, ServiceError, message, raise_if_abandoned
 from flowgrpo.services.trainer.checkpoint import CheckpointWriteError, confined_folder
-from flowgrpo.services.trainer.config import TrainerConfig, TrainerServiceConfig
 from flowgrpo.services.trainer.core import TrainerCore
 from flowgrpo.services.trainer.distributed import Dist
 from flowgrpo.services.trainer.follow import SAVE, STOP, TRAIN, CommandChannel

@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from flowgrpo.config import dump_yaml
+from flowgrpo.configs.trainer import OptimConfig
 from flowgrpo.fileio import atomic_output
 from flowgrpo.generate import GenerateOptions, load_sampler, sampler_params
 from flowgrpo.image_folder import ImageText, read_image_folder
@@ -58,7 +59,6 @@ from flowgrpo.services.trainer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from flowgrpo.services.trainer.config import OptimConfig
 from flowgrpo.services.trainer.distributed import Dist, close_distributed, init_distributed
 from flowgrpo.services.trainer.load import load_policy
 from flowgrpo.services.trainer.policy import TrainablePolicy

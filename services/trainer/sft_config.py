@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from flowgrpo.configs.trainer import OptimConfig, PolicyConfig
 from flowgrpo.fields import SEED_MAX, knob
 from flowgrpo.rewards.config import RewardConfig
-from flowgrpo.services.trainer.config import OptimConfig, PolicyConfig
 
 
 @dataclass

@@ -36,10 +36,10 @@ from flowgrpo.algorithms.diffusion_nft.objective import DiffusionNFTObjective
 from flowgrpo.algorithms.flow_grpo.objective import ON_POLICY_GAP, FlowGRPOObjective, LogProbGapError
 from flowgrpo.algorithms.grpo_guard.objective import GRPOGuardObjective
 from flowgrpo.algorithms.objective import Forwards, Objective, Trajectory, stop_nothing
+from flowgrpo.configs.trainer import LossConfig, OptimConfig, TrainerConfig
 from flowgrpo.models.bagel.config import SpecialTokens
 from flowgrpo.models.bagel.sampling import lora_inputs_uncast
 from flowgrpo.sampler_params import SamplerParams
-from flowgrpo.services.trainer.config import LossConfig, OptimConfig, TrainerConfig
 from flowgrpo.services.trainer.distributed import Dist, full_tensor
 from flowgrpo.services.trainer.policy import TrainablePolicy
 

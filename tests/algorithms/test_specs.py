@@ -11,8 +11,8 @@ import torch
 from flowgrpo.algorithms import ALGORITHMS, algorithm_of
 from flowgrpo.algorithms.awm import time_strata
 from flowgrpo.config import ConfigError, validate
+from flowgrpo.configs.trainer import AwmConfig, DgpoConfig, LossConfig, NftConfig, TrainerConfig
 from flowgrpo.sampler_params import SamplerSettings
-from flowgrpo.services.trainer.config import AwmConfig, DgpoConfig, LossConfig, NftConfig, TrainerConfig
 
 ADVANTAGES = {"p0": [2.5, -7.0, 0.0, 1.0], "p1": [-0.5, 6.0]}
 
@@ -20,7 +20,7 @@ ADVANTAGES = {"p0": [2.5, -7.0, 0.0, 1.0], "p1": [-0.5, 6.0]}
 def test_the_specs_and_the_coordinator_import_no_torch() -> None:
     """The coordinator computes targets through the specs: they must not pull torch in."""
     code = (
-        "import sys; import flowgrpo.algorithms, flowgrpo.services.coordinator.config, "
+        "import sys; import flowgrpo.algorithms, flowgrpo.configs.run, "
         "flowgrpo.services.coordinator.advantages; print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

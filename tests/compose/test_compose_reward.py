@@ -13,11 +13,11 @@ from flowgrpo.bus import serve_store
 from flowgrpo.compose.grammar import Counting, Position, Relation, Single, Spec, prompt_of
 from flowgrpo.compose.render import render
 from flowgrpo.config import ConfigError, load_config
+from flowgrpo.configs.reward import RewardServiceConfig
 from flowgrpo.rewards import RewardConfig, Sample, SampleError, SampleScore, ScorerSpec, build_reward
 from flowgrpo.rewards.combine import reward_metrics
 from flowgrpo.rewards.compose import ComposeScorer
 from flowgrpo.runtime import Service, ServiceServer, open_channel
-from flowgrpo.services.reward.config import RewardServiceConfig
 from flowgrpo.services.reward.service import RewardService
 from flowgrpo.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
@@ -152,7 +152,7 @@ def test_the_reward_service_scores_compose_images_over_grpc() -> None:
 
 
 def test_a_run_recipe_takes_the_compose_prompts_and_reward() -> None:
-    from flowgrpo.services.coordinator.config import RunConfig
+    from flowgrpo.configs.run import RunConfig
 
     overrides = [
         "data.prompts=examples/data/compose",

@@ -9,8 +9,8 @@ from typing import Literal
 import numpy as np
 import pytest
 
+from flowgrpo.configs.run import AdvantageConfig
 from flowgrpo.services.coordinator.advantages import group_advantages
-from flowgrpo.services.coordinator.config import AdvantageConfig
 from flowgrpo.services.coordinator.run import PromptOrder
 
 

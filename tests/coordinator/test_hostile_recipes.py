@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from flowgrpo.config import ConfigError, apply_overrides, load_config
-from flowgrpo.services.coordinator.config import RunConfig, load_run_config
+from flowgrpo.configs.run import RunConfig, load_run_config
 from flowgrpo.yamlfile import MAX_BYTES, MAX_DEPTH, MAX_VALUES, YamlError, brief, parse_yaml
 
 ROOT = Path(__file__).resolve().parents[2]

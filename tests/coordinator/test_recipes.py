@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from flowgrpo.config import ConfigError, dump_yaml, to_dict
+from flowgrpo.configs.run import RunConfig, load_run_config
 from flowgrpo.models.bagel.config import GEN_PATH_LINEARS
-from flowgrpo.services.coordinator.config import RunConfig, load_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -182,7 +182,7 @@ def test_the_resolved_config_loads_as_a_recipe(name: str, tmp_path: Path) -> Non
 def test_loading_a_recipe_imports_no_torch() -> None:
     code = (
         "import sys\n"
-        "from flowgrpo.services.coordinator.config import load_run_config\n"
+        "from flowgrpo.configs.run import load_run_config\n"
         f"load_run_config({str(BASE)!r}, {list(PICKSCORE_ARGS)!r})\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'peft', 'transformers'))\n"
         "print(heavy)\n"

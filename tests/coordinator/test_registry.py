@@ -20,12 +20,12 @@ import pytest
 
 from flowgrpo.config import dump_yaml
 from flowgrpo.config_digest import digest
+from flowgrpo.configs.reward import RewardServiceConfig
 from flowgrpo.rewards.config import RewardConfig, ScorerSpec
 from flowgrpo.runtime import Service, ServiceServer, open_channel
 from flowgrpo.runtime.config import ServerConfig
 from flowgrpo.services.coordinator.registry import CoordinatorService
 from flowgrpo.services.coordinator.status import live_status
-from flowgrpo.services.reward.config import RewardServiceConfig
 from flowgrpo.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 CLI = [sys.executable, "-m", "flowgrpo.services.cli"]  # the flowgrpo command of this interpreter

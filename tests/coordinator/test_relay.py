@@ -26,12 +26,13 @@ import torch
 from flowgrpo.bus import BusClient, BusConfig, BusServer, StoreInfo, TensorRef, serve_store
 from flowgrpo.bus.relay import version_tag
 from flowgrpo.bus.torch_tensors import put_tensor
+from flowgrpo.configs.publication import PublicationConfig
+from flowgrpo.configs.run import LaunchConfig
 from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
 from flowgrpo.runtime import open_channel
-from flowgrpo.services.coordinator.config import LaunchConfig
 from flowgrpo.services.coordinator.handles import Replica
 from flowgrpo.services.coordinator.pool import ReplicaPool
-from flowgrpo.services.coordinator.relay import Member, PublicationConfig, plan_relay
+from flowgrpo.services.coordinator.relay import Member, plan_relay
 from flowgrpo.services.rollout.synthetic import SyntheticEngine
 from flowgrpo.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from tests.services.launch import kill_service, spawn_service

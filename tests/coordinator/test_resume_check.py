@@ -24,8 +24,8 @@ import pytest
 import yaml
 
 from flowgrpo.config import to_dict
+from flowgrpo.configs.run import load_run_config
 from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
-from flowgrpo.services.coordinator.config import load_run_config
 from flowgrpo.services.coordinator.resume import FIXED, plan_resume
 
 ROOT = Path(__file__).resolve().parents[2]

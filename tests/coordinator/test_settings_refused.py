@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
+from flowgrpo.configs.run import load_run_config
 from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
 from flowgrpo.runtime import wait_ready
-from flowgrpo.services.coordinator.config import load_run_config
 from flowgrpo.services.coordinator.handles import Replica
 from flowgrpo.services.coordinator.launch import RemoteTrainer, run_settings
 from flowgrpo.services.coordinator.pool import RunError

@@ -13,8 +13,9 @@ import pytest
 
 from flowgrpo.columns import PipelineError
 from flowgrpo.config_digest import MUST_AGREE, digest, role_settings
+from flowgrpo.configs.run import load_run_config
+from flowgrpo.configs.trainer import Algorithm, TrainerConfig
 from flowgrpo.runtime.errors import HandshakeError
-from flowgrpo.services.coordinator.config import load_run_config
 from flowgrpo.services.coordinator.launch import (
     Services,
     ServiceStartError,
@@ -26,7 +27,6 @@ from flowgrpo.services.coordinator.launch import (
 )
 from flowgrpo.services.reward.service import STAGE as REWARD
 from flowgrpo.services.rollout.service import STAGE as ROLLOUT
-from flowgrpo.services.trainer.config import Algorithm, TrainerConfig
 from flowgrpo.services.trainer.service import stage
 from flowgrpo.v1 import common_pb2
 

@@ -32,10 +32,10 @@ import pytest
 from PIL import Image
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
+from flowgrpo.configs.run import load_run_config
 from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
 from flowgrpo.services.bench.paths import run_paths, table
 from flowgrpo.services.coordinator.compare import compare_runs
-from flowgrpo.services.coordinator.config import load_run_config
 from flowgrpo.services.coordinator.outputs import read_metrics
 from flowgrpo.services.coordinator.status import live_status, status
 from flowgrpo.services.coordinator.trace import step_spans

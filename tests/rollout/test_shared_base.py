@@ -13,6 +13,8 @@ import torch
 from torch import Tensor
 
 from flowgrpo.bus.cuda_ipc import BucketWriter
+from flowgrpo.configs.rollout import EngineConfig
+from flowgrpo.configs.run import load_run_config
 from flowgrpo.models.bagel.checkpoint import load_bagel_model, read_bagel_config
 from flowgrpo.models.bagel.config import is_gen_path
 from flowgrpo.models.bagel.model import BagelModel
@@ -20,8 +22,6 @@ from flowgrpo.models.bagel.policy import PolicyApplier, PolicyUpdate, PolicyUpda
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.bench.common import SPECIAL_TINY as SPECIAL
-from flowgrpo.services.coordinator.config import load_run_config
-from flowgrpo.services.rollout.config import EngineConfig
 from flowgrpo.services.rollout.shared_base import SharedBaseError, attach_base
 from flowgrpo.services.trainer.distributed import Dist
 from flowgrpo.services.trainer.load import load_policy

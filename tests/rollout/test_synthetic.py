@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 
+from flowgrpo.configs.run import load_run_config
 from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens, load_vae, make_tiny_bagel
 from flowgrpo.models.bagel.policy import PolicyUpdate, PolicyUpdateError
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
@@ -20,7 +21,6 @@ from flowgrpo.rewards.base import Sample
 from flowgrpo.rewards.build import build_reward
 from flowgrpo.rewards.config import RewardConfig, ScorerSpec
 from flowgrpo.sampler_params import SamplerParams
-from flowgrpo.services.coordinator.config import load_run_config
 from flowgrpo.services.coordinator.train import train
 from flowgrpo.services.rollout.synthetic import SyntheticEngine
 

@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 
+from flowgrpo.configs.trainer import LossConfig, OptimConfig, PolicyConfig, TrainerConfig
 from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens, make_tiny_bagel
 from flowgrpo.models.bagel.policy import PolicyUpdate, PolicyUpdateError
 from flowgrpo.models.bagel.sampling import SampleRequest, Trajectories
@@ -34,7 +35,6 @@ from flowgrpo.sampler_math import batch_noise
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.bench import learning
 from flowgrpo.services.rollout.engine import NativeBagelEngine
-from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig, TrainerConfig
 from flowgrpo.services.trainer.policy import TrainablePolicy
 from flowgrpo.services.trainer.step import TrainStep, Trajectory
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowgrpo.services.coordinator.config import load_run_config
+from flowgrpo.configs.run import load_run_config
 from flowgrpo.services.coordinator.train import train
 
 pytestmark = pytest.mark.gpu

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from flowgrpo.bus import BusServer, TensorRef, serve_store
+from flowgrpo.configs.reward import RewardServiceConfig, StreamConfig
 from flowgrpo.rewards import Outcome, RewardModel, Sample, SampleScore, Scorer, Weighted
 from flowgrpo.rewards.jpeg import JpegScorer
 from flowgrpo.rewards.plugins import PluginScorer
 from flowgrpo.runtime import Service, ServiceServer, open_channel
-from flowgrpo.services.reward.config import RewardServiceConfig, StreamConfig
 from flowgrpo.services.reward.service import RewardService
 from flowgrpo.services.reward.stream import Pump, take_batch
 from flowgrpo.v1 import common_pb2, reward_pb2, reward_pb2_grpc

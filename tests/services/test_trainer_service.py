@@ -17,11 +17,11 @@ import torch
 
 from flowgrpo.bus import BusClient, BusServer, TensorRef, serve_store
 from flowgrpo.bus.torch_tensors import put_tensor, to_torch
+from flowgrpo.configs.trainer import LossConfig, OptimConfig, PolicyConfig, TrainerConfig
 from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens, make_tiny_bagel
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
 from flowgrpo.runtime import open_channel
 from flowgrpo.sampler_params import SamplerParams
-from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig, TrainerConfig
 from flowgrpo.services.trainer.policy import TrainablePolicy
 from flowgrpo.services.trainer.step import TrainStep, Trajectory
 from flowgrpo.v1 import common_pb2, common_pb2_grpc, trainer_pb2, trainer_pb2_grpc

@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from flowgrpo.configs.trainer import DgpoConfig, LossConfig, OptimConfig, PolicyConfig, TrainerConfig
 from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
 from flowgrpo.sampler_params import SamplerParams
-from flowgrpo.services.trainer.config import DgpoConfig, LossConfig, OptimConfig, PolicyConfig, TrainerConfig
 from flowgrpo.services.trainer.distributed import close_distributed, full_tensor, init_distributed
 from flowgrpo.services.trainer.load import load_policy
 from flowgrpo.services.trainer.step import TrainStep, Trajectory

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from flowgrpo.algorithms.awm.objective import AWMObjective
+from flowgrpo.configs.trainer import AwmConfig, LossConfig, OptimConfig, PolicyConfig, TrainerConfig
 from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens, make_tiny_bagel
 from flowgrpo.sampler_math import shifted_schedule
 from flowgrpo.services.trainer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from flowgrpo.services.trainer.config import AwmConfig, LossConfig, OptimConfig, PolicyConfig, TrainerConfig
 from flowgrpo.services.trainer.policy import TrainablePolicy
 from flowgrpo.services.trainer.step import TrainStep
 

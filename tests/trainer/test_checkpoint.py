@@ -20,6 +20,7 @@ from peft.tuners.lora import LoraLayer
 from safetensors import safe_open
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from flowgrpo.configs.trainer import DEFAULT_LORA_TARGETS, PolicyConfig
 from flowgrpo.models.bagel.model import BagelModel
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
 from flowgrpo.services.trainer import checkpoint as checkpoint_module
@@ -36,7 +37,6 @@ from flowgrpo.services.trainer.checkpoint import (
     start_checkpoint,
     storage_cause,
 )
-from flowgrpo.services.trainer.config import DEFAULT_LORA_TARGETS, PolicyConfig
 
 from .test_step import LORA, PARAMS, PROMPTS, rollout, sampler_for, tiny, trainer
 

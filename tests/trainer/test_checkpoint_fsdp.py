@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from flowgrpo.configs.trainer import PolicyConfig
 from flowgrpo.services.trainer import checkpoint as checkpoint_module
 from flowgrpo.services.trainer.checkpoint import (
     CheckpointError,
@@ -21,7 +22,6 @@ from flowgrpo.services.trainer.checkpoint import (
     read_policy_update,
     save_checkpoint,
 )
-from flowgrpo.services.trainer.config import PolicyConfig
 
 from .checkpoint_worker import PARAMS, trajectories, whole_state
 from .test_step import tiny, trainer

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from flowgrpo.configs.trainer import LossConfig, OptimConfig, PolicyConfig, TrainerConfig
 from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens
 from flowgrpo.services.trainer.checkpoint import HostStager, save_checkpoint, start_checkpoint
-from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig, TrainerConfig
 from flowgrpo.services.trainer.policy import TrainablePolicy
 from flowgrpo.services.trainer.step import TrainStep
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flowgrpo.config import ConfigError, apply_overrides
-from flowgrpo.services.trainer.config import TrainerServiceConfig
+from flowgrpo.configs.trainer import TrainerServiceConfig
 
 
 @pytest.mark.parametrize(

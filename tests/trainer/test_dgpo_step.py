@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from flowgrpo.configs.trainer import DgpoConfig, LossConfig, OptimConfig, PolicyConfig, TrainerConfig
 from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens, make_tiny_bagel
 from flowgrpo.sampler_math import shifted_schedule
 from flowgrpo.services.trainer.checkpoint import load_checkpoint, save_checkpoint
-from flowgrpo.services.trainer.config import DgpoConfig, LossConfig, OptimConfig, PolicyConfig, TrainerConfig
 from flowgrpo.services.trainer.policy import TrainablePolicy
 from flowgrpo.services.trainer.step import TrainStep
 from tests.trainer.test_nft_step import LORA, PARAMS, clean_samples, denoising_error

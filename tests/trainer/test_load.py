@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from flowgrpo.configs.trainer import PolicyConfig
 from flowgrpo.models.bagel.checkpoint import EMA_FILE, CheckpointError, load_bagel_model
-from flowgrpo.services.trainer.config import PolicyConfig
 from flowgrpo.services.trainer.distributed import Dist
 from flowgrpo.services.trainer.load import load_policy
 from flowgrpo.services.trainer.policy import TrainablePolicy

@@ -242,7 +242,7 @@ def test_policy_text_trains_the_language_half_and_nothing_the_image_never_reads(
 
 
 def test_policy_text_is_for_sft_alone() -> None:
-    from flowgrpo.services.trainer.config import PolicyConfig, TrainerConfig
+    from flowgrpo.configs.trainer import PolicyConfig, TrainerConfig
 
     with pytest.raises(ValueError, match=r"policy\.text=true is for flowgrpo sft"):
         TrainerConfig(policy=PolicyConfig(kind="full", text=True)).validate()

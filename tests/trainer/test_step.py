@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from flowgrpo.configs.trainer import LossConfig, OptimConfig, PolicyConfig, TrainerConfig
 from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens, make_tiny_bagel
 from flowgrpo.models.bagel.policy import PolicyApplier, PolicyUpdate
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
 from flowgrpo.sampler_params import SamplerParams
-from flowgrpo.services.trainer.config import LossConfig, OptimConfig, PolicyConfig, TrainerConfig
 from flowgrpo.services.trainer.distributed import Dist
 from flowgrpo.services.trainer.policy import TrainablePolicy
 from flowgrpo.services.trainer.step import LogProbGapError, TrainStep, Trajectory

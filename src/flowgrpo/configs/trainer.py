@@ -14,6 +14,7 @@ from typing import Literal
 from flowgrpo.algorithms import algorithm_of
 from flowgrpo.fields import SEED_MAX, knob
 from flowgrpo.models.bagel.config import GEN_PATH_LINEARS, is_gen_path
+from flowgrpo.runtime.config import ServiceProcessConfig
 
 DEFAULT_LORA_TARGETS = list(GEN_PATH_LINEARS)  # q/k/v/o and the MLP of the gen path
 
@@ -298,3 +299,15 @@ class TrainerConfig:
         if self.keep_last < 1:
             raise ValueError(f"trainer.keep_last={self.keep_last} must be >= 1")
         algorithm_of(self).check(self, None)  # the checks that need no sampler settings
+
+
+@dataclass
+class TrainerServiceConfig(ServiceProcessConfig):
+    """``flowgrpo serve trainer trainer.checkpoint=DIR ...``: the section and the process's settings."""
+
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def validate(self) -> None:  # here, not in TrainerConfig: in a run config "" follows model.checkpoint
+        super().validate()
+        if not self.trainer.checkpoint:
+            raise ValueError("trainer.checkpoint is empty: set it to a BAGEL checkpoint folder")

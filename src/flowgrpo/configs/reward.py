@@ -1,4 +1,5 @@
-"""The reward service's config: ``flowgrpo serve reward reward.scorers=[{name: jpeg_compressibility}]``."""
+"""The reward service's config (torch-free):
+``flowgrpo serve reward reward.scorers=[{name: jpeg_compressibility}]``."""
 
 from __future__ import annotations
 

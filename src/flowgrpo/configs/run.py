@@ -18,15 +18,15 @@ from typing import Literal
 from flowgrpo.algorithms import algorithm_of
 from flowgrpo.bus.config import BusConfig
 from flowgrpo.config import ConfigError, from_dict, load_config
+from flowgrpo.configs.publication import PublicationConfig
+from flowgrpo.configs.reward import StreamConfig
+from flowgrpo.configs.rollout import EngineConfig
+from flowgrpo.configs.trainer import TrainerConfig
 from flowgrpo.fields import SEED_MAX, check_int, knob
 from flowgrpo.models.bagel.config import GEN_PATH_LINEARS
 from flowgrpo.rewards.config import RewardConfig
 from flowgrpo.runtime.config import ServerConfig
 from flowgrpo.sampler_params import MAX_NUM_POINTS, MAX_SIDE, SamplerParams, SamplerSettings
-from flowgrpo.services.coordinator.relay import PublicationConfig
-from flowgrpo.services.reward.config import StreamConfig
-from flowgrpo.services.rollout.config import EngineConfig
-from flowgrpo.services.trainer.config import TrainerConfig
 from flowgrpo.yamlfile import YamlError, read_yaml_file
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")  # a torch device string as the services take it

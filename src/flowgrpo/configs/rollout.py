@@ -1,4 +1,5 @@
-"""The rollout service's config: ``flowgrpo serve rollout rollout.checkpoint=DIR server.port=0``."""
+"""The ``rollout`` section and the rollout service's process config (torch-free):
+``flowgrpo serve rollout rollout.checkpoint=DIR server.port=0``."""
 
 from __future__ import annotations
 
