@@ -138,3 +138,88 @@ def test_to_dict_is_plain_data() -> None:
     assert data["mode"] == "async"
     assert data["trainer"]["optim"]["betas"] == [0.9, 0.999]
     assert yaml.safe_load(yaml.safe_dump(data)) == data
+
+
+# --- tagged unions: one section per kind, its name the tag ------------------------------------
+
+
+@dataclass
+class Plain:
+    name: Literal["plain"] = "plain"
+
+
+@dataclass
+class Mixed:
+    name: Literal["mixed"] = "mixed"
+    beta: float = 1.0
+    steps: int = 3
+
+
+@dataclass
+class Guided:
+    name: Literal["guided"] = "guided"
+    beta: float = 2.0
+    scale: float = 4.0
+
+
+@dataclass
+class Job:
+    method: Plain | Mixed | Guided = field(default_factory=Plain)
+    seed: int = 0
+
+
+def test_a_tagged_union_is_picked_by_its_name_and_takes_only_that_section_s_keys(tmp_path: Path) -> None:
+    assert apply_overrides(Job(), ["method=mixed"]).method == Mixed()
+    assert apply_overrides(Job(), ["method={name: guided, scale: 2}"]).method == Guided(scale=2.0)
+    assert apply_overrides(Job(), ["method=guided", "method.scale=1.5"]).method == Guided(scale=1.5)
+    recipe = tmp_path / "job.yaml"
+    recipe.write_text("method:\n  name: mixed\n  steps: 7\n")
+    assert load_config(Job, recipe).method == Mixed(steps=7)
+    recipe.write_text("method: guided\n")
+    assert load_config(Job, recipe).method == Guided()
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'method.scale'.*valid keys under 'method': name, beta, steps"
+    ):
+        apply_overrides(Job(), ["method=mixed", "method.scale=2"])
+    with pytest.raises(ConfigError, match=r"unknown key 'method.beta'.*valid keys under 'method': name\)"):
+        apply_overrides(Job(), ["method.beta=2"])  # the default, plain, has no beta
+
+
+def test_naming_the_section_s_own_kind_keeps_its_settings_and_another_kind_resets_them(
+    tmp_path: Path,
+) -> None:
+    recipe = tmp_path / "job.yaml"
+    recipe.write_text("method: {name: mixed, beta: 0.5}\n")
+    assert load_config(Job, recipe, ["method=mixed"]).method == Mixed(beta=0.5)
+    assert load_config(Job, recipe, ["method.name=mixed"]).method == Mixed(beta=0.5)
+    assert load_config(Job, recipe, ["method=guided"]).method == Guided()  # not guided's beta 0.5
+    assert load_config(Job, recipe, ["method.name=guided"]).method == Guided()
+    assert load_config(Job, recipe, ["method={name: mixed}"]).method == Mixed()  # a mapping replaces
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("method=other", "method.name: 'other' is not one of 'plain', 'mixed', 'guided'"),
+        ("method={beta: 2}", "method: the section has no name: add name: (one of plain, mixed, guided)"),
+        ("method=null", "method: null is not a section; name one of plain, mixed, guided"),
+        ("method=[1]", "method: expected a name (plain, mixed, guided) or a mapping, got [1]"),
+        ("method.name=other", "method.name: 'other' is not one of"),
+    ],
+)
+def test_a_bad_tagged_union_names_the_key_and_the_choices(override: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        apply_overrides(Job(), [override])
+    assert fragment in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_tagged_union_round_trips_through_its_recipe_file(tmp_path: Path) -> None:
+    job = apply_overrides(Job(), ["method=guided", "method.beta=0.25", "seed=3"])
+    dump_yaml(job, tmp_path / "job.yaml")
+    assert yaml.safe_load((tmp_path / "job.yaml").read_text())["method"] == {
+        "name": "guided",
+        "beta": 0.25,
+        "scale": 4.0,
+    }
+    assert load_config(Job, tmp_path / "job.yaml") == job

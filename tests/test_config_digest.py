@@ -92,7 +92,11 @@ def info(settings: dict[str, str], digest_of: dict[str, str] | None = None) -> c
     )
 
 
-WANT = {"trainer.algorithm": '"flow_grpo"', "trainer.loss.clip_eps": "1e-05", "trainer.nft.beta": "1.0"}
+WANT = {
+    "trainer.algorithm.name": '"diffusion_nft"',
+    "trainer.loss.clip_eps": "1e-05",
+    "trainer.algorithm.beta": "1.0",
+}
 
 
 def test_a_replica_with_the_run_s_settings_is_not_refused() -> None:
@@ -105,16 +109,21 @@ def test_the_refusal_names_the_first_differing_key_and_both_values() -> None:
         "trainer trainer-0 at 10.0.0.2:50051 was started with trainer.loss.clip_eps=0.0001, the run's "
         "recipe has 1e-05: start it with the run's recipe (the only differing setting)"
     )
-    two = {**one, "trainer.nft.beta": "0.1"}
+    two = {**one, "trainer.algorithm.beta": "0.1"}
     assert refusal(info(two), WANT) == (
-        "trainer trainer-0 at 10.0.0.2:50051 was started with trainer.loss.clip_eps=0.0001, the run's "
-        "recipe has 1e-05: start it with the run's recipe (first of 2 differing settings)"
+        "trainer trainer-0 at 10.0.0.2:50051 was started with trainer.algorithm.beta=0.1, the run's "
+        "recipe has 1.0: start it with the run's recipe (first of 2 differing settings)"
+    )
+    three = {**two, "trainer.algorithm.name": '"awm"'}
+    assert refusal(info(three), WANT) == (
+        'trainer trainer-0 at 10.0.0.2:50051 was started with trainer.algorithm.name="awm", the run\'s '
+        'recipe has "diffusion_nft": start it with the run\'s recipe (first of 3 differing settings)'
     )
 
 
 def test_a_key_only_one_side_has_is_named_as_such() -> None:
-    fewer = {k: v for k, v in WANT.items() if k != "trainer.algorithm"}
-    assert 'was started without trainer.algorithm, the run\'s recipe has "flow_grpo":' in str(
+    fewer = {k: v for k, v in WANT.items() if k != "trainer.algorithm.name"}
+    assert 'was started without trainer.algorithm.name, the run\'s recipe has "diffusion_nft":' in str(
         refusal(info(fewer), WANT)
     )
     more = {**WANT, "trainer.new": "1"}
@@ -136,7 +145,7 @@ def test_a_replica_without_a_digest_or_with_a_false_one_is_refused() -> None:
 
 
 def test_a_long_value_is_cut_in_the_refusal() -> None:
-    got = {**WANT, "trainer.algorithm": '"' + "x" * 10_000 + '"'}
+    got = {**WANT, "trainer.algorithm.name": '"' + "x" * 10_000 + '"'}
     why = str(refusal(info(got), WANT))
     assert len(why) < 500 and '"xxx' in why and "...," in why
 
@@ -161,9 +170,8 @@ def test_what_may_differ_per_replica_is_not_compared(role: str) -> None:
 @pytest.mark.parametrize(
     ("role", "override", "key"),
     [
-        ("trainer", "trainer.algorithm=diffusion_nft", "trainer.algorithm"),
+        ("trainer", "trainer.algorithm=diffusion_nft", "trainer.algorithm.name"),  # before its section's keys
         ("trainer", "trainer.loss.clip_eps=0.0001", "trainer.loss.clip_eps"),
-        ("trainer", "trainer.nft.beta=0.1", "trainer.nft.beta"),
         ("trainer", "trainer.optim.betas=[0.9,0.99]", "trainer.optim.betas[1]"),
         ("trainer", "trainer.policy.lora_rank=8", "trainer.policy.lora_rank"),
         ("trainer", "trainer.publish_dtype=bfloat16", "trainer.publish_dtype"),
@@ -177,3 +185,9 @@ def test_a_setting_that_changes_what_a_role_computes_is_compared(role: str, over
     config = role_config(load_run_config(RECIPE, CHECKPOINT), role)
     changed = role_settings(role, apply_overrides(config, [override]))
     assert differing(changed, role_settings(role, config))[0] == key
+
+
+def test_a_setting_of_the_algorithm_s_own_section_is_compared() -> None:
+    config = role_config(load_run_config(RECIPE, [*CHECKPOINT, "trainer.algorithm=diffusion_nft"]), "trainer")
+    changed = role_settings("trainer", apply_overrides(config, ["trainer.algorithm.beta=0.1"]))
+    assert differing(changed, role_settings("trainer", config)) == ["trainer.algorithm.beta"]

@@ -64,8 +64,8 @@ class Algorithm:
 # the JPEG demo's NFT settings (docs/LOG.md): the reference's beta 1 / adv_clip 5 learnt nothing in 9
 # steps here (r stayed within 0.37-0.67); beta 0.1 / adv_clip 2 at lr 3e-3 did; 2 of 5 times
 JPEG_NFT = ("trainer.algorithm=diffusion_nft", "sampling.noise_level=0", "trainer.optim.lr=3e-3",
-            "trainer.nft.beta=0.1", "trainer.nft.adv_clip=2",
-            "trainer.nft.timestep_fraction=0.5")  # fmt: skip
+            "trainer.algorithm.beta=0.1", "trainer.algorithm.adv_clip=2",
+            "trainer.algorithm.timestep_fraction=0.5")  # fmt: skip
 # The JPEG demo's algorithms (docs/algorithms.md, "on the JPEG demo")
 JPEG: dict[str, Algorithm] = {
     "flow_grpo": Algorithm("tiny_jpeg.yaml"),
@@ -105,9 +105,9 @@ COMPOSE: dict[str, Algorithm] = {
         "tiny_demo.yaml",
         (
             "trainer.algorithm=dgpo",
-            "trainer.dgpo.reference_cfg=4",
+            "trainer.algorithm.reference_cfg=4",
             "trainer.loss.kl_beta=1e-3",
-            "trainer.dgpo.clip_range=1e-3",
+            "trainer.algorithm.clip_range=1e-3",
         ),
     ),
     # FlowGRPO without CFG (flow_grpo's fast recipe, UniGRPO): the conditional branch alone samples

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from flowgrpo.configs.run import RunConfig, load_run_config
+from flowgrpo.configs.trainer import AwmConfig, DgpoConfig, NftConfig
 from flowgrpo.data import load_split
 from flowgrpo.models.bagel.checkpoint import read_bagel_config
 from flowgrpo.models.bagel.config import BagelConfig
@@ -176,8 +177,9 @@ def training_flops(work: Workload, lengths: list[int], *, recomputed: bool) -> d
     forward: the base, no LoRA), "update" (forward + backward)."""
     trainer = work.cfg.trainer
     flops = pass_rows(work, lengths, work.lora())
-    old_forward = trainer.algorithm == "diffusion_nft" or (
-        trainer.algorithm == "awm" and trainer.awm.ema_kl_beta > 0
+    algorithm = trainer.algorithm
+    old_forward = isinstance(algorithm, NftConfig) or (
+        isinstance(algorithm, AwmConfig) and algorithm.ema_kl_beta > 0
     )
     return {
         "logp_old": flops["old"] if recomputed or old_forward else 0.0,
@@ -193,13 +195,16 @@ def pass_rows(work: Workload, lengths: list[int], lora: Lora) -> dict[str, float
     ``pass_flops`` counts both branches; ``nft_pass_flops`` the rows it is given (the conditional
     ones, and with CFG the empty-context ones too)."""
     trainer = work.cfg.trainer
-    if trainer.algorithm == "dgpo":
+    algorithm = trainer.algorithm
+    if isinstance(algorithm, DgpoConfig):
         raise SystemExit("flowgrpo bench system: DGPO's trainer FLOPs (its coupling pass) are not counted")
-    nft = trainer.algorithm in ("diffusion_nft", "awm")  # the forward process: clean latents re-noised
-    times = {
-        "diffusion_nft": trainer.nft.trained_times(work.params.num_steps),
-        "awm": trainer.awm.train_times,
-    }.get(trainer.algorithm, work.params.window_size)
+    nft = isinstance(algorithm, NftConfig | AwmConfig)  # the forward process: clean latents re-noised
+    if isinstance(algorithm, NftConfig):
+        times = algorithm.trained_times(work.params.num_steps)
+    elif isinstance(algorithm, AwmConfig):
+        times = algorithm.train_times
+    else:
+        times = work.params.window_size
     geometry, kind, rank, targets = (work.model, work.latent_tokens), lora.kind, lora.rank, lora.targets
     if not nft and work.cfg_rows == 2:
         return pass_flops(*geometry, lengths, times, kind=kind, rank=rank, targets=targets)

@@ -308,7 +308,10 @@ def _parser() -> argparse.ArgumentParser:
         "'-nft': a DiffusionNFT step (CFG-free, --nft-fraction of the schedule's times per trajectory)",
     )
     p.add_argument(
-        "--nft-fraction", type=float, default=0.99, help="DiffusionNFT rows: trainer.nft.timestep_fraction"
+        "--nft-fraction",
+        type=float,
+        default=0.99,
+        help="DiffusionNFT rows: trainer.algorithm.timestep_fraction",
     )
     p.add_argument("--reps", type=repeats_arg, default=MIN_REPEATS,
                    help=f"timed steps per variant, after one warm-up (>= {MIN_REPEATS})")  # fmt: skip

@@ -224,9 +224,7 @@ def _timed_steps(variant: Variant, bench: StepBench) -> Runs[dict[str, float]]:
     loss = LossConfig(mini_batches=bench.mini_batches, micro_batch_size=variant.micro)
     cfg = TrainerConfig(loss=loss)
     if variant.nft:
-        cfg = TrainerConfig(
-            algorithm="diffusion_nft", loss=loss, nft=NftConfig(timestep_fraction=bench.nft_fraction)
-        )
+        cfg = TrainerConfig(algorithm=NftConfig(timestep_fraction=bench.nft_fraction), loss=loss)
     trainer = TrainStep(bench.policy, bench.special, cfg, bench.dist)
     trainer.forwards.mixed_precision = variant.autocast
     patched = addmm_lora(bench.policy.model) if variant.addmm else []

@@ -57,7 +57,7 @@ HPARAMS = (
     "sampling.resolution", "sampling.num_points", "sampling.noise_level", "sampling.cfg_text_scale",
     "sampling.window_size", "sampling.branch", "sampling.deterministic", "advantages.global_std",
     "schedule.mode", "schedule.staleness", "schedule.steps", "schedule.seed", "rollout.engine",
-    "trainer.algorithm", "trainer.loss.mode", "trainer.policy.kind", "trainer.optim.lr",
+    "trainer.algorithm.name", "trainer.loss.mode", "trainer.policy.kind", "trainer.optim.lr",
     "trainer.loss.clip_eps", "trainer.loss.kl_beta", "trainer.loss.mini_batches", "trainer.loss.logp_old",
     "trainer.dtype",
 )  # fmt: skip

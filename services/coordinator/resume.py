@@ -43,7 +43,7 @@ FIXED = {
     "trainer.checkpoint": "the base model the run's checkpoints build on",
     "trainer.checkpoint_dir": "where the run's checkpoints are",
     "trainer.policy.": "the checkpoints hold this policy's tensors",
-    "trainer.algorithm": "the checkpoints and metrics are this algorithm's",
+    "trainer.algorithm.name": "the checkpoints and metrics are this algorithm's",
     "trainer.loss.mode": "the objective the run trains",
     "trainer.dtype": "the precision the checkpoints are trained in",
     "data.dataset": "the prompts and their order",

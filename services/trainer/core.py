@@ -15,7 +15,7 @@ from opentelemetry import trace
 from flowgrpo.algorithms import algorithm_of
 from flowgrpo.bus import BusClient, TensorRef
 from flowgrpo.bus.torch_tensors import to_torch
-from flowgrpo.configs.trainer import TrainerServiceConfig
+from flowgrpo.configs.trainer import DgpoConfig, TrainerServiceConfig
 from flowgrpo.fields import FieldError, check_float, check_id, check_int
 from flowgrpo.models.bagel.checkpoint import load_special_tokens
 from flowgrpo.models.bagel.sampling import token_grid
@@ -78,7 +78,8 @@ class TrainerCore:
             device=cfg.device,
             param_dtype=dtype if cfg.device.startswith("cuda") else None,  # FSDP's gathered compute dtype
             # the KL term's reference, or DGPO's (its DPO reference is the frozen base by default)
-            keep_reference=cfg.loss.kl_beta > 0 or (cfg.algorithm == "dgpo" and cfg.dgpo.reference == "base"),
+            keep_reference=cfg.loss.kl_beta > 0
+            or (isinstance(cfg.algorithm, DgpoConfig) and cfg.algorithm.reference == "base"),
             activation_checkpointing=cfg.activation_checkpointing,
             compile=cfg.compile,
             share_base=cfg.share_base,
@@ -154,7 +155,8 @@ class TrainerCore:
         if missing:
             raise FieldError(
                 f"{where}.inputs: sample {sample.prompt_uid}/{sample.sample_index} lacks input "
-                f"columns {missing}; the trainer ({self.config.trainer.algorithm}) needs {list(self.inputs)}"
+                f"columns {missing}; the trainer ({self.config.trainer.algorithm.name}) needs "
+                f"{list(self.inputs)}"
             )
         for column, dtype, dims in self._input_shapes(params):
             check_ref(f"{where}.inputs[{column!r}]", sample.inputs[column], column, (dtype,),

@@ -36,7 +36,7 @@ from flowgrpo.algorithms.diffusion_nft.objective import DiffusionNFTObjective
 from flowgrpo.algorithms.flow_grpo.objective import ON_POLICY_GAP, FlowGRPOObjective, LogProbGapError
 from flowgrpo.algorithms.grpo_guard.objective import GRPOGuardObjective
 from flowgrpo.algorithms.objective import Forwards, Objective, Trajectory, stop_nothing
-from flowgrpo.configs.trainer import LossConfig, OptimConfig, TrainerConfig
+from flowgrpo.configs.trainer import AwmConfig, DgpoConfig, LossConfig, NftConfig, OptimConfig, TrainerConfig
 from flowgrpo.models.bagel.config import SpecialTokens
 from flowgrpo.models.bagel.sampling import lora_inputs_uncast
 from flowgrpo.sampler_params import SamplerParams
@@ -50,11 +50,11 @@ def make_objective(forwards: Forwards, cfg: TrainerConfig) -> Objective:
     """The objective of ``cfg``'s algorithm (``flowgrpo.algorithms``)."""
     name = algorithm_of(cfg).name
     if name == "diffusion_nft":
-        return DiffusionNFTObjective(forwards, cfg.loss, cfg.nft)
+        return DiffusionNFTObjective(forwards, cfg.loss, cfg.section(NftConfig))
     if name == "awm":
-        return AWMObjective(forwards, cfg.loss, cfg.awm)
+        return AWMObjective(forwards, cfg.loss, cfg.section(AwmConfig))
     if name == "dgpo":
-        return DGPOObjective(forwards, cfg.loss, cfg.dgpo)
+        return DGPOObjective(forwards, cfg.loss, cfg.section(DgpoConfig))
     if name == "grpo_guard":
         return GRPOGuardObjective(forwards, cfg.loss)
     return FlowGRPOObjective(forwards, cfg.loss)

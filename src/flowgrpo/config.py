@@ -11,7 +11,14 @@ as verl users expect) into those dataclasses, strictly:
 
 Override values are parsed as YAML scalars or flow collections (``x=3``, ``x=[1, 2]``,
 ``x=null``), then checked against the field type. Supported field types: bool, int, float,
-str, Enum, Literal, X | None, list[X], tuple[X, ...], dict[str, X] and nested dataclasses.
+str, Enum, Literal, X | None, list[X], tuple[X, ...], dict[str, X], nested dataclasses and
+tagged unions of them.
+
+A tagged union (``trainer.algorithm``: one section per algorithm) is a union of dataclasses
+that each have a ``name: Literal["..."]`` field: the mapping's ``name`` picks the class, whose
+keys alone are valid under it (``trainer.algorithm.beta`` exists where the algorithm has a
+beta). The name alone is short for its section with defaults (``trainer.algorithm=awm``); an
+override naming the section's current algorithm keeps its settings, another resets them.
 """
 
 from __future__ import annotations
@@ -176,6 +183,9 @@ def _fields(cls: type) -> dict[str, dataclasses.Field[Any]]:
 
 
 def _unknown_key(cls: type, key: str, path: str) -> str:
+    moved = getattr(cls, "MOVED_KEYS", {}).get(key)  # a key an older version had, and where it went
+    if moved:
+        return f"{_join(path, key)!r} is gone: {moved}"
     names = list(_fields(cls))
     close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
     hint = f"; did you mean {' or '.join(_join(path, c) for c in close)}?" if close else ""
@@ -208,16 +218,70 @@ def _set_path(cls: type, data: dict[str, Any], keys: list[str], value: Any, item
         if key not in fields:
             raise ConfigError(f"override {brief(item)}: {_unknown_key(cls, _key_name(key), path)}")
         path = _join(path, key)
+        sub = _strip_optional(typing.get_type_hints(cls)[key])
+        variants = _tagged_variants(sub)
         if depth == len(keys) - 1:
-            data[key] = value
+            data[key] = _chosen(variants, data.get(key), value, path) if variants else value
             return
-        sub = typing.get_type_hints(cls)[key]
-        sub = _strip_optional(sub)
-        if not (isinstance(sub, type) and dataclasses.is_dataclass(sub)):
+        if variants:
+            data[key] = _tagged_mapping(variants, data.get(key), path)
+            sub = variants[data[key]["name"]]
+        elif not (isinstance(sub, type) and dataclasses.is_dataclass(sub)):
             raise ConfigError(f"override {brief(item)}: {path!r} is a {_type_name(sub)}, not a section")
         if data.get(key) is None:
             data[key] = to_dict(sub())
+        if variants and keys[depth + 1] == "name" and depth + 1 == len(keys) - 1:
+            data[key] = _chosen(variants, data[key], value, path)  # `section.name=x`: as `section=x`
+            return
         cls, data = sub, data[key]
+
+
+def _tagged_variants(tp: Any) -> dict[str, type]:
+    """``{name: class}`` when ``tp`` is a union of dataclasses tagged by a one-value ``name``
+    Literal (a tagged union); ``{}`` for any other type."""
+    if not _is_union(tp):
+        return {}
+    variants: dict[str, type] = {}
+    for arg in typing.get_args(tp):
+        if not (isinstance(arg, type) and dataclasses.is_dataclass(arg)):
+            return {}
+        tag = typing.get_type_hints(arg).get("name")
+        if typing.get_origin(tag) is not typing.Literal or len(typing.get_args(tag)) != 1:
+            return {}
+        variants[typing.get_args(tag)[0]] = arg
+    return variants
+
+
+def _tagged_mapping(variants: dict[str, type], value: Any, path: str) -> dict[str, Any]:
+    """A tagged union's value as a mapping with its ``name`` (the name alone: its defaults)."""
+    if value is None:
+        raise ConfigError(f"{path}: null is not a section; name one of {', '.join(variants)}")
+    if isinstance(value, str):
+        value = {"name": value}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{path}: expected a name ({', '.join(variants)}) or a mapping, got {brief(value)}")
+    name = value.get("name")
+    if name is None:
+        raise ConfigError(f"{path}: the section has no name: add name: (one of {', '.join(variants)})")
+    if name not in variants:
+        raise ConfigError(f"{path}.name: {brief(name)} is not one of {', '.join(map(repr, variants))}")
+    return dict(value)
+
+
+def _chosen(variants: dict[str, type], current: Any, value: Any, path: str) -> Any:
+    """An override's new value of a tagged union: the name of the current section keeps its
+    settings, another name its defaults; a mapping replaces the section."""
+    if isinstance(value, Mapping):
+        return dict(value)
+    new = _tagged_mapping(variants, value, path)
+    if isinstance(current, Mapping | str) and _tagged_mapping(variants, current, path)["name"] == new["name"]:
+        return _tagged_mapping(variants, current, path)
+    return new
+
+
+def _coerce_tagged(variants: dict[str, type], value: Any, path: str) -> Any:
+    data = _tagged_mapping(variants, value, path)
+    return from_dict(variants[data["name"]], data, path)
 
 
 def _strip_optional(tp: Any) -> Any:
@@ -240,6 +304,9 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if tp is Any:
         return value
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    variants = _tagged_variants(tp)
+    if variants:
+        return _coerce_tagged(variants, value, path)
     if _is_union(tp):
         return _coerce_union(tp, args, value, path)
     if origin is typing.Literal:

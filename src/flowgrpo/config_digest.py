@@ -60,9 +60,6 @@ MUST_AGREE: dict[str, tuple[str, ...]] = {
         "trainer.policy",
         "trainer.optim",
         "trainer.loss",
-        "trainer.nft",
-        "trainer.awm",
-        "trainer.dgpo",
         "trainer.publish_dtype",
     ),
 }
@@ -110,8 +107,15 @@ def digest(settings: Mapping[str, str]) -> str:
 
 
 def differing(got: Mapping[str, str], want: Mapping[str, str]) -> list[str]:
-    """The keys whose values differ, or that only one side has, sorted."""
-    return sorted(key for key in got.keys() | want.keys() if got.get(key) != want.get(key))
+    """The keys whose values differ, or that only one side has, sorted; a ``name`` both sides
+    have with other values first (a tagged section's, ``trainer.algorithm.name``): it explains
+    the rest of its section."""
+    keys = [key for key in got.keys() | want.keys() if got.get(key) != want.get(key)]
+
+    def renamed(key: str) -> bool:
+        return key.endswith(".name") and key in got and key in want
+
+    return sorted(keys, key=lambda key: (not renamed(key), key))
 
 
 def refusal(info: common_pb2.ServiceInfo, want: Mapping[str, str]) -> str | None:

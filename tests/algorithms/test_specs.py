@@ -35,7 +35,7 @@ def test_flow_grpo_trains_on_the_advantages_as_they_are() -> None:
 def test_diffusion_nft_targets_are_the_clipped_advantages_mapped_onto_0_1() -> None:
     """r = clip(A, -c, c) / (2 c) + 1/2, written out for c = 5: A = 2.5 -> 0.75, -7 -> 0 (clipped),
     0 -> 0.5, 1 -> 0.6, -0.5 -> 0.45, 6 -> 1 (clipped)."""
-    trainer = TrainerConfig(algorithm="diffusion_nft", nft=NftConfig(adv_clip=5.0))
+    trainer = TrainerConfig(algorithm=NftConfig(adv_clip=5.0))
     targets = ALGORITHMS["diffusion_nft"].targets(ADVANTAGES, trainer)
     assert targets == {"p0": [0.75, 0.0, 0.5, 0.6], "p1": [0.45, 1.0]}
 
@@ -43,11 +43,9 @@ def test_diffusion_nft_targets_are_the_clipped_advantages_mapped_onto_0_1() -> N
 def test_awm_targets_are_the_clipped_advantages_divided_by_the_clip() -> None:
     """A / c after clipping to +-c, written out for c = 5: 2.5 -> 0.5, -7 -> -1 (clipped), 0 -> 0,
     1 -> 0.2, -0.5 -> -0.1, 6 -> 1 (clipped); c = 2: 1 -> 0.5, 2.5 -> 1."""
-    targets = ALGORITHMS["awm"].targets(ADVANTAGES, TrainerConfig(algorithm="awm"))
+    targets = ALGORITHMS["awm"].targets(ADVANTAGES, TrainerConfig(algorithm=AwmConfig()))
     assert targets == {"p0": [0.5, -1.0, 0.0, 0.2], "p1": [-0.1, 1.0]}
-    narrow = ALGORITHMS["awm"].targets(
-        ADVANTAGES, TrainerConfig(algorithm="awm", awm=AwmConfig(adv_clip=2.0))
-    )
+    narrow = ALGORITHMS["awm"].targets(ADVANTAGES, TrainerConfig(algorithm=AwmConfig(adv_clip=2.0)))
     assert narrow == {"p0": [1.0, -1.0, 0.0, 0.5], "p1": [-0.25, 1.0]}
 
 
@@ -78,16 +76,16 @@ def test_awm_config_refuses_what_has_no_meaning() -> None:
                   {"train_times": 0}, {"loss_power": 1.5})  # fmt: skip
     for fields in bad_fields:
         bad = AwmConfig(**fields)  # type: ignore[arg-type]
-        with pytest.raises(ConfigError, match=r"awm\."):
-            validate(TrainerConfig(algorithm="awm", awm=bad), "trainer")
+        with pytest.raises(ConfigError, match=r"trainer\.algorithm\."):
+            validate(TrainerConfig(algorithm=bad), "trainer")
 
 
 def test_dgpo_targets_are_the_advantages_clipped_as_they_weigh_a_group() -> None:
     """A clipped to [-c, c] (c = 5 here, 2 below), nothing else: the signs and sizes weigh the
     group's samples in its log-sigmoid."""
-    trainer = TrainerConfig(algorithm="dgpo")
+    trainer = TrainerConfig(algorithm=DgpoConfig())
     assert ALGORITHMS["dgpo"].targets(ADVANTAGES, trainer) == {"p0": [2.5, -5.0, 0.0, 1.0], "p1": [-0.5, 5.0]}
-    narrow = TrainerConfig(algorithm="dgpo", dgpo=DgpoConfig(adv_clip=2.0))
+    narrow = TrainerConfig(algorithm=DgpoConfig(adv_clip=2.0))
     assert ALGORITHMS["dgpo"].targets(ADVANTAGES, narrow) == {"p0": [2.0, -2.0, 0.0, 1.0], "p1": [-0.5, 2.0]}
 
 
@@ -102,9 +100,9 @@ def test_each_algorithm_names_the_columns_it_trains_on() -> None:
 def test_the_trainer_config_names_its_algorithm() -> None:
     assert algorithm_of(TrainerConfig()).name == "flow_grpo"
     assert algorithm_of(TrainerConfig(loss=LossConfig(mode="grpo_guard"))).name == "grpo_guard"
-    assert algorithm_of(TrainerConfig(algorithm="diffusion_nft")).name == "diffusion_nft"
-    assert algorithm_of(TrainerConfig(algorithm="awm")).name == "awm"
-    assert algorithm_of(TrainerConfig(algorithm="dgpo")).name == "dgpo"
+    assert algorithm_of(TrainerConfig(algorithm=NftConfig())).name == "diffusion_nft"
+    assert algorithm_of(TrainerConfig(algorithm=AwmConfig())).name == "awm"
+    assert algorithm_of(TrainerConfig(algorithm=DgpoConfig())).name == "dgpo"
 
 
 @pytest.mark.parametrize(
@@ -112,27 +110,27 @@ def test_the_trainer_config_names_its_algorithm() -> None:
     [
         (TrainerConfig(loss=LossConfig(mode="grpo_guard")), SamplerSettings(sde_type="cps"), "sde_type=sde"),
         (TrainerConfig(loss=LossConfig(mode="grpo_guard", logp_old="bypass")), None, "logp_old=recompute"),
-        (TrainerConfig(algorithm="diffusion_nft", loss=LossConfig(max_logp_gap=1e-3)), None, "max_logp_gap"),
-        (TrainerConfig(algorithm="diffusion_nft", loss=LossConfig(mode="grpo_guard")), None, "has its own"),
-        (TrainerConfig(algorithm="awm", loss=LossConfig(max_logp_gap=1e-3)), None, "max_logp_gap"),
-        (TrainerConfig(algorithm="awm", loss=LossConfig(mode="grpo_guard")), None, "has its own"),
+        (TrainerConfig(algorithm=NftConfig(), loss=LossConfig(max_logp_gap=1e-3)), None, "max_logp_gap"),
+        (TrainerConfig(algorithm=NftConfig(), loss=LossConfig(mode="grpo_guard")), None, "has its own"),
+        (TrainerConfig(algorithm=AwmConfig(), loss=LossConfig(max_logp_gap=1e-3)), None, "max_logp_gap"),
+        (TrainerConfig(algorithm=AwmConfig(), loss=LossConfig(mode="grpo_guard")), None, "has its own"),
         # 1 step: int(1 x 0.9) = 0, no point after t = 1 to train
         (
-            TrainerConfig(algorithm="awm"),
+            TrainerConfig(algorithm=AwmConfig()),
             SamplerSettings(num_points=2, window_size=1, window_range=(0, 1)),
             r"raise sampling\.num_points",
         ),
         (
-            TrainerConfig(algorithm="awm", awm=AwmConfig(timestep_fraction=0.1)),
+            TrainerConfig(algorithm=AwmConfig(timestep_fraction=0.1)),
             SamplerSettings(),
             r"\[1, int\(14 x 0\.1\) = 1\)",
         ),
-        (TrainerConfig(algorithm="dgpo", loss=LossConfig(max_logp_gap=1e-3)), None, "max_logp_gap"),
-        (TrainerConfig(algorithm="dgpo", loss=LossConfig(mode="grpo_guard")), None, "dgpo has its own"),
+        (TrainerConfig(algorithm=DgpoConfig(), loss=LossConfig(max_logp_gap=1e-3)), None, "max_logp_gap"),
+        (TrainerConfig(algorithm=DgpoConfig(), loss=LossConfig(mode="grpo_guard")), None, "dgpo has its own"),
         (
-            TrainerConfig(algorithm="dgpo"),
+            TrainerConfig(algorithm=DgpoConfig()),
             SamplerSettings(num_points=4, window_range=(0, 3)),
-            "trainer.dgpo.time_points=5 exceeds the schedule's 3 steps",
+            "trainer.algorithm.time_points=5 exceeds the schedule's 3 steps",
         ),
     ],
 )
@@ -145,8 +143,8 @@ def test_cross_section_checks_name_the_keys(
 
 def test_settings_that_fit_pass_every_check() -> None:
     for trainer in (TrainerConfig(), TrainerConfig(loss=LossConfig(mode="grpo_guard")),
-                    TrainerConfig(algorithm="diffusion_nft"), TrainerConfig(algorithm="awm"),
-                    TrainerConfig(algorithm="awm", awm=AwmConfig(from_first_point=True,
+                    TrainerConfig(algorithm=NftConfig()), TrainerConfig(algorithm=AwmConfig()),
+                    TrainerConfig(algorithm=AwmConfig(from_first_point=True,
                                                                  timestep_fraction=0.1)),
-                    TrainerConfig(algorithm="dgpo")):  # fmt: skip
+                    TrainerConfig(algorithm=DgpoConfig())):  # fmt: skip
         algorithm_of(trainer).check(trainer, SamplerSettings())

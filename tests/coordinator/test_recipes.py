@@ -377,14 +377,29 @@ BAD_OVERRIDES = {
         ["trainer.algorithm=diffusion_nft", "trainer.loss.mode=grpo_guard"],
         ["trainer.algorithm=diffusion_nft has its own", "trainer.loss.mode=flow_grpo"],
     ),
-    "NFT beta": (["trainer.algorithm=diffusion_nft", "trainer.nft.beta=0"], ["trainer.nft.beta=0.0"]),
+    "NFT beta": (
+        ["trainer.algorithm=diffusion_nft", "trainer.algorithm.beta=0"],
+        ["trainer.algorithm.beta=0.0"],
+    ),
     "DGPO times beyond the schedule": (
-        ["trainer.algorithm=dgpo", "trainer.dgpo.time_points=20"],
-        ["trainer.dgpo.time_points=20 exceeds the schedule's 14 steps", "sampling.num_points"],
+        ["trainer.algorithm=dgpo", "trainer.algorithm.time_points=20"],
+        ["trainer.algorithm.time_points=20 exceeds the schedule's 14 steps", "sampling.num_points"],
+    ),
+    "another algorithm's key": (
+        ["trainer.algorithm.beta=0.1"],  # BASE trains FlowGRPO, which has no beta
+        ["unknown key 'trainer.algorithm.beta'", "valid keys under 'trainer.algorithm': name)"],
+    ),
+    "the section of an older version": (
+        ["trainer.nft.beta=0.1"],
+        [
+            "'trainer.nft' is gone",
+            "trainer.algorithm: {name: diffusion_nft, ...}",
+            "trainer.algorithm.KEY=VALUE",
+        ],
     ),
     "DGPO more times than points": (
-        ["trainer.algorithm=dgpo", "trainer.dgpo.trained_times=6"],
-        ["trainer.dgpo.trained_times=6", "trainer.dgpo.time_points=5"],
+        ["trainer.algorithm=dgpo", "trainer.algorithm.trained_times=6"],
+        ["trainer.algorithm.trained_times=6", "trainer.algorithm.time_points=5"],
     ),
 }
 

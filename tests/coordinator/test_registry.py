@@ -184,7 +184,7 @@ def test_a_registrant_of_another_recipe_gets_no_slot_and_the_reason_is_kept(
     """Refused with INVALID_ARGUMENT naming the first differing setting (the replica says it in its
     log and tries again), said once in the coordinator's log however often it tries, kept for the
     run's own messages until the replica registers with the run's settings."""
-    want = {"trainer.algorithm": '"flow_grpo"', "trainer.loss.clip_eps": "0.01"}
+    want = {"trainer.algorithm.name": '"flow_grpo"', "trainer.loss.clip_eps": "0.01"}
     other = {**want, "trainer.loss.clip_eps": "0.0001"}
     said = (
         "trainer trainer-0 at h:1 was started with trainer.loss.clip_eps=0.0001, the run's recipe has "

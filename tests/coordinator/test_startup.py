@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from flowgrpo.columns import PipelineError
+from flowgrpo.config import apply_overrides
 from flowgrpo.config_digest import MUST_AGREE, digest, role_settings
 from flowgrpo.configs.run import load_run_config
-from flowgrpo.configs.trainer import Algorithm, TrainerConfig
+from flowgrpo.configs.trainer import TrainerConfig
 from flowgrpo.runtime.errors import HandshakeError
 from flowgrpo.services.coordinator.launch import (
     Services,
@@ -52,15 +53,16 @@ def test_a_rollout_that_no_longer_produces_a_column_is_refused_by_name() -> None
 
 
 @pytest.mark.parametrize("algorithm", ["flow_grpo", "diffusion_nft", "awm", "dgpo"])
-def test_each_algorithm_reads_what_the_rollout_produces(algorithm: Algorithm) -> None:
-    check_services(services(ROLLOUT, REWARD, stage(TrainerConfig(algorithm=algorithm))))
+def test_each_algorithm_reads_what_the_rollout_produces(algorithm: str) -> None:
+    trainer = apply_overrides(TrainerConfig(), [f"algorithm={algorithm}"])
+    check_services(services(ROLLOUT, REWARD, stage(trainer)))
     produced = [c for c in ROLLOUT.produces if c != "final_latents"]
     rollout = common_pb2.StageSpec(stage="rollout", consumes=ROLLOUT.consumes, produces=produced)
     if algorithm == "flow_grpo":  # FlowGRPO never reads the clean latent
-        check_services(services(rollout, REWARD, stage(TrainerConfig(algorithm=algorithm))))
+        check_services(services(rollout, REWARD, stage(trainer)))
     else:
         with pytest.raises(PipelineError, match="final_latents"):
-            check_services(services(rollout, REWARD, stage(TrainerConfig(algorithm=algorithm))))
+            check_services(services(rollout, REWARD, stage(trainer)))
 
 
 def test_a_column_nobody_registered_is_refused() -> None:
@@ -132,11 +134,11 @@ def test_a_replica_of_another_recipe_is_a_handshake_refusal() -> None:
     expected = run_settings(load_run_config(RECIPE))
     check_settings(_trainer_info(expected["trainer"]), expected)
     check_settings(common_pb2.ServiceInfo(role="coordinator"), expected)  # a role without settings
-    other = {**expected["trainer"], "trainer.algorithm": '"diffusion_nft"'}
+    other = {**expected["trainer"], "trainer.algorithm.name": '"diffusion_nft"'}
     with pytest.raises(HandshakeError) as refused:
         check_settings(_trainer_info(other), expected)
     assert str(refused.value) == (
-        'trainer trainer-0 at 10.0.0.2:50051 was started with trainer.algorithm="diffusion_nft", the '
+        'trainer trainer-0 at 10.0.0.2:50051 was started with trainer.algorithm.name="diffusion_nft", the '
         "run's recipe has \"flow_grpo\": start it with the run's recipe (the only differing setting)"
     )
 

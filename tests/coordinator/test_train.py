@@ -502,8 +502,8 @@ def test_diffusion_nft_trains_async_at_lag_1_on_optimalities(tiny: Path, tmp_pat
     """DiffusionNFT end to end, async with eta = 1 (no importance ratio: staleness only means an
     older sampling policy made the image): ODE rollouts, the trainer reading clean latents only,
     every sample's optimality r in [0, 1], the old policy trailing the trained one."""
-    nft = ("trainer.algorithm=diffusion_nft", "sampling.noise_level=0", "trainer.nft.old_decay_rate=0.25",
-           "trainer.nft.timestep_fraction=0.5")  # fmt: skip
+    nft = ("trainer.algorithm=diffusion_nft", "sampling.noise_level=0",
+           "trainer.algorithm.old_decay_rate=0.25", "trainer.algorithm.timestep_fraction=0.5")  # fmt: skip
     train(tmp_path, tiny, "launch.launcher=inprocess", "schedule.mode=async", "schedule.staleness=1", *nft)
     metrics = read_metrics(tmp_path)
     assert [r["trainer/lag/max"] for r in metrics] == [0.0] + [1.0] * (STEPS - 1)
@@ -514,7 +514,7 @@ def test_diffusion_nft_trains_async_at_lag_1_on_optimalities(tiny: Path, tmp_pat
     assert metrics[-1]["actor/nft/old_deviation"] > 0  # the trained policy has left the sampling one
 
 
-AWM = ("trainer.algorithm=awm", "trainer.awm.train_times=3", "trainer.awm.ema_decay_rate=0.25",
+AWM = ("trainer.algorithm=awm", "trainer.algorithm.train_times=3", "trainer.algorithm.ema_decay_rate=0.25",
        "trainer.loss.kl_beta=3e-3")  # fmt: skip
 FLOW_GRPO_ONLY = ("actor/pg_clipfrac", "actor/ratio_mean", "actor/is_ess", "actor/rollout_logp_gap/max")
 
@@ -552,9 +552,10 @@ def test_awm_trains_async_at_lag_1_on_ode_rollouts(tiny: Path, tmp_path: Path) -
     assert all((p / "old_policy").is_dir() for p in saved)
 
 
-DGPO = ("trainer.algorithm=dgpo", "sampling.noise_level=0", "trainer.dgpo.trained_times=2",
-        "trainer.dgpo.time_points=3", "trainer.dgpo.old_decay_rate=0.25", "trainer.dgpo.old_decay_max=0.5",
-        "trainer.dgpo.sample_old_after=2", "trainer.optim.lr=1e-3")  # fmt: skip
+DGPO = ("trainer.algorithm=dgpo", "sampling.noise_level=0", "trainer.algorithm.trained_times=2",
+        "trainer.algorithm.time_points=3", "trainer.algorithm.old_decay_rate=0.25",
+        "trainer.algorithm.old_decay_max=0.5", "trainer.algorithm.sample_old_after=2",
+        "trainer.optim.lr=1e-3")  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -48,7 +48,7 @@ def main(checkpoint: Path, kind: str, out: Path) -> None:
     # a guided base (a CFG branch) as the reference and the KL target
     loss = LossConfig(mini_batches=2, micro_batch_size=1, kl_beta=0.5)
     dgpo = DgpoConfig(trained_times=2, time_points=3, reference_cfg=2.0, old_decay_rate=0.5, clip_range=1.0)
-    trainer = TrainerConfig(algorithm="dgpo", optim=OptimConfig(lr=1e-3), loss=loss, dgpo=dgpo)
+    trainer = TrainerConfig(algorithm=dgpo, optim=OptimConfig(lr=1e-3), loss=loss)
     step = TrainStep(policy, load_special_tokens(checkpoint), trainer, dist)
     metrics = step.run(clean_samples(checkpoint), PARAMS, seed=1, step=1)
     published = {n: t.contiguous() for n, t in policy.published().items()}

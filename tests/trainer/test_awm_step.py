@@ -37,7 +37,7 @@ def awm_trainer(
     return TrainStep(
         TrainablePolicy(model, policy, keep_reference=kl_beta > 0),
         load_special_tokens(tiny),
-        TrainerConfig(algorithm="awm", optim=OptimConfig(lr=1e-2), loss=loss, awm=config),
+        TrainerConfig(algorithm=config, optim=OptimConfig(lr=1e-2), loss=loss),
     )
 
 

@@ -45,7 +45,7 @@ def dgpo_trainer(
     return TrainStep(
         TrainablePolicy(model, policy, keep_reference=True),
         load_special_tokens(tiny),
-        TrainerConfig(algorithm="dgpo", optim=OptimConfig(lr=lr), loss=loss, dgpo=config),
+        TrainerConfig(algorithm=config, optim=OptimConfig(lr=lr), loss=loss),
     )
 
 

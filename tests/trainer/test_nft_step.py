@@ -57,7 +57,7 @@ def nft_trainer(tiny: Path, policy: PolicyConfig = LORA, mini_batches: int = 1, 
     return TrainStep(
         TrainablePolicy(model, policy),
         load_special_tokens(tiny),
-        TrainerConfig(algorithm="diffusion_nft", optim=OptimConfig(lr=1e-2), loss=loss, nft=config),
+        TrainerConfig(algorithm=config, optim=OptimConfig(lr=1e-2), loss=loss),
     )
 
 
@@ -191,5 +191,5 @@ def test_a_trainable_language_half_is_refused(tiny: Path) -> None:
         TrainStep(
             policy,
             load_special_tokens(tiny),
-            TrainerConfig(algorithm="diffusion_nft", optim=OptimConfig(), loss=LossConfig(), nft=NftConfig()),
+            TrainerConfig(algorithm=NftConfig(), optim=OptimConfig(), loss=LossConfig()),
         )

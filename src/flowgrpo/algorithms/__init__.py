@@ -30,6 +30,6 @@ __all__ = ["ALGORITHMS", "AlgorithmSpec", "Targets", "algorithm_of"]
 
 def algorithm_of(trainer: TrainerConfig) -> AlgorithmSpec:
     """The algorithm a trainer config trains (GRPO-Guard is FlowGRPO's ``loss.mode=grpo_guard``)."""
-    if trainer.algorithm == "flow_grpo" and trainer.loss.mode == "grpo_guard":
+    if trainer.algorithm.name == "flow_grpo" and trainer.loss.mode == "grpo_guard":
         return GRPO_GUARD
-    return ALGORITHMS[trainer.algorithm]
+    return ALGORITHMS[trainer.algorithm.name]

@@ -9,12 +9,30 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal, TypeVar
 
 from flowgrpo.algorithms import algorithm_of
+from flowgrpo.algorithms.awm.config import AwmConfig
+from flowgrpo.algorithms.dgpo.config import DgpoConfig
+from flowgrpo.algorithms.diffusion_nft.config import NftConfig
+from flowgrpo.algorithms.flow_grpo.config import FlowGrpoConfig
 from flowgrpo.fields import SEED_MAX, knob
 from flowgrpo.models.bagel.config import GEN_PATH_LINEARS, is_gen_path
 from flowgrpo.runtime.config import ServiceProcessConfig
+
+__all__ = [
+    "DEFAULT_LORA_TARGETS",
+    "AlgorithmConfig",
+    "AwmConfig",
+    "DgpoConfig",
+    "FlowGrpoConfig",
+    "LossConfig",
+    "NftConfig",
+    "OptimConfig",
+    "PolicyConfig",
+    "TrainerConfig",
+    "TrainerServiceConfig",
+]
 
 DEFAULT_LORA_TARGETS = list(GEN_PATH_LINEARS)  # q/k/v/o and the MLP of the gen path
 
@@ -97,139 +115,10 @@ class LossConfig:
             )
 
 
-@dataclass
-class NftConfig:
-    """``trainer.algorithm=diffusion_nft`` (docs/algorithms.md has the equations). Defaults: the
-    reference code's (NVlabs/DiffusionNFT, SD3.5-M PickScore)."""
-
-    # strength of the implicit policies v+- = v_old +- beta (v - v_old); 0.1 for OCR
-
-    beta: float = knob(1.0, 0.0, 1e3)
-    # advantages clipped to +-adv_clip, r = A / (2 adv_clip) + 1/2; scales the loss
-    adv_clip: float = knob(5.0, 0.0, 1e6)
-    # times trained per sample: int(fraction x steps) of the schedule's
-    timestep_fraction: float = knob(0.99, 0.0, 1.0)
-    # the old (sampling) policy after each training step: old <- d old + (1 - d) current, with
-    # d = min(rate (k - after), max) after k optimizer steps in all (0 before ``after``), as the
-    # reference counts its global steps; its default: after 0, rate 0.001, max 0.5; OCR: 75, 0.0075, 0.999
-    old_decay_after: int = knob(0, 0, 10**9)
-    old_decay_rate: float = knob(0.001, 0.0, 1.0)
-    old_decay_max: float = knob(0.5, 0.0, 1.0)
-
-    def validate(self) -> None:
-        if self.beta <= 0 or self.adv_clip <= 0:
-            raise ValueError(f"trainer.nft.beta={self.beta} and adv_clip={self.adv_clip} must be > 0")
-        if not 0 < self.timestep_fraction <= 1:
-            raise ValueError(f"trainer.nft.timestep_fraction={self.timestep_fraction} must be in (0, 1]")
-        if not 0 <= self.old_decay_max < 1 or self.old_decay_rate < 0 or self.old_decay_after < 0:
-            raise ValueError(
-                f"trainer.nft.old_decay_max={self.old_decay_max} must be in [0, 1), old_decay_rate "
-                f"and old_decay_after >= 0 (got {self.old_decay_rate}, {self.old_decay_after})"
-            )
-
-    def old_decay(self, optimizer_steps: int) -> float:
-        """The old policy's decay after ``optimizer_steps`` optimizer steps in all."""
-        if optimizer_steps < self.old_decay_after:
-            return 0.0
-        return min((optimizer_steps - self.old_decay_after) * self.old_decay_rate, self.old_decay_max)
-
-    def trained_times(self, num_steps: int) -> int:
-        return max(1, int(num_steps * self.timestep_fraction))
-
-
-@dataclass
-class AwmConfig:
-    """``trainer.algorithm=awm``, Advantage Weighted Matching (docs/algorithms.md has the
-    equations). Defaults: the reference code's GenEval recipe (scxue/advantage_weighted_matching,
-    SD3.5-M); its KL to the reference policy is ``trainer.loss.kl_beta`` (GenEval and OCR 3e-3,
-    PickScore 1e-4)."""
-
-    # advantages clipped to +-adv_clip and divided by it: each sample's weight A in [-1, 1]
-    adv_clip: float = knob(5.0, 0.0, 1e6)
-    # times trained per sample: one in each of train_times equal strata of the schedule's points
-    # [first, int(timestep_fraction x steps)), first = 0 with from_first_point (PickScore), else 1
-    # (GenEval, OCR: t = 1, pure noise, is never trained)
-    train_times: int = knob(6, 1, 10_000)
-    timestep_fraction: float = knob(0.9, 0.0, 1.0)
-    from_first_point: bool = False
-    # the matching loss t ((mse + 1e-10)^p - 1e-10^p) / p of the velocity's mse ("ghuber"):
-    # 0.25 in every reference recipe; 1 is the t-weighted mse
-    loss_power: float = knob(0.25, 0.0, 1.0)
-    # the pull toward an average of the past policies: ema_kl_beta mean((v - v_ema)^2); after each
-    # training step ema <- d ema + (1 - d) current, d = min(rate k, max) after k optimizer steps in
-    # all, as the reference counts its global steps (rate 0.001, max 0.3). 0: no average is kept
-    ema_kl_beta: float = knob(1.0, 0.0, 1e6)
-    ema_decay_rate: float = knob(0.001, 0.0, 1.0)
-    ema_decay_max: float = knob(0.3, 0.0, 1.0)
-
-    def validate(self) -> None:
-        if self.adv_clip <= 0 or self.loss_power <= 0:
-            raise ValueError(
-                f"trainer.awm.adv_clip={self.adv_clip} and loss_power={self.loss_power} must be > 0"
-            )
-        if not 0 < self.timestep_fraction <= 1:
-            raise ValueError(f"trainer.awm.timestep_fraction={self.timestep_fraction} must be in (0, 1]")
-        if not 0 <= self.ema_decay_max < 1:
-            raise ValueError(f"trainer.awm.ema_decay_max={self.ema_decay_max} must be in [0, 1)")
-
-    def ema_decay(self, optimizer_steps: int) -> float:
-        """The average's decay after ``optimizer_steps`` optimizer steps in all."""
-        return min(optimizer_steps * self.ema_decay_rate, self.ema_decay_max)
-
-
-@dataclass
-class DgpoConfig:
-    """``trainer.algorithm=dgpo`` (docs/algorithms.md has the equations). Defaults: the reference
-    code's GenEval recipe (Luo-Yihong/DGPO ``config/dgpo.py``), but beta (its OCR recipe and README:
-    100; GenEval's 101) and the KL weight, which is ``trainer.loss.kl_beta`` (the reference: 0.02)."""
-
-    # the DPO temperature on a group's advantage-weighted denoising-error gap (beta_dpo); the
-    # reference's EMA-reference recipe: 2000
-    beta: float = knob(100.0, 0.0, 1e6)
-    # advantages clipped to +-adv_clip before they weight the group (train.adv_clip_max)
-    adv_clip: float = knob(5.0, 0.0, 1e6)
-    # times trained per sample, distinct, shared by the whole step (num_train_timesteps) ...
-    trained_times: int = knob(4, 1, 1000)
-    # ... drawn from the schedule's first time_points points, the noisiest (trunc_steps + 1: 5 of
-    # 10 for GenEval, 7 for OCR)
-    time_points: int = knob(5, 1, 1000)
-    # one noise per (group, time), as the reference's use_shared_noise; false: one per sample
-    shared_noise: bool = True
-    # the DPO reference: "base", the frozen loaded policy (adapters off for LoRA); "old", the
-    # old policy below (use_ema_ref, with beta ~2000)
-    reference: Literal["base", "old"] = "base"
-    # text CFG of the frozen base's velocity, the DPO reference ("base") and the KL target
-    # (kl_cfg): 1 is its conditional velocity; the CFG-free recipe's 4.5 distils guidance
-    reference_cfg: float = knob(1.0, 1.0, 100.0)
-    # a sample's gradient stops once its denoising error left the old policy's by more than
-    # this ratio in the advantage's direction (clip_range; .inf: never)
-    clip_range: float = knob(1e-2, 0.0, math.inf, infinite=True)
-    # the old policy after each optimizer step: old <- d old + (1 - d) current, with
-    # d = min(rate k, max) after k optimizer steps before it (the reference's ema_ref: 0.001, 0.3)
-    old_decay_rate: float = knob(0.001, 0.0, 1.0)
-    old_decay_max: float = knob(0.3, 0.0, 1.0)
-    # rollouts sample with the old policy once more optimizer steps than this are done
-    # (switch_ema_ref: 500 for GenEval and OCR, 200 for compressibility); before, with the trained one
-    sample_old_after: int = knob(500, 0, 10**9)
-
-    def validate(self) -> None:
-        if self.beta <= 0 or self.adv_clip <= 0:
-            raise ValueError(f"trainer.dgpo.beta={self.beta} and adv_clip={self.adv_clip} must be > 0")
-        if self.trained_times > self.time_points:
-            raise ValueError(
-                f"trainer.dgpo.trained_times={self.trained_times} distinct times cannot be drawn from "
-                f"trainer.dgpo.time_points={self.time_points} points: raise time_points or lower "
-                "trained_times"
-            )
-        if not 0 <= self.old_decay_max < 1:
-            raise ValueError(f"trainer.dgpo.old_decay_max={self.old_decay_max} must be in [0, 1)")
-
-    def old_decay(self, optimizer_steps: int) -> float:
-        """The old policy's decay for the update after ``optimizer_steps`` optimizer steps."""
-        return min(optimizer_steps * self.old_decay_rate, self.old_decay_max)
-
-
-Algorithm = Literal["flow_grpo", "diffusion_nft", "awm", "dgpo"]
+# ``trainer.algorithm``: one section per algorithm, its ``name`` the tag (flowgrpo.config's tagged
+# unions): a recipe sets only the chosen algorithm's keys. Each class is its package's.
+AlgorithmConfig = FlowGrpoConfig | NftConfig | AwmConfig | DgpoConfig
+Section = TypeVar("Section", FlowGrpoConfig, NftConfig, AwmConfig, DgpoConfig)
 
 
 @dataclass
@@ -237,8 +126,9 @@ class TrainerConfig:
     # "flow_grpo": the clipped policy gradient on the SDE window's log-probs; "diffusion_nft":
     # DiffusionNFT on the forward process (clean latents, an old policy; docs/algorithms.md);
     # "awm": Advantage Weighted Matching, the flow-matching loss on clean latents weighted by A
-    # "dgpo": DGPO, group preferences on the forward process against a reference policy
-    algorithm: Algorithm = "flow_grpo"
+    # "dgpo": DGPO, group preferences on the forward process against a reference policy.
+    # `algorithm: awm` (its defaults) or `algorithm: {name: awm, adv_clip: 2}`
+    algorithm: AlgorithmConfig = field(default_factory=FlowGrpoConfig)
     checkpoint: str = (
         ""  # BAGEL folder in the published layout (only ema.safetensors + llm_config.json are read)
     )
@@ -247,9 +137,6 @@ class TrainerConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
-    nft: NftConfig = field(default_factory=NftConfig)
-    awm: AwmConfig = field(default_factory=AwmConfig)
-    dgpo: DgpoConfig = field(default_factory=DgpoConfig)
     # recompute each decoder layer's image-query work in the backward: ~6x less activation
     # memory for ~1/3 more update time (the 7B full gen path needs it at micro-batch > 1)
     activation_checkpointing: bool = False
@@ -274,6 +161,18 @@ class TrainerConfig:
     # return the step's cached activation memory to the GPU after each step (torch.cuda
     # .empty_cache), for the rollout sharing the GPU; it is allocated again by the next step
     release_memory: bool = False
+
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        section: f"the algorithm's settings are in trainer.algorithm since 2026-12-05 (trainer.algorithm: "
+        f"{{name: {name}, ...}}; trainer.algorithm.KEY=VALUE)"
+        for section, name in (("nft", "diffusion_nft"), ("awm", "awm"), ("dgpo", "dgpo"))
+    }
+
+    def section(self, kind: type[Section]) -> Section:
+        """The algorithm's section as ``kind`` (an algorithm's code asks for its own)."""
+        if not isinstance(self.algorithm, kind):
+            raise ValueError(f"trainer.algorithm is {self.algorithm.name}: it has no {kind.__name__}")
+        return self.algorithm
 
     def validate(self) -> None:
         for knob_name in ("heads", "text"):

@@ -1,7 +1,7 @@
 """Advantage Weighted Matching (Xue et al., 2025): the pretraining flow-matching loss on the
 clean latents of any sampler, each sample's loss weighted by its advantage (docs/algorithms.md).
 The coordinator's targets are the weights A = clip(A, -c, c) / c in [-1, 1]
-(``trainer.awm.adv_clip`` = c); the trainer's objective is :mod:`flowgrpo.algorithms.awm.objective`."""
+(``trainer.algorithm.adv_clip`` = c); the trainer's objective is :mod:`flowgrpo.algorithms.awm.objective`."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from flowgrpo.algorithms.awm.config import AwmConfig
 from flowgrpo.algorithms.flow_grpo import check_no_window_knobs
 from flowgrpo.algorithms.spec import Targets
 
 if TYPE_CHECKING:
-    from flowgrpo.configs.trainer import AwmConfig, TrainerConfig
+    from flowgrpo.configs.trainer import TrainerConfig
     from flowgrpo.sampler_params import SamplerSettings
 
 
@@ -35,9 +36,9 @@ def time_strata(num_steps: int, awm: AwmConfig) -> list[tuple[int, int]]:
     end = int(num_steps * awm.timestep_fraction)
     if end <= first:
         raise ValueError(
-            f"trainer.awm trains the schedule's points [{first}, int({num_steps} x "
+            f"trainer.algorithm (awm) trains the schedule's points [{first}, int({num_steps} x "
             f"{awm.timestep_fraction}) = {end}) of a {num_steps}-step schedule: none; raise "
-            "sampling.num_points or trainer.awm.timestep_fraction"
+            "sampling.num_points or trainer.algorithm.timestep_fraction"
         )
     count, span = awm.train_times, end - first
     bounds = [first + k * span // count for k in range(count + 1)]  # floor(linspace), in exact integers
@@ -50,7 +51,10 @@ class AdvantageWeightedMatching:
     columns: tuple[str, ...] = ("prompt_ids", "final_latents")  # the clean latent: no window, no log-prob
 
     def targets(self, advantages: Mapping[str, Sequence[float]], trainer: TrainerConfig) -> Targets:
-        return {uid: advantage_weights(values, trainer.awm.adv_clip) for uid, values in advantages.items()}
+        return {
+            uid: advantage_weights(values, trainer.section(AwmConfig).adv_clip)
+            for uid, values in advantages.items()
+        }
 
     def check(self, trainer: TrainerConfig, sampling: SamplerSettings | None) -> None:
         """No window knobs; a schedule with at least one trainable time. Any sampler fits: the
@@ -58,7 +62,7 @@ class AdvantageWeightedMatching:
         PickScore with an ODE), and trains the velocity the sampler computes (CFG included)."""
         check_no_window_knobs(trainer, self.name)
         if sampling is not None:
-            time_strata(sampling.num_steps, trainer.awm)
+            time_strata(sampling.num_steps, trainer.section(AwmConfig))
 
 
 AWM = AdvantageWeightedMatching()

@@ -6,7 +6,7 @@ solver produced; no log-prob, no SDE window) is noised again at a few times t of
 schedule, x_t = (1 - t) x0 + t eps, and the current velocity is matched to eps - x0 with the
 reference's t-weighted "ghuber" loss, weighted by the sample's advantage A in [-1, 1] (the
 coordinator's target: ``flowgrpo.algorithms.awm``). Optional pulls: toward the reference policy
-(``trainer.loss.kl_beta``) and toward an average of the past policies (``trainer.awm.ema_kl_beta``),
+(``trainer.loss.kl_beta``) and toward an average of the past policies (``trainer.algorithm.ema_kl_beta``),
 kept in the policy's old copy and moved after each step: ema <- d ema + (1 - d) current.
 
 The rollouts sample with the trained policy itself, as the reference's on-policy recipes do. The

@@ -1,6 +1,6 @@
 """DGPO (Luo et al., 2025): direct group preference optimization on the forward process, the clean
 latents of any sampler (docs/algorithms.md). The coordinator's targets are the group advantages
-clipped to +-``trainer.dgpo.adv_clip``; the trainer's objective is
+clipped to +-``trainer.algorithm.adv_clip``; the trainer's objective is
 :mod:`flowgrpo.algorithms.dgpo.objective`."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from flowgrpo.algorithms.dgpo.config import DgpoConfig
 from flowgrpo.algorithms.flow_grpo import check_no_window_knobs
 from flowgrpo.algorithms.spec import Targets
 
@@ -29,13 +30,17 @@ class DgpoSpec:
     columns: tuple[str, ...] = ("prompt_ids", "final_latents")  # the clean latent: no window, no log-prob
 
     def targets(self, advantages: Mapping[str, Sequence[float]], trainer: TrainerConfig) -> Targets:
-        return {uid: clipped_advantages(values, trainer.dgpo.adv_clip) for uid, values in advantages.items()}
+        return {
+            uid: clipped_advantages(values, trainer.section(DgpoConfig).adv_clip)
+            for uid, values in advantages.items()
+        }
 
     def check(self, trainer: TrainerConfig, sampling: SamplerSettings | None) -> None:
         check_no_window_knobs(trainer, self.name)
-        if sampling is not None and trainer.dgpo.time_points > sampling.num_steps:
+        dgpo = trainer.section(DgpoConfig)
+        if sampling is not None and dgpo.time_points > sampling.num_steps:
             raise ValueError(
-                f"trainer.dgpo.time_points={trainer.dgpo.time_points} exceeds the schedule's "
+                f"trainer.algorithm.time_points={dgpo.time_points} exceeds the schedule's "
                 f"{sampling.num_steps} steps (sampling.num_points={sampling.num_points}): lower it or "
                 "raise sampling.num_points"
             )

@@ -118,7 +118,7 @@ class DGPOObjective:
         ``time_points`` (the noisiest), the same for every sample, as the reference shares them."""
         if self.dgpo.time_points > params.num_steps:
             raise ValueError(
-                f"trainer.dgpo.time_points={self.dgpo.time_points} exceeds the request's schedule of "
+                f"trainer.algorithm.time_points={self.dgpo.time_points} exceeds the request's schedule of "
                 f"{params.num_steps} steps"
             )
         schedule = shifted_schedule(params.num_points, params.timestep_shift)[: self.dgpo.time_points]

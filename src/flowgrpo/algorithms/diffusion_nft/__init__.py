@@ -1,6 +1,6 @@
 """DiffusionNFT (Zheng et al., 2025): training on the forward process, the clean latents of any
 sampler (docs/algorithms.md). The coordinator's targets are the optimalities
-r = clip(A, -c, c) / (2 c) + 1/2 in [0, 1] (``trainer.nft.adv_clip`` = c); the trainer's objective
+r = clip(A, -c, c) / (2 c) + 1/2 in [0, 1] (``trainer.algorithm.adv_clip`` = c); the trainer's objective
 is :mod:`flowgrpo.algorithms.diffusion_nft.objective`."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from flowgrpo.algorithms.diffusion_nft.config import NftConfig
 from flowgrpo.algorithms.flow_grpo import check_no_window_knobs
 from flowgrpo.algorithms.spec import Targets
 
@@ -32,7 +33,9 @@ class DiffusionNFT:
     columns: tuple[str, ...] = ("prompt_ids", "final_latents")  # the clean latent: no window, no log-prob
 
     def targets(self, advantages: Mapping[str, Sequence[float]], trainer: TrainerConfig) -> Targets:
-        return {uid: optimality(values, trainer.nft.adv_clip) for uid, values in advantages.items()}
+        return {
+            uid: optimality(values, trainer.section(NftConfig).adv_clip) for uid, values in advantages.items()
+        }
 
     def check(self, trainer: TrainerConfig, sampling: SamplerSettings | None) -> None:
         check_no_window_knobs(trainer, self.name)
