@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 from PIL import Image
 
+from flowgrpo.configs.run import upgraded_run_config
 from flowgrpo.services.coordinator.outputs import evenly_spaced, read_metrics
 from flowgrpo.services.coordinator.runmeta import RECIPE_FILE, RunSession, read_sessions
 from flowgrpo.services.coordinator.trace import busy_per_step
@@ -82,7 +83,7 @@ def load_run(run_dir: Path) -> Run:
         label=run_dir.name,
         train=train,
         val=read_metrics(run_dir, kind="val"),
-        config=yaml.safe_load((run_dir / "config.yaml").read_text()) or {},
+        config=_saved_config(yaml.safe_load((run_dir / "config.yaml").read_text())),
         recipe=(yaml.safe_load(recipe.read_text()) or {}) if recipe.is_file() else None,
         sessions=read_sessions(run_dir),
     )
@@ -428,3 +429,8 @@ _ABSENT = object()
 
 def _show(value: Any) -> str:
     return "(absent)" if value is _ABSENT else json.dumps(value)
+
+
+def _saved_config(data: Any) -> dict[str, Any]:
+    """A run's config.yaml as plain data in today's layout (an older version's run compares too)."""
+    return upgraded_run_config(data) if isinstance(data, dict) else {}

@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 
 from flowgrpo.config import ConfigError, redacted, to_dict
-from flowgrpo.configs.run import RunConfig, with_checkpoint
+from flowgrpo.configs.run import RunConfig, upgraded_run_config, with_checkpoint
 from flowgrpo.fileio import atomic_write
 from flowgrpo.services.coordinator.outputs import STATE_FILE
 from flowgrpo.yamlfile import YamlError, brief, read_yaml_file
@@ -147,7 +147,7 @@ def plan_resume(cfg: RunConfig) -> ResumePlan | None:
     if not isinstance(saved, dict):
         raise ResumeRefused(f"{saved_path} holds no config (a {type(saved).__name__}): give another run_dir")
     new = _plain(yaml.safe_load(yaml.safe_dump(to_dict(redacted(as_recorded(cfg))))))
-    old = _moved(_flat(_plain(saved)), folder)
+    old = _moved(_flat(_plain(upgraded_run_config(saved))), folder)
     changes = tuple(
         Change(key, value, new_value, _why_fixed(key))
         for key, value, new_value in _differences(old, _flat(new))

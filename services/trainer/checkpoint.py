@@ -517,7 +517,7 @@ def find_run_checkpoint(run_dir: str | Path, step: int | None = None) -> RunChec
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise CheckpointError(f"{run_dir} is not a run folder (no config.yaml): give the run_dir of a run")
-    cfg = read_recipe_sections(run_dir / "config.yaml")
+    cfg = read_recipe_sections(run_dir / "config.yaml", saved=True)
     folder = Path(cfg.trainer.checkpoint_dir) if cfg.trainer.checkpoint_dir else run_dir / "checkpoints"
     found = checkpoint_steps(folder)
     if not found:

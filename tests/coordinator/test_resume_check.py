@@ -23,10 +23,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flowgrpo.config import to_dict
-from flowgrpo.configs.run import load_run_config
+from flowgrpo.config import ConfigError, to_dict
+from flowgrpo.configs.run import load_run_config, read_recipe_sections
+from flowgrpo.configs.trainer import NftConfig
 from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
-from flowgrpo.services.coordinator.resume import FIXED, plan_resume
+from flowgrpo.services.coordinator.resume import FIXED, as_recorded, plan_resume
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "tiny_jpeg.yaml"
@@ -172,3 +173,29 @@ def _flat_keys(data: dict[str, object], prefix: str = "") -> list[str]:
         else:
             keys.append(f"{prefix}{key}")
     return keys
+
+
+def test_a_run_saved_in_the_layout_before_the_algorithm_sections_merged_resumes_as_it_was(
+    tmp_path: Path,
+) -> None:
+    """Before 2026-12-05 a run's config.yaml had ``trainer.algorithm: diffusion_nft`` beside
+    ``trainer.nft`` (and the unused ``awm`` and ``dgpo``): read as today's section, nothing changed."""
+    run_dir = tmp_path / "old"
+    cfg = load_run_config(
+        RECIPE, [f"run_dir={run_dir}", "trainer.algorithm=diffusion_nft", "trainer.algorithm.beta=0.1"]
+    )
+    old = to_dict(as_recorded(cfg))  # what the run wrote
+    section = old["trainer"]["algorithm"]
+    old["trainer"]["algorithm"] = section.pop("name")
+    old["trainer"].update(nft=section, awm={"adv_clip": 5.0}, dgpo={"beta": 100.0})
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    plan = plan_resume(cfg)
+    assert plan is not None and plan.changes == ()
+    other = plan_resume(load_run_config(RECIPE, [f"run_dir={run_dir}", "trainer.algorithm=diffusion_nft"]))
+    assert other is not None and [c.line() for c in other.changes] == ["trainer.algorithm.beta 0.1 -> 1.0"]
+    assert read_recipe_sections(run_dir / "config.yaml", saved=True).trainer.algorithm == NftConfig(beta=0.1)
+    with pytest.raises(
+        ConfigError, match=r"'trainer.nft' is gone: .*trainer.algorithm: \{name: diffusion_nft"
+    ):
+        read_recipe_sections(run_dir / "config.yaml")  # a recipe a person wrote is told, not rewritten

@@ -10,10 +10,10 @@ config is written to ``<run_dir>/config.yaml``. Torch-free: the coordinator impo
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from flowgrpo.algorithms import algorithm_of
 from flowgrpo.bus.config import BusConfig
@@ -21,7 +21,7 @@ from flowgrpo.config import ConfigError, from_dict, load_config
 from flowgrpo.configs.publication import PublicationConfig
 from flowgrpo.configs.reward import StreamConfig
 from flowgrpo.configs.rollout import EngineConfig
-from flowgrpo.configs.trainer import TrainerConfig
+from flowgrpo.configs.trainer import TrainerConfig, upgraded_trainer
 from flowgrpo.fields import SEED_MAX, check_int, knob
 from flowgrpo.models.bagel.config import GEN_PATH_LINEARS
 from flowgrpo.rewards.config import RewardConfig
@@ -361,18 +361,28 @@ def load_run_config(recipe: str | Path | None, overrides: list[str] | tuple[str,
     return cfg
 
 
-def read_recipe_sections(recipe: str | Path) -> RunConfig:
+def read_recipe_sections(recipe: str | Path, *, saved: bool = False) -> RunConfig:
     """A recipe without the run-level checks (``flowgrpo serve ROLE --recipe``: a service takes
-    only its own section, validated as that service's config)."""
+    only its own section, validated as that service's config). ``saved``: a run folder's
+    config.yaml, which an older version may have written (:func:`upgraded_run_config`)."""
     try:
         data = read_yaml_file(recipe) or {}
     except YamlError as error:
         raise ConfigError(str(error)) from None
+    if saved and isinstance(data, Mapping):
+        data = upgraded_run_config(data)
     try:
         cfg = from_dict(RunConfig, data)
     except ConfigError as error:
         raise ConfigError(f"{recipe}: {error}") from None
     return cfg if cfg.run_dir else replace(cfg, run_dir=str(Path("runs") / cfg.name))
+
+
+def upgraded_run_config(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A run's saved config (its folder's config.yaml, plain data) in today's layout: a run made
+    by an older version resumes, and its checkpoints load, without an edit by hand."""
+    trainer = data.get("trainer")
+    return {**data, "trainer": upgraded_trainer(trainer)} if isinstance(trainer, Mapping) else dict(data)
 
 
 def with_checkpoint(cfg: RunConfig, checkpoint: str) -> RunConfig:

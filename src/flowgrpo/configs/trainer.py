@@ -8,8 +8,9 @@ settings (``TrainerServiceConfig``) stay with the service."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from flowgrpo.algorithms import algorithm_of
 from flowgrpo.algorithms.awm.config import AwmConfig
@@ -115,6 +116,25 @@ class LossConfig:
             )
 
 
+# before 2026-12-05 ``trainer.algorithm`` was a name and each algorithm had a section beside it
+OLD_ALGORITHM_SECTIONS = {"nft": "diffusion_nft", "awm": "awm", "dgpo": "dgpo"}
+
+
+def upgraded_trainer(trainer: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``trainer`` section this project wrote before 2026-12-05 (a run folder's config.yaml) in
+    today's layout: the named algorithm's section becomes ``trainer.algorithm``; the other
+    algorithms' sections, which that run never read, are dropped. Today's layout is returned as is."""
+    if not any(key in trainer for key in OLD_ALGORITHM_SECTIONS):
+        return dict(trainer)
+    sections = {name: trainer.get(key) for key, name in OLD_ALGORITHM_SECTIONS.items()}
+    out = {key: value for key, value in trainer.items() if key not in OLD_ALGORITHM_SECTIONS}
+    name = out.get("algorithm", "flow_grpo")
+    if isinstance(name, str):
+        section = sections.get(name)
+        out["algorithm"] = {"name": name, **(section if isinstance(section, Mapping) else {})}
+    return out
+
+
 # ``trainer.algorithm``: one section per algorithm, its ``name`` the tag (flowgrpo.config's tagged
 # unions): a recipe sets only the chosen algorithm's keys. Each class is its package's.
 AlgorithmConfig = FlowGrpoConfig | NftConfig | AwmConfig | DgpoConfig
@@ -165,7 +185,7 @@ class TrainerConfig:
     MOVED_KEYS: ClassVar[dict[str, str]] = {
         section: f"the algorithm's settings are in trainer.algorithm since 2026-12-05 (trainer.algorithm: "
         f"{{name: {name}, ...}}; trainer.algorithm.KEY=VALUE)"
-        for section, name in (("nft", "diffusion_nft"), ("awm", "awm"), ("dgpo", "dgpo"))
+        for section, name in OLD_ALGORITHM_SECTIONS.items()
     }
 
     def section(self, kind: type[Section]) -> Section:
