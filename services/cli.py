@@ -198,9 +198,11 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     if args.print_config:
         _print_config(config)
         return 0
+    from flowgrpo.services.trainer.distributed import end_rank
     from flowgrpo.services.trainer.sft import run_sft
 
     run_sft(config)
+    end_rank()
     return 0
 
 

@@ -73,7 +73,7 @@ from flowgrpo.services.bench.trainer_step import (
     random_batch,
     sampled_batch,
 )
-from flowgrpo.services.trainer.distributed import Dist, close_distributed, init_distributed
+from flowgrpo.services.trainer.distributed import Dist, close_distributed, end_rank, init_distributed
 from flowgrpo.services.trainer.load import load_policy
 from flowgrpo.services.trainer.policy import TrainablePolicy
 
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.json, report)
         _print_table(report)
     close_distributed()
+    end_rank()
     return 0
 
 

@@ -33,7 +33,13 @@ from flowgrpo.services.trainer.checkpoint import (
     save_checkpoint,
     start_checkpoint,
 )
-from flowgrpo.services.trainer.distributed import Dist, close_distributed, full_tensor, init_distributed
+from flowgrpo.services.trainer.distributed import (
+    Dist,
+    close_distributed,
+    end_rank,
+    full_tensor,
+    init_distributed,
+)
 from flowgrpo.services.trainer.load import load_policy
 from flowgrpo.services.trainer.step import TrainStep, Trajectory
 
@@ -130,3 +136,4 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     main(Path(args[0]), Path(args[1]), args[2], Path(args[3]), Path(args[4]) if len(args) > 4 else None)
     close_distributed()
+    end_rank()

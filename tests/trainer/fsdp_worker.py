@@ -15,7 +15,7 @@ from flowgrpo.configs.trainer import LossConfig, OptimConfig, PolicyConfig, Trai
 from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
 from flowgrpo.sampler_params import SamplerParams
-from flowgrpo.services.trainer.distributed import close_distributed, init_distributed
+from flowgrpo.services.trainer.distributed import close_distributed, end_rank, init_distributed
 from flowgrpo.services.trainer.load import load_policy
 from flowgrpo.services.trainer.step import TrainStep, Trajectory
 
@@ -62,3 +62,4 @@ def main(checkpoint: Path, kind: str, out: Path) -> None:
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]))
     close_distributed()
+    end_rank()
