@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import re
 import shutil
 import subprocess
@@ -55,7 +56,7 @@ from typing import Any
 import torch
 
 from flowgrpo.configs.run import RunConfig, load_run_config
-from flowgrpo.configs.trainer import AwmConfig, DgpoConfig, NftConfig
+from flowgrpo.configs.trainer import AwmConfig, DgpoConfig, FlowGrpoConfig, NftConfig
 from flowgrpo.data import load_split
 from flowgrpo.models.bagel.checkpoint import read_bagel_config
 from flowgrpo.models.bagel.config import BagelConfig
@@ -176,6 +177,8 @@ def training_flops(work: Workload, lengths: list[int], *, recomputed: bool) -> d
     (its recompute, or DiffusionNFT's old-policy forward, timed in update), "reference" (the KL reference's
     forward: the base, no LoRA), "update" (forward + backward)."""
     trainer = work.cfg.trainer
+    if isinstance(trainer.algorithm, DgpoConfig):
+        return dgpo_flops(work, lengths, trainer.algorithm)
     flops = pass_rows(work, lengths, work.lora())
     algorithm = trainer.algorithm
     old_forward = isinstance(algorithm, NftConfig) or (
@@ -188,27 +191,46 @@ def training_flops(work: Workload, lengths: list[int], *, recomputed: bool) -> d
     }
 
 
-def pass_rows(work: Workload, lengths: list[int], lora: Lora) -> dict[str, float]:
+def dgpo_flops(work: Workload, lengths: list[int], dgpo: DgpoConfig) -> dict[str, float]:
+    """DGPO's step: at each trained time, the coupling pass's forwards without gradients (the
+    current policy's, and the old policy's where the DPO reference or the clip needs it: in
+    "logp_old"; the frozen base's, with its CFG rows at ``reference_cfg`` > 1, where the DPO
+    reference or the KL target is the base: "reference"), then a forward-backward of the
+    conditional velocity ("update"). The trained velocity is the conditional one, CFG or not."""
+    conditional = pass_rows(work, lengths, work.lora(), cfg_rows=1)
+    old_pass = dgpo.reference == "old" or not math.isinf(dgpo.clip_range)
+    base_pass = dgpo.reference == "base" or work.cfg.trainer.loss.kl_beta > 0
+    base_rows = 2 if dgpo.reference_cfg > 1 else 1
+    return {
+        "logp_old": conditional["old"] * (2 if old_pass else 1),
+        "reference": pass_rows(work, lengths, BASE, cfg_rows=base_rows)["old"] if base_pass else 0.0,
+        "update": conditional["update"],
+    }
+
+
+def pass_rows(
+    work: Workload, lengths: list[int], lora: Lora, *, cfg_rows: int | None = None
+) -> dict[str, float]:
     """The trainer's forwards and backwards per trajectory: FlowGRPO's at each window step,
-    DiffusionNFT's and AWM's at each trained time (the old forward: NFT's old policy, AWM's
-    average); one row per CFG branch the trainer runs (it calls the sampler's ``guided_velocity``).
-    ``pass_flops`` counts both branches; ``nft_pass_flops`` the rows it is given (the conditional
-    ones, and with CFG the empty-context ones too)."""
-    trainer = work.cfg.trainer
-    algorithm = trainer.algorithm
-    if isinstance(algorithm, DgpoConfig):
-        raise SystemExit("flowgrpo bench system: DGPO's trainer FLOPs (its coupling pass) are not counted")
-    nft = isinstance(algorithm, NftConfig | AwmConfig)  # the forward process: clean latents re-noised
+    DiffusionNFT's, AWM's and DGPO's at each trained time (the old forward: NFT's old policy, AWM's
+    average); one row per CFG branch the trainer runs (it calls the sampler's ``guided_velocity``;
+    ``cfg_rows``: another count than the sampler's). ``pass_flops`` counts both branches;
+    ``nft_pass_flops`` the rows it is given (the conditional ones, and with CFG the empty-context
+    ones too)."""
+    algorithm = work.cfg.trainer.algorithm
+    rows_per_sample = work.cfg_rows if cfg_rows is None else cfg_rows
     if isinstance(algorithm, NftConfig):
         times = algorithm.trained_times(work.params.num_steps)
     elif isinstance(algorithm, AwmConfig):
         times = algorithm.train_times
+    elif isinstance(algorithm, DgpoConfig):
+        times = algorithm.trained_times
     else:
         times = work.params.window_size
     geometry, kind, rank, targets = (work.model, work.latent_tokens), lora.kind, lora.rank, lora.targets
-    if not nft and work.cfg_rows == 2:
+    if isinstance(algorithm, FlowGrpoConfig) and rows_per_sample == 2:  # the window's SDE steps
         return pass_flops(*geometry, lengths, times, kind=kind, rank=rank, targets=targets)
-    rows = lengths + [0] * len(lengths) * (work.cfg_rows - 1)
+    rows = lengths + [0] * len(lengths) * (rows_per_sample - 1)  # the forward process, or CFG-free
     return nft_pass_flops(*geometry, rows, times, kind=kind, rank=rank, targets=targets)
 
 

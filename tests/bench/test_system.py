@@ -14,15 +14,18 @@ from typing import Any
 import numpy as np
 import pytest
 
+from flowgrpo.configs.run import load_run_config
 from flowgrpo.data import load_split
 from flowgrpo.models.bagel.checkpoint import make_tiny_bagel, read_bagel_config
+from flowgrpo.models.bagel.config import bagel_7b
 from flowgrpo.services.bench import system
 from flowgrpo.services.bench.common import spec_step_flops
-from flowgrpo.services.bench.trainer_flops import pass_flops
+from flowgrpo.services.bench.trainer_flops import pass_flops, row_flops
 
 from .demo import SHORT_DEMO
 from .figures import check_figures, median
 
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 GROUP, POINTS, WINDOW, LATENT_TOKENS = 4, 4, 2, (64 // 16) ** 2  # SHORT_DEMO and the demo's 64 px
 
 
@@ -112,3 +115,46 @@ def test_a_variant_keeps_the_commas_inside_a_value() -> None:
     assert system.variant_arg("plain") == system.Variant("plain", ())
     with pytest.raises(argparse.ArgumentTypeError):
         system.variant_arg("bad:no-equals-sign")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "old_passes", "base_rows"),
+    [
+        ([], 2, 1),  # the recipe's clip (1e-2) needs the old policy; its conditional base: reference and KL
+        (["trainer.algorithm.clip_range=.inf"], 1, 1),
+        (["trainer.algorithm.reference_cfg=4", "trainer.loss.kl_beta=1e-3"], 2, 2),  # the CFG-free mode
+        (
+            [
+                "trainer.algorithm.reference=old",
+                "trainer.algorithm.clip_range=.inf",
+                "trainer.loss.kl_beta=0",
+            ],
+            2,
+            0,
+        ),
+    ],
+)
+def test_dgpo_s_trainer_flops_are_its_passes_written_out(
+    overrides: list[str], old_passes: int, base_rows: int
+) -> None:
+    """Per trajectory and trained time K: the current policy's conditional forward without
+    gradients, the old policy's where the clip or the DPO reference needs it, the frozen base's
+    (with its empty-context row at reference CFG > 1) where the reference or the KL needs it, and
+    the conditional forward-backward; the LoRA policy's rows carry its adapters, the base's none."""
+    paths = ["model.checkpoint=/ckpt/m", "data.dataset=/data/pickscore"]  # never read
+    cfg = load_run_config(EXAMPLES / "bagel_pickscore_lora_dgpo.yaml", [*paths, *overrides])
+    work = system.Workload(bagel_7b(), cfg.sampling.params(), cfg)
+    policy, times, lengths = cfg.trainer.policy, 4, [12, 30]
+    tokens = work.latent_tokens
+    mine = [row_flops(work.model, tokens, n, kind="lora", rank=policy.lora_rank, targets=policy.lora_targets)
+            for n in lengths]  # fmt: skip
+    base = [row_flops(work.model, tokens, n, kind="lora", rank=0, targets=[]) for n in [*lengths, 0]]
+    expected = {
+        "logp_old": old_passes * times * sum(f.forward for f in mine),
+        "reference": times
+        * (sum(f.forward for f in base[:2]) + (base_rows == 2) * len(lengths) * base[2].forward)
+        if base_rows
+        else 0.0,
+        "update": times * sum(f.forward + f.act_grad + f.weight_grad for f in mine),
+    }
+    assert system.training_flops(work, lengths, recomputed=True) == pytest.approx(expected, rel=1e-12)
