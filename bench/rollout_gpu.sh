@@ -9,6 +9,9 @@
 # 0, 2 and 5) and nothing else, in ~5 min:
 #   ROLLOUT_GPU_TESTS=0 bash bench/rollout_gpu.sh --branch --branch-begins 0,2,5 --shapes '' --variants '' \
 #       --no-attention --no-drift-7b
+# Guided (text CFG 4) against CFG-free rollouts (flow_grpo's fast recipe, UniGRPO) at 512 px b8 and b32:
+#   ROLLOUT_GPU_TESTS=0 bash bench/rollout_gpu.sh --cfg-free 512x8,512x32 --shapes '' --variants '' \
+#       --no-attention --no-drift-7b
 # ROLLOUT_DEADLINE (s, default 420): what would start later is skipped, so the JSON is complete in time.
 # ROLLOUT_GPU_TESTS=0 skips the GPU tests at the end.
 # Writes $OUT/rollout.json, $OUT/rollout.log, $OUT/gpu.txt and $OUT/gpu_tests.log.

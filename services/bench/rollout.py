@@ -125,6 +125,22 @@ class BranchRow:
 
 
 @dataclass
+class GuidanceRow:
+    """Rollouts of one shape with text CFG (``cfg_text_scale`` > 1: a conditional and an
+    empty-context row per sample and step) or CFG-free (1: the conditional row alone)."""
+
+    resolution: int
+    batch: int
+    cfg_text_scale: float
+    forward_rows: list[int]  # rows of each forward of one rollout
+    tflop_per_image: float  # counted: SPEC-7 FLOPs of every forward of one rollout / batch / 1e12
+    images_per_s: Figure
+    end_to_end_s: Figure
+    loop_s: Figure
+    mfu_loop: Figure | None = None
+
+
+@dataclass
 class RolloutRun:
     """One end-to-end call's loop time, peak memory while sampling, and final latents."""
 
@@ -215,6 +231,45 @@ def measure_branching(
     return rows
 
 
+@torch.no_grad()
+def measure_guidance(
+    setup: Setup, resolution: int, batch: int, scales: tuple[float, ...]
+) -> list[GuidanceRow]:
+    """The same requests sampled at each text CFG scale (1: CFG-free, flow_grpo's fast recipe and
+    UniGRPO's mode): images/s, and the FLOPs counted over the forwards that ran."""
+    requests = make_requests(batch, setup.prompt_len, setup.special)
+    rows = [_guidance_row(setup, requests, resolution, scale) for scale in scales]
+    for row in rows:
+        print(f"{resolution}px b{batch} text CFG {row.cfg_text_scale:g}: {row.images_per_s.brief('.2f')} "
+              f"images/s, {row.tflop_per_image:.2f} TFLOP/image, rows per forward "
+              f"{sorted(set(row.forward_rows))}", flush=True)  # fmt: skip
+    return rows
+
+
+def _guidance_row(setup: Setup, requests: list[SampleRequest], resolution: int, scale: float) -> GuidanceRow:
+    params = SamplerParams(num_points=setup.num_points, height=resolution, width=resolution,
+                           decode_images=False, cfg_text_scale=scale, cfg_img_scale=1.0)  # fmt: skip
+    flops: list[float] = []
+    forward_rows: list[int] = []
+    calls: list[None] = []
+
+    def rollout() -> RolloutRun:  # the warm-up run is counted, the timed ones not
+        calls.append(None)
+        counting = (
+            counted_forwards(setup.model, flops, forward_rows)
+            if len(calls) == 1
+            else contextlib.nullcontext()
+        )
+        with counting:
+            return _rollout(setup, requests, resolution, params)
+
+    runs = run_timed(rollout, device=setup.device, repeats=setup.repeats)
+    return GuidanceRow(resolution=resolution, batch=len(requests), cfg_text_scale=scale,
+                       forward_rows=forward_rows, tflop_per_image=sum(flops) / len(requests) / 1e12,
+                       images_per_s=runs.seconds.per(len(requests), "images/s"), end_to_end_s=runs.seconds,
+                       loop_s=Figure.of([r.loop_s for r in runs.outputs]))  # fmt: skip
+
+
 def _branch_row(setup: Setup, requests: list[SampleRequest], params: SamplerParams, begin: int) -> BranchRow:
     step = begin - params.window_range[0]  # progressive windows: begin = lo + step % choices
     if step < 0 or window_begin(params, 0, step, requests[0].prompt_uid) != begin:
@@ -298,6 +353,8 @@ def add_mfu(report: dict[str, Any], peak_tflops: float, num_points: int) -> None
         variant["mfu"] = mfu(variant["flops"], variant["step_s"], peak_tflops)
     for row in report.get("branching", []):
         row.mfu_loop = mfu(row.tflop_per_image * row.group * 1e12, row.loop_s, peak_tflops)
+    for row in report.get("guidance", []):
+        row.mfu_loop = mfu(row.tflop_per_image * row.batch * 1e12, row.loop_s, peak_tflops)
 
 
 # --- the run -----------------------------------------------------------------------------------------
@@ -335,6 +392,17 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         }
         lo_hi, size = SamplerParams().window_range, SamplerParams().window_size
         report["branch_expected_flops_fraction"] = expected_branch_fraction(report["branching"], lo_hi, size)
+        write_json(args.json, report)
+    if args.cfg_free and _in_time(args, started, "the CFG-free rows"):
+        guidance = report["guidance"] = [
+            row
+            for resolution, batch in parse_shapes(args.cfg_free)
+            for row in measure_guidance(setup, resolution, batch, (args.cfg_text_scale, 1.0))
+        ]
+        report["cfg_free_images_per_s_ratio"] = {  # CFG-free over CFG, per shape
+            f"{a.resolution}x{a.batch}": ratio(b.images_per_s, a.images_per_s)
+            for a, b in zip(guidance[::2], guidance[1::2], strict=True)
+        }
         write_json(args.json, report)
     if device.type == "cuda" and args.attention and _in_time(args, started, "the attention table"):
         report["attention"] = attention_backends(
@@ -482,6 +550,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--branch", action="store_true", help="also measure branched rollouts of one group")
     p.add_argument("--branch-shape", default="512x16", help="resolution x group size of --branch")
     p.add_argument("--branch-begins", default="0,5", help="window begins of the branched rows")
+    p.add_argument(
+        "--cfg-free", default="", help="shapes (RESxBATCH,...) also sampled CFG-free beside --cfg-text-scale"
+    )
+    p.add_argument("--cfg-text-scale", type=float, default=4.0, help="the guided rows' text CFG (--cfg-free)")
     p.add_argument("--deadline-s", type=float, default=1e9, help="skip the rows that would start after this")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON (rewritten as rows come in)")
     return p
@@ -552,6 +624,16 @@ def _print_table(report: dict[str, Any]) -> None:
         fraction = report["branch_expected_flops_fraction"]
         print(f"expected FLOPs of branched / unbranched rollouts under random windows in "
               f"{list(SamplerParams().window_range)}: {fraction:.3f}")  # fmt: skip
+    if report.get("guidance"):
+        gains: dict[str, Figure] = report["cfg_free_images_per_s_ratio"]
+        print("\nguided and CFG-free rollouts: res | batch | text CFG | img/s | vs guided | loop s | "
+              "MFU loop | TFLOP/image")  # fmt: skip
+        for g in report["guidance"]:
+            gain = gains.get(f"{g.resolution}x{g.batch}") if g.cfg_text_scale == 1.0 else None
+            cells = [f"{g.resolution}", f"{g.batch}", f"{g.cfg_text_scale:g}", g.images_per_s.brief(".2f"),
+                     _cell(gain, ".3f"), g.loop_s.brief(".2f"), _cell(g.mfu_loop, ".1%"),
+                     f"{g.tflop_per_image:.2f}"]  # fmt: skip
+            print(" | ".join(cells))
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ def test_the_rollout_benchmark_reports_consistent_figures(tmp_path: Path) -> Non
     out = tmp_path / "r.json"
     argv = ["--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--shapes", "32x2", "--variants", "32x2",
             "--num-points", "8", "--compile-backend", "aot_eager", "--json", str(out),
-            "--branch", "--branch-shape", "32x4", "--branch-begins", "0,3"]  # fmt: skip
+            "--branch", "--branch-shape", "32x4", "--branch-begins", "0,3", "--cfg-free", "32x2"]  # fmt: skip
     assert rollout.main(argv) == 0
     report = json.loads(out.read_text())
     check_figures(report)
@@ -73,6 +73,27 @@ def test_the_rollout_benchmark_reports_consistent_figures(tmp_path: Path) -> Non
     assert report["once_s"]["first_compiled_forward"] > 0
     assert 0 < report["drift_tiny"]["rel_err"] < 0.05
     check_branching(report, used)
+    check_guidance(report, used)
+
+
+def check_guidance(report: dict[str, Any], peak: float) -> None:
+    """--cfg-free 32x2: the same 2 samples of one prompt with text CFG 4 (a conditional and an
+    empty-context row each, every step) and CFG-free (the conditional rows alone)."""
+    guided, free = report["guidance"]
+    assert (guided["cfg_text_scale"], free["cfg_text_scale"]) == (4.0, 1.0)
+    assert guided["forward_rows"] == [4] * 7 and free["forward_rows"] == [2] * 7
+    prompt = make_requests(2, 48, SPECIAL_TINY)[0].prompt_ids.numel()
+    with_cfg = spec_step_flops(tiny(), 4, [prompt, prompt, 0, 0])
+    conditional = spec_step_flops(tiny(), 4, [prompt, prompt])
+    assert guided["tflop_per_image"] * 1e12 == pytest.approx(7 * with_cfg / 2, rel=1e-12)
+    assert free["tflop_per_image"] * 1e12 == pytest.approx(7 * conditional / 2, rel=1e-12)
+    for row in (guided, free):
+        assert median(row["images_per_s"]) * median(row["end_to_end_s"]) == pytest.approx(2)
+        assert median(row["mfu_loop"]) == pytest.approx(
+            row["tflop_per_image"] * 2e12 / median(row["loop_s"]) / peak
+        )
+    gain = median(report["cfg_free_images_per_s_ratio"]["32x2"])
+    assert gain == pytest.approx(median(free["images_per_s"]) / median(guided["images_per_s"]))
 
 
 def check_branching(report: dict[str, Any], peak: float) -> None:
