@@ -14,12 +14,14 @@ step). What it learnt is the trained run minus its control, on one of two tasks 
   range): the final accuracy, its control, the final gain in points, and the images and trainer
   seconds (``timing_s/train``) at the first validation whose gain reaches 50% and 90% of the
   best final gain (the largest median over the algorithms run); a run that never reaches it
-  counts as infinite. The sample-efficiency frontier: the held-out accuracy the reference
-  algorithm (``--reference``, FlowGRPO) reaches at the end of its budget (its median final
-  accuracy over the seeds) is the target; per algorithm, the images, the rollout's denoiser
+  counts as infinite. The sample-efficiency frontier: what the reference algorithm
+  (``--reference``, FlowGRPO) has learnt at the end of its budget, its median final gain over its
+  control in points, is the target (a gain, not an accuracy: algorithms sampled with and without
+  CFG start from controls 10 points apart); per algorithm, the images, the rollout's denoiser
   forwards (``rollout_forwards_per_image``: CFG rows counted, a branched group's shared prefix
-  once) and the wall-clock (rollout + trainer seconds) at the first validation that reaches it,
-  and how many times fewer images than the reference that is. A plot (``--plot``): the gain
+  once) and the wall-clock (rollout + trainer seconds) at the first validation whose gain reaches
+  it, and how many times fewer images than the reference that is. A reference that ends at or
+  below its control sets no target. A plot (``--plot``): the gain
   against images and against trainer seconds.
 - ``jpeg``: the JPEG demo (``examples/tiny_jpeg.yaml``, a random tiny model rewarded for JPEG
   compressibility), the per-step mean reward paired with the control's (step 1 precedes any
@@ -286,10 +288,6 @@ class HeldOutCurve:
         """Rollout plus trainer seconds before each validation."""
         return [r + t for r, t in zip(self.rollout_s, self.trainer_s, strict=True)]
 
-    def reach_accuracy(self, target: float, axis: list[float]) -> float:
-        """``axis`` at the first validation whose accuracy is at least ``target`` (inf: none)."""
-        return next((x for x, a in zip(axis, self.accuracy, strict=True) if a >= target), math.inf)
-
     def reach(self, target: float, axis: list[float]) -> float:
         """``axis`` at the first validation whose gain is at least ``target`` points (inf: none)."""
         return next((x for x, g in zip(axis, self.gain, strict=True) if g >= target), math.inf)
@@ -337,7 +335,7 @@ class HeldOutRow:
     trainer_s_to_most: Figure
     trainer_s: Figure  # the whole run's
     rollout_s: Figure
-    images_to_target: Figure  # to the reference's final accuracy (inf: not reached)
+    images_to_target: Figure  # to the reference's final gain (inf: not reached)
     forwards_to_target: Figure  # the rollout's denoiser forwards to it
     wall_s_to_target: Figure  # rollout + trainer seconds to it
     fewer_images: Figure  # the reference's median images to the target / this run's
@@ -353,10 +351,12 @@ def best_final_gain(curves: list[HeldOutCurve]) -> float:
 
 @dataclass(frozen=True)
 class Frontier:
-    """What every algorithm is measured against: the reference's final accuracy (a fraction), the
-    reference's median images to reach it, and each algorithm's denoiser forwards per image."""
+    """What every algorithm is measured against: the reference's median final gain (points; inf
+    where it is not above 0: nothing learnt, no target), the reference's median images to reach
+    it, and each algorithm's denoiser forwards per image."""
 
     target: float
+    reference_final_gain: float
     reference_images: float
     forwards_per_image: dict[str, float]
 
@@ -365,9 +365,10 @@ def frontier_of(curves: list[HeldOutCurve], reference: str, forwards_per_image: 
     ours = [c for c in curves if c.algorithm == reference]
     if not ours:
         raise SystemExit(f"--reference {reference} was not run: add it to --algorithms")
-    target = statistics.median(c.accuracy[-1] for c in ours)
-    images = statistics.median(c.reach_accuracy(target, c.images) for c in ours)
-    return Frontier(target, images, forwards_per_image)
+    final = statistics.median(c.gain[-1] for c in ours)
+    target = final if final > 0 else math.inf  # a step-0 gain is 0: a target of 0 says nothing
+    images = statistics.median(c.reach(target, c.images) for c in ours)
+    return Frontier(target, final, images, forwards_per_image)
 
 
 def held_out_row(algorithm: str, curves: list[HeldOutCurve], best: float, frontier: Frontier) -> HeldOutRow:
@@ -390,10 +391,10 @@ def held_out_row(algorithm: str, curves: list[HeldOutCurve], best: float, fronti
         trainer_s_to_most=fig(lambda c: c.reach(most, c.trainer_s), "s"),
         trainer_s=fig(lambda c: c.trainer_s[-1], "s"),
         rollout_s=fig(lambda c: c.rollout_s[-1], "s"),
-        images_to_target=fig(lambda c: c.reach_accuracy(target, c.images), "images"),
-        forwards_to_target=fig(lambda c: c.reach_accuracy(target, c.images) * per_image, "forwards"),
-        wall_s_to_target=fig(lambda c: c.reach_accuracy(target, c.wall_s), "s"),
-        fewer_images=fig(lambda c: fewer(frontier.reference_images, c.reach_accuracy(target, c.images)), "x"),
+        images_to_target=fig(lambda c: c.reach(target, c.images), "images"),
+        forwards_to_target=fig(lambda c: c.reach(target, c.images) * per_image, "forwards"),
+        wall_s_to_target=fig(lambda c: c.reach(target, c.wall_s), "s"),
+        fewer_images=fig(lambda c: fewer(frontier.reference_images, c.reach(target, c.images)), "x"),
     )
 
 
@@ -416,14 +417,18 @@ def rollout_forwards_per_image(settings: SamplerSettings, group_size: int) -> fl
 
 def fewer(reference_images: float, images: float) -> float:
     """How many times fewer images than the reference: 0 where the run never reached the target,
-    inf where its base already had (no image needed)."""
+    inf where its base already had (no image needed), NaN where the reference did not (no target)."""
+    if math.isinf(reference_images):
+        return math.nan
     return math.inf if images == 0 else reference_images / images
 
 
 def fewer_cell(figure: Figure) -> str:
-    """``3.0 (1.5-4.0)``; ``never`` for 0, ``at start`` for inf."""
+    """``3.0 (1.5-4.0)``; ``never`` for 0, ``at start`` for inf, ``n/a`` without a target."""
 
     def one(value: float) -> str:
+        if math.isnan(value):
+            return "n/a"
         return "never" if value == 0 else "at start" if math.isinf(value) else f"{value:.1f}"
 
     return f"{one(figure.median)} ({one(figure.min)}-{one(figure.max)})"
@@ -461,8 +466,12 @@ def print_held_out_table(rows: list[HeldOutRow], best: float, frontier: Frontier
         print(" ".join(f"{cell(r):>{width}}" for _, width, cell in cells))
     print(f"median (min-max) over the seeds; best final gain {best:+.1f} points (50%: {best / 2:+.1f}, "
           f"90%: {0.9 * best:+.1f}); never: not reached by the last validation")  # fmt: skip
-    print(f"target: {reference}'s final accuracy, {frontier.target * 100:.1f}% (median over its seeds), "
-          f"reached by it after {frontier.reference_images:,.0f} images")  # fmt: skip
+    if math.isinf(frontier.target):
+        print(f"no target: {reference} ends {frontier.reference_final_gain:+.1f} points over its control "
+              "(median over its seeds), nothing learnt to reach")  # fmt: skip
+    else:
+        print(f"target: {reference}'s final gain, {frontier.target:+.1f} points over its control (median "
+              f"over its seeds), reached by it after {frontier.reference_images:,.0f} images")  # fmt: skip
 
 
 def plot_held_out(curves: list[HeldOutCurve], path: str) -> None:

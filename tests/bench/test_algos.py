@@ -72,7 +72,9 @@ def test_the_compose_benchmark_pairs_held_out_validations(tmp_path: Path) -> Non
         assert row["accuracy"]["median"] == pytest.approx(curve["accuracy"][-1] * 100)
         finals.append(final)
     assert report["best_final_gain"] == pytest.approx(max(finals))
-    assert report["frontier"]["target"] == report["curves"][0]["accuracy"][-1]  # the reference's final
+    reference_gain = finals[0]  # the reference's (one seed): its final gain, where it learnt anything
+    assert report["frontier"]["reference_final_gain"] == reference_gain
+    assert report["frontier"]["target"] == (reference_gain if reference_gain > 0 else None)  # JSON: no inf
     # CFG 4 (two rows) over 9 steps, a group of 4 sharing steps before a window starting in 2..6
     # (4 on average); the CFG-free demo recipe: one row over 9 steps
     assert report["frontier"]["forwards_per_image"] == {
@@ -125,9 +127,10 @@ def test_the_thresholds_are_the_first_validations_at_half_and_90_percent_of_the_
     assert nothing.images_to_half.median == math.inf  # no gain: no threshold is reached, not step 0's
 
 
-def test_the_frontier_is_the_images_to_the_reference_algorithms_final_accuracy() -> None:
-    """slow (the reference) ends at 46, 30 and 40%: the target is 40%, which slow reaches at 1,920
-    images on seeds 0 and 2 and never on seed 1 (median 1,920); fast reaches it at 640, 1,280, 640."""
+def test_the_frontier_is_the_images_to_the_reference_algorithms_final_gain() -> None:
+    """slow (the reference) ends +16, +10 and +15 points over its controls: the target is +15,
+    which slow reaches at 1,920 images on seeds 0 and 2 and never on seed 1 (median 1,920); fast
+    (gains 0/20/30/30, 0/5/25/30, 0/15/15/20) at 640, 1,280 and 640."""
     curves = [
         synthetic("fast", 0, [0.30, 0.50, 0.60, 0.60]),
         synthetic("fast", 1, [0.20, 0.25, 0.45, 0.50]),
@@ -137,7 +140,7 @@ def test_the_frontier_is_the_images_to_the_reference_algorithms_final_accuracy()
         synthetic("slow", 2, [0.25, 0.30, 0.35, 0.40]),
     ]
     frontier = algos.frontier_of(curves, "slow", {"fast": 10.0, "slow": 20.0})
-    assert (frontier.target, frontier.reference_images) == (0.40, 1920.0)
+    assert (frontier.target, frontier.reference_images) == (pytest.approx(15.0), 1920.0)
     best = algos.best_final_gain(curves)
     fast = algos.held_out_row("fast", curves[:3], best, frontier)
     assert (fast.images_to_target.min, fast.images_to_target.median, fast.images_to_target.max) == (
@@ -153,3 +156,15 @@ def test_the_frontier_is_the_images_to_the_reference_algorithms_final_accuracy()
     assert algos.fewer_cell(fast.fewer_images) == "3.0 (1.5-3.0)" and algos.fewer(1920.0, 0.0) == math.inf
     with pytest.raises(SystemExit, match="--reference medium was not run"):
         algos.frontier_of(curves, "medium", {})
+
+
+def test_a_reference_that_learnt_nothing_sets_no_target() -> None:
+    """flat ends at or below its controls (0 and -10 points): no gain to reach, so no run reaches
+    one and no ratio is given, where an accuracy target would have been met at step 0."""
+    curves = [synthetic("flat", 0, [0.40, 0.45, 0.40]), synthetic("flat", 1, [0.30, 0.35, 0.20]),
+              synthetic("fast", 0, [0.30, 0.50, 0.60])]  # fmt: skip
+    frontier = algos.frontier_of(curves, "flat", {"fast": 10.0, "flat": 10.0})
+    assert frontier.target == math.inf and frontier.reference_final_gain == pytest.approx(-5.0)
+    fast = algos.held_out_row("fast", curves[2:], algos.best_final_gain(curves), frontier)
+    assert fast.images_to_target.median == math.inf and math.isnan(fast.fewer_images.median)
+    assert algos.fewer_cell(fast.fewer_images) == "n/a (n/a-n/a)"
