@@ -205,6 +205,8 @@ def test_naming_the_section_s_own_kind_keeps_its_settings_and_another_kind_reset
         ("method=null", "method: null is not a section; name one of plain, mixed, guided"),
         ("method=[1]", "method: expected a name (plain, mixed, guided) or a mapping, got [1]"),
         ("method.name=other", "method.name: 'other' is not one of"),
+        ("method={name: [1, 2]}", "method.name: [1, 2] is not one of"),
+        ("method={name: {a: 1}}", "method.name: {'a': 1} is not one of"),
     ],
 )
 def test_a_bad_tagged_union_names_the_key_and_the_choices(override: str, fragment: str) -> None:

@@ -263,7 +263,7 @@ def _tagged_mapping(variants: dict[str, type], value: Any, path: str) -> dict[st
     name = value.get("name")
     if name is None:
         raise ConfigError(f"{path}: the section has no name: add name: (one of {', '.join(variants)})")
-    if name not in variants:
+    if not isinstance(name, str) or name not in variants:  # a list or a mapping is no name (nor hashable)
         raise ConfigError(f"{path}.name: {brief(name)} is not one of {', '.join(map(repr, variants))}")
     return dict(value)
 
