@@ -545,7 +545,10 @@ def main(argv: list[str] | None = None) -> int:
             run_case(case, options, folder / name, HELD_OUT_KEY if args.task == "compose" else None)
 
         with ThreadPoolExecutor(args.jobs) as pool:
-            list(pool.map(run, cases))
+            failures = [error for error in pool.map(lambda item: _failure_of(run, item), cases) if error]
+        if failures:  # every case ran: the finished runs stay in a --keep folder, and resume as finished
+            again = "; the same command with --keep runs only what is missing" if args.keep else ""
+            raise SystemExit(f"{len(failures)} of {len(cases)} runs failed{again}:\n" + "\n".join(failures))
         trained = [(a, case) for a, case in cases if not case.control]
         pairs = [
             (a, c.seed, folder / a / c.label, folder / a / replace(c, control=True).label) for a, c in trained
@@ -563,6 +566,17 @@ def main(argv: list[str] | None = None) -> int:
         )
     write_json(args.json, {**report, "task": args.task, "algorithms": {a: algorithms[a] for a in chosen}})
     return 0
+
+
+def _failure_of(run: Callable[[tuple[str, Case]], None], item: tuple[str, Case]) -> str:
+    """ "" where ``run(item)`` succeeded, else what stopped it (one case's failure ends no other)."""
+    try:
+        run(item)
+    except SystemExit as stop:
+        name, case = item
+        print(f"{name}/{case.label} failed", file=sys.stderr, flush=True)
+        return f"{name}/{case.label}: {stop}"
+    return ""
 
 
 def jpeg_report(

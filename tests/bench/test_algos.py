@@ -13,6 +13,7 @@ import pytest
 
 from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
 from flowgrpo.services.bench import algos
+from flowgrpo.services.bench.learning import Case
 
 from .demo import SHORT_DEMO
 
@@ -168,3 +169,27 @@ def test_a_reference_that_learnt_nothing_sets_no_target() -> None:
     fast = algos.held_out_row("fast", curves[2:], algos.best_final_gain(curves), frontier)
     assert fast.images_to_target.median == math.inf and math.isnan(fast.fewer_images.median)
     assert algos.fewer_cell(fast.fewer_images) == "n/a (n/a-n/a)"
+
+
+def test_a_failed_run_ends_no_other_and_all_failures_are_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every case runs to its end; the failures come together, each with its run's message."""
+    ran: list[str] = []
+
+    def fake_run_case(case: Case, options: object, folder: Path, key: object = None) -> None:
+        label = f"{folder.name}/{case.label}"
+        ran.append(label)
+        if label.startswith("diffusion_nft_cfg_free/seed1") and not case.control:
+            raise SystemExit("seed1-native-t1-trained failed (exit 2):\nbad recipe")
+
+    monkeypatch.setattr(algos, "run_case", fake_run_case)
+    argv = [*SHORT_COMPOSE, "--seeds", "0", "1", "--images", "8", "--eval-images", "4", "--jobs", "2",
+            "--algorithms", "flow_grpo_branch", "diffusion_nft_cfg_free",
+            "--keep", str(tmp_path)]  # fmt: skip
+    with pytest.raises(SystemExit) as stop:
+        algos.main(argv)
+    assert len(ran) == 8  # 2 algorithms x 2 seeds x (trained, control)
+    said = str(stop.value)
+    assert said.startswith("1 of 8 runs failed; the same command with --keep runs only what is missing")
+    assert "diffusion_nft_cfg_free/seed1-native-t1-trained: seed1-native-t1-trained failed (exit 2)" in said
