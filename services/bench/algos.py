@@ -265,6 +265,9 @@ def _plot_lines(
 # --- the compose task: held-out accuracy --------------------------------------------------------
 
 
+GAIN_TOLERANCE = 1e-9  # points: far below one prompt of any held-out set (100 / 10^6)
+
+
 @dataclass
 class HeldOutCurve:
     """One (algorithm, seed) pair on the compose task, at each validation of the trained run."""
@@ -289,8 +292,12 @@ class HeldOutCurve:
         return [r + t for r, t in zip(self.rollout_s, self.trainer_s, strict=True)]
 
     def reach(self, target: float, axis: list[float]) -> float:
-        """``axis`` at the first validation whose gain is at least ``target`` points (inf: none)."""
-        return next((x for x, g in zip(axis, self.gain, strict=True) if g >= target), math.inf)
+        """``axis`` at the first validation whose gain is at least ``target`` points (inf: none).
+        Gains are whole prompts over the held-out count, computed from other controls: the same
+        number of prompts may differ in its last bits, so equal within 1e-9 points counts."""
+        return next(
+            (x for x, g in zip(axis, self.gain, strict=True) if g >= target - GAIN_TOLERANCE), math.inf
+        )
 
 
 def held_out_curve(
