@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 import typing
 from collections.abc import Iterator
 from typing import Any
@@ -42,6 +43,17 @@ class NumericField:
     key: str  # dotted; "[0]" for the first item of a list of sections
     hint: Any
     field: dataclasses.Field[Any]
+    select: tuple[str, ...] = ()  # the overrides that pick its section of a tagged union
+
+
+def _variants(hint: Any) -> dict[str, Any]:
+    """A tagged union's sections by name (``trainer.algorithm``), else {}."""
+    if typing.get_origin(hint) not in (typing.Union, types.UnionType):
+        return {}
+    args = typing.get_args(hint)
+    if not all(isinstance(a, type) and dataclasses.is_dataclass(a) for a in args):
+        return {}
+    return {typing.get_args(typing.get_type_hints(a)["name"])[0]: a for a in args}
 
 
 def _section(hint: Any) -> Any:
@@ -52,16 +64,21 @@ def _section(hint: Any) -> Any:
     return None
 
 
-def numeric_fields(config: type[Any], cls: type[Any], prefix: str = "") -> Iterator[NumericField]:
+def numeric_fields(
+    config: type[Any], cls: type[Any], prefix: str = "", select: tuple[str, ...] = ()
+) -> Iterator[NumericField]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         hint, key = hints[f.name], f"{prefix}{f.name}"
-        section = _section(hint)
-        if section is not None:
+        variants, section = _variants(hint), _section(hint)
+        if variants:  # every section of the union, each picked by its name
+            for name, variant in variants.items():
+                yield from numeric_fields(config, variant, f"{key}.", (*select, f"{key}={name}"))
+        elif section is not None:
             item = "[0]" if typing.get_origin(hint) is list else ""
-            yield from numeric_fields(config, section, f"{key}{item}.")
+            yield from numeric_fields(config, section, f"{key}{item}.", select)
         elif hint in NUMBERS:
-            yield NumericField(config, key, hint, f)
+            yield NumericField(config, key, hint, f, select)
 
 
 FIELDS = [nf for config in CONFIGS for nf in numeric_fields(config, config)]
@@ -75,6 +92,10 @@ def test_the_walk_finds_the_sections_it_must() -> None:
                 "launch.start_timeout_s", "trainer.keep_last"):  # fmt: skip
         assert key in keys
     assert len(keys) >= 90, len(keys)
+    picked = {(nf.key, nf.select) for nf in FIELDS if nf.config is RunConfig and nf.select}
+    for name in ("diffusion_nft", "dgpo"):  # each algorithm's own beta, its section picked by name
+        assert ("trainer.algorithm.beta", (f"trainer.algorithm={name}",)) in picked
+    assert ("trainer.algorithm.train_times", ("trainer.algorithm=awm",)) in picked
     service_keys = {nf.key for nf in FIELDS if nf.config is TrainerServiceConfig}
     assert {"server.concurrency", "orphan_after_s", "trainer.optim.lr"} <= service_keys
     assert any(nf.key == "default_deadline_s" for nf in FIELDS if nf.config is ClientConfig)
@@ -84,7 +105,7 @@ def test_the_walk_finds_the_sections_it_must() -> None:
 def test_every_numeric_field_has_a_range_and_refuses_what_lies_outside(nf: NumericField) -> None:
     assert "range" in nf.field.metadata, f"{nf.key} has no range: declare it with flowgrpo.fields.knob"
     lo, hi = nf.field.metadata["range"]
-    base = BASE.get(nf.config, [])
+    base = [*BASE.get(nf.config, []), *nf.select]
     assert load_config(nf.config, overrides=base)  # the defaults pass
     integer = nf.hint in (int, tuple[int, int])
     outside: list[Any] = [lo - 1 if integer else _below(lo), hi + 1 if integer else _above(hi)]
