@@ -2,8 +2,9 @@
 
 Every process reads it: the trainer trains by it, the coordinator computes the algorithm's
 targets and checks by it (``flowgrpo.algorithms``), and the READY handshake compares a remote
-trainer's with the coordinator's (``flowgrpo.config_digest``). The trainer service's own process
-settings (``TrainerServiceConfig``) stay with the service."""
+trainer's with the coordinator's (``flowgrpo.config_digest``). ``trainer.algorithm`` is a tagged
+union of the algorithms' sections, each defined in its package's ``config.py``.
+``TrainerServiceConfig`` is the section with the process's settings (``flowgrpo serve trainer``)."""
 
 from __future__ import annotations
 
