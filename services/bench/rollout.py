@@ -79,6 +79,7 @@ from flowgrpo.services.bench.rollout_forward import (
 from flowgrpo.services.bench.stats import (
     MIN_REPEATS,
     Figure,
+    Runs,
     ratio,
     repeats_arg,
     run_timed,
@@ -249,25 +250,29 @@ def measure_guidance(
 def _guidance_row(setup: Setup, requests: list[SampleRequest], resolution: int, scale: float) -> GuidanceRow:
     params = SamplerParams(num_points=setup.num_points, height=resolution, width=resolution,
                            decode_images=False, cfg_text_scale=scale, cfg_img_scale=1.0)  # fmt: skip
-    flops: list[float] = []
-    forward_rows: list[int] = []
-    calls: list[None] = []
-
-    def rollout() -> RolloutRun:  # the warm-up run is counted, the timed ones not
-        calls.append(None)
-        counting = (
-            counted_forwards(setup.model, flops, forward_rows)
-            if len(calls) == 1
-            else contextlib.nullcontext()
-        )
-        with counting:
-            return _rollout(setup, requests, resolution, params)
-
-    runs = run_timed(rollout, device=setup.device, repeats=setup.repeats)
+    runs, flops, forward_rows = _counted_runs(setup, requests, params)
     return GuidanceRow(resolution=resolution, batch=len(requests), cfg_text_scale=scale,
                        forward_rows=forward_rows, tflop_per_image=sum(flops) / len(requests) / 1e12,
                        images_per_s=runs.seconds.per(len(requests), "images/s"), end_to_end_s=runs.seconds,
                        loop_s=Figure.of([r.loop_s for r in runs.outputs]))  # fmt: skip
+
+
+def _counted_runs(
+    setup: Setup, requests: list[SampleRequest], params: SamplerParams, step: int = 0
+) -> tuple[Runs[RolloutRun], list[float], list[int]]:
+    """Timed end-to-end rollouts of ``requests``, and the FLOPs and rows of every forward of one
+    rollout, counted on the warm-up run (a device read per forward), not on the timed ones."""
+    flops: list[float] = []
+    forward_rows: list[int] = []
+    calls: list[None] = []
+
+    def rollout() -> RolloutRun:
+        calls.append(None)
+        first = len(calls) == 1
+        with counted_forwards(setup.model, flops, forward_rows) if first else contextlib.nullcontext():
+            return _rollout(setup, requests, params.height, params, step)
+
+    return run_timed(rollout, device=setup.device, repeats=setup.repeats), flops, forward_rows
 
 
 def _branch_row(setup: Setup, requests: list[SampleRequest], params: SamplerParams, begin: int) -> BranchRow:
@@ -275,21 +280,7 @@ def _branch_row(setup: Setup, requests: list[SampleRequest], params: SamplerPara
     if step < 0 or window_begin(params, 0, step, requests[0].prompt_uid) != begin:
         raise ValueError(f"--branch-begins: {begin} is not a window start of window_range "
                          f"{list(params.window_range)} and window_size {params.window_size}")  # fmt: skip
-    flops: list[float] = []
-    forward_rows: list[int] = []
-    calls: list[None] = []
-
-    def rollout() -> RolloutRun:  # the warm-up run counts (a device read per forward), timed ones not
-        calls.append(None)
-        counting = (
-            counted_forwards(setup.model, flops, forward_rows)
-            if len(calls) == 1
-            else contextlib.nullcontext()
-        )
-        with counting:
-            return _rollout(setup, requests, params.height, params, step)
-
-    runs = run_timed(rollout, device=setup.device, repeats=setup.repeats)
+    runs, flops, forward_rows = _counted_runs(setup, requests, params, step)
     group = len(requests)
     return BranchRow(
         resolution=params.height,
