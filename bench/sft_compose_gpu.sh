@@ -7,9 +7,11 @@
 # base that is good but imperfect: 20-60%), by the same command with steps=N (sft takes the
 # checkpoint of step N: every draw depends on the step alone).
 #   run(command="bash bench/sft_compose_gpu.sh", carry=[".whl"], kind="nvidia-h200", timeout_s=600)
-# Outputs under OUT (default /tmp/sft-compose): <variant>/metrics.jsonl and eval grids, model/
-# (the chosen base, published layout), choice.json; a summary line last.
-# Environment: OUT, STEPS (4000), EVAL_EVERY (250), TARGET (0.4), VARIANTS (name:overrides;...; an
+# Outputs under OUT (default /tmp/sft-compose): <variant>/metrics.jsonl and eval grids, choice.json,
+# the chosen base (published layout) in MODEL_OUT (default OUT/model); a summary line last.
+# Environment: OUT, MODEL_OUT, STEPS (4000), EVAL_EVERY (250), TARGET (0.4), GEOMETRY (the drawer's:
+# tiny or 300m, make-tiny-bagel --drawer-size), SIZE (64: the pairs' and the training images' side
+# in px, a multiple of 16), VARIANTS (name:overrides;...; an
 # override unmentioned=S trains on pairs of which the share S hold a blob their prompt does not
 # name: data compose-images --unmentioned S), LIMIT_S (480: each variant's sft is stopped then, its
 # curve kept), DEVICE (cuda; cpu to try the script here with a few STEPS).
@@ -19,6 +21,9 @@ OUT=${OUT:-/tmp/sft-compose}
 STEPS=${STEPS:-4000}
 EVAL_EVERY=${EVAL_EVERY:-250}
 TARGET=${TARGET:-0.4}
+GEOMETRY=${GEOMETRY:-tiny}
+SIZE=${SIZE:-64}
+MODEL_OUT=${MODEL_OUT:-$OUT/model}
 VARIANTS=${VARIANTS:-"recipe:;b256:batch_size=256 micro_batch_size=256;lr3e-4:optim.lr=3e-4"}
 mkdir -p "$OUT"
 source bench/gpu_env.sh
@@ -28,11 +33,12 @@ rm -rf "$WORK" && mkdir -p "$WORK"
 started=$SECONDS
 $PY -c 'import torch, scipy; print("torch", torch.__version__, torch.cuda.get_device_name(0), "scipy", scipy.__version__)' \
     | tee "$OUT/env.txt"
-$PY -m flowgrpo.services.cli make-tiny-bagel "$WORK/drawer" --drawer examples/data/compose/train.txt || exit 1
+$PY -m flowgrpo.services.cli make-tiny-bagel "$WORK/drawer" --drawer examples/data/compose/train.txt \
+    --drawer-size "$GEOMETRY" || exit 1
 # the pairs of one share of unmentioned blobs (made once, shared by the variants that ask for it)
 pairs_of() {
     local dir="$WORK/pairs-$1"
-    [ -d "$dir" ] || $PY -m flowgrpo.services.cli data compose-images "$dir" --layouts 32 --unmentioned "$1" >&2 || return 1
+    [ -d "$dir" ] || $PY -m flowgrpo.services.cli data compose-images "$dir" --layouts 32 --size "$SIZE" --unmentioned "$1" >&2 || return 1
     echo "$dir"
 }
 # a variant's sft overrides, with unmentioned=S turned into data.images of those pairs
@@ -44,7 +50,7 @@ variant_args() {
     echo "data.images=$(pairs_of "$share")" "${args[@]}"
 }
 
-common=("device=${DEVICE:-cuda}" dtype=float32 "model=$WORK/drawer" "steps=$STEPS"
+common=("device=${DEVICE:-cuda}" dtype=float32 "model=$WORK/drawer" "steps=$STEPS" "data.resolution=$SIZE"
         "eval.every=$EVAL_EVERY" "save_every=$EVAL_EVERY" keep_last=1000 log_every=50)
 declare -A pids
 IFS=';' read -ra specs <<< "$VARIANTS"
@@ -87,7 +93,7 @@ extra=$($PY -c "import json,sys; print(json.load(open('$OUT/choice.json'))['over
 read -ra extra <<< "$(variant_args "$extra")"
 $PY -m flowgrpo.services.cli sft examples/sft_compose.yaml "${common[@]}" "run_dir=$WORK/$name" "${extra[@]}" \
     "steps=$step" > "$OUT/export.log" 2>&1 || { tail "$OUT/export.log"; exit 1; }
-cp -r "$WORK/$name/model" "$OUT/model"
+rm -rf "$MODEL_OUT" && mkdir -p "$(dirname "$MODEL_OUT")" && cp -r "$WORK/$name/model" "$MODEL_OUT"
 $PY - "$OUT" "$((SECONDS - started))" <<'EOF'
 import json, sys
 out, seconds = sys.argv[1], sys.argv[2]

@@ -360,6 +360,7 @@ def _read_prompt_file(path: str | None) -> list[str]:
 
 def _cmd_make_tiny_bagel(args: argparse.Namespace) -> int:
     from flowgrpo.models.bagel.checkpoint import make_tiny_bagel, make_tiny_drawer
+    from flowgrpo.models.bagel.config import DRAWER_SIZES
 
     if args.drawer:
         if args.complete or args.flux_ae:
@@ -367,11 +368,15 @@ def _cmd_make_tiny_bagel(args: argparse.Namespace) -> int:
         corpus = _read_prompt_file(args.drawer)
         if not corpus:
             raise UsageError(f"--drawer {args.drawer}: the prompt file holds no prompt")
-        path = make_tiny_drawer(args.dir, corpus, seed=args.seed)
+        geometry = DRAWER_SIZES[args.drawer_size]()
+        path = make_tiny_drawer(args.dir, corpus, seed=args.seed, geometry=geometry)
         print(
-            f"wrote an untrained tiny drawing BAGEL (the cell codec, a tokenizer of {args.drawer}) to {path}"
+            f"wrote an untrained drawing BAGEL ({args.drawer_size}: {geometry.layers} layers of "
+            f"{geometry.hidden}; the cell codec, a tokenizer of {args.drawer}) to {path}"
         )
         return 0
+    if args.drawer_size != "tiny":
+        raise UsageError("--drawer-size sizes the drawing model: give --drawer PROMPT_FILE too")
     path = make_tiny_bagel(args.dir, seed=args.seed, complete=args.complete, flux_ae=args.flux_ae)
     layout = "the complete published layout" if args.complete else "published layout"
     print(f"wrote a tiny random BAGEL checkpoint ({layout}) to {path}")
@@ -798,6 +803,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PROMPT_FILE",
         help="the tiny drawing model instead: 4 layers of 128, the cell codec as its VAE, a tokenizer "
         "trained on PROMPT_FILE's prompts; untrained (flowgrpo sft teaches it to draw)",
+    )
+    tiny.add_argument(
+        "--drawer-size",
+        choices=("tiny", "300m"),
+        default="tiny",
+        help="the drawing model's geometry: tiny (4 layers of 128, 1.8M parameters, for CPUs) or 300m "
+        "(10 layers of 1024, 306M parameters, a latent grid up to 256 px: for a GPU)",
     )
     tiny.add_argument(
         "--flux-ae",

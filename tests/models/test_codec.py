@@ -3,15 +3,16 @@ against the same maps written independently in numpy, through the published file
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from flowgrpo.models.bagel.checkpoint import load_vae, make_tiny_drawer
+from flowgrpo.models.bagel.checkpoint import load_vae, make_tiny_drawer, read_bagel_config
 from flowgrpo.models.bagel.codec import BACKGROUND, GAIN, cell_codec
-from flowgrpo.models.bagel.config import VAEConfig, tiny_vae
+from flowgrpo.models.bagel.config import VAEConfig, tiny_drawer, tiny_vae
 
 
 def cell_means(pixels: np.ndarray) -> np.ndarray:
@@ -86,6 +87,15 @@ def test_the_drawer_folder_holds_the_codec_in_the_flux_layout(tmp_path: Path) ->
     again = make_tiny_drawer(tmp_path / "again", ["a red blob", "two blue blobs"], seed=0)
     for file in ("ema.safetensors", "ae.safetensors", "tokenizer.json"):
         assert (folder / file).read_bytes() == (again / file).read_bytes()
+
+
+def test_a_drawer_of_another_geometry_is_written_in_it(tmp_path: Path) -> None:
+    """--drawer-size's path: the geometry given is the one the folder holds (here a 2-layer
+    drawer of width 64 with a 256 px grid, small enough to write in a test)."""
+    geometry = replace(tiny_drawer(), hidden=64, layers=2, intermediate=128, max_latent_size=16)
+    folder = make_tiny_drawer(tmp_path / "drawer", ["a red blob"], seed=0, geometry=geometry)
+    assert read_bagel_config(folder) == geometry
+    assert read_bagel_config(make_tiny_drawer(tmp_path / "tiny", ["a red blob"], seed=0)) == tiny_drawer()
 
 
 def test_other_widths_are_refused() -> None:

@@ -517,12 +517,15 @@ def make_tiny_bagel(
 DRAWER_VOCAB = 500
 
 
-def make_tiny_drawer(folder: str | Path, corpus: Sequence[str], seed: int = 0) -> Path:
-    """Write the untrained tiny drawing model to ``folder``: the ``tiny_drawer`` geometry with
-    random weights (``seed``), the cell codec as its VAE (``codec.py``: the latent is an 8x8 colour
-    image of the 64 px picture) and a tokenizer trained on ``corpus`` (the task's prompts). The
-    same arguments give the same bytes. ``flowgrpo sft`` then teaches it to draw."""
-    cfg = tiny_drawer()
+def make_tiny_drawer(
+    folder: str | Path, corpus: Sequence[str], seed: int = 0, geometry: BagelConfig | None = None
+) -> Path:
+    """Write the untrained drawing model to ``folder``: ``geometry`` (default ``tiny_drawer``;
+    ``DRAWER_SIZES`` names the others) with random weights (``seed``), the cell codec as its VAE
+    (``codec.py``: the latent is a colour image of the picture's 8x8 cells) and a tokenizer trained
+    on ``corpus`` (the task's prompts). The same arguments give the same bytes. ``flowgrpo sft``
+    then teaches it to draw."""
+    cfg = geometry or tiny_drawer()
     tokenizer = build_tiny_tokenizer(DRAWER_VOCAB, corpus)
     ids = {field: tokenizer.token_to_id(name) for field, name in SPECIAL_TOKEN_NAMES.items()}
     specials = SpecialTokens(**{field: int(i) for field, i in ids.items() if i is not None})

@@ -132,6 +132,28 @@ def tiny_drawer() -> BagelConfig:
     )
 
 
+
+def drawer_300m() -> BagelConfig:
+    """The drawing model at a size where a GPU matters (306M parameters, half of them the gen
+    path): the same task, tokenizer and cell codec as ``tiny_drawer``, BAGEL's layout at 10 layers
+    of 1024 (Qwen2's 16 query and 4 key-value heads of 64, a SwiGLU of 4x), a latent grid up to
+    16 tokens a side (256 px)."""
+    return BagelConfig(
+        hidden=1024,
+        layers=10,
+        heads=16,
+        kv_heads=4,
+        head_dim=64,
+        intermediate=4096,
+        vocab=512,
+        max_latent_size=16,
+        max_position_embeddings=1024,
+    )
+
+
+# ``flowgrpo make-tiny-bagel --drawer PROMPTS --drawer-size NAME``
+DRAWER_SIZES = {"tiny": tiny_drawer, "300m": drawer_300m}
+
 @dataclass(frozen=True)
 class VAEConfig:
     """Geometry of the FLUX.1 autoencoder. Spatial downsampling is 2 ** (len(ch_mult) - 1)."""

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The prompt-following task at a size where the GPU matters, in TWO device calls on one warm
+# machine (the model stays in .ckpt/ between them; a machine is warm 30 s after a call):
+#   run(command="bash bench/compose_scale_gpu.sh sft", carry=[".whl"], timeout_s=600)
+#   run(command="bash bench/compose_scale_gpu.sh rl", carry=[".whl"], timeout_s=600)
+# sft: the 306M-parameter drawer in BAGEL's layout (make-tiny-bagel --drawer-size 300m: 10 layers of
+#   1024, the cell codec, the task's tokenizer) taught to draw SIZE px pairs by `flowgrpo sft`
+#   (bench/sft_compose_gpu.sh: one variant, evaluated on the held-out combinations every
+#   EVAL_EVERY steps); the step nearest TARGET held-out accuracy is kept in MODEL.
+# rl: `flowgrpo bench algos` on that model through the real services (launcher local: the
+#   coordinator, rollout, trainer and reward processes; rollout and trainer on the one GPU, the
+#   base shared and the LoRA published by CUDA IPC, as examples/bagel_pickscore_lora_1gpu.yaml),
+#   FlowGRPO (examples/tiny_compose.yaml's, branched) against AWM (the frontier table's best),
+#   each paired with its lr = 0 control: held-out accuracy against images and GPU seconds.
+# Outputs under OUT (/tmp/compose-scale): sft/ (the curve, choice.json), algos.json, algos.png,
+# algos.log; a summary line last. Environment: OUT, MODEL (.ckpt/compose-300m), SIZE (128),
+# STEPS (1500), EVAL_EVERY (250), TARGET (0.4), SFT_LIMIT_S (380), IMAGES (3840: each algorithm's
+# budget), EVAL_IMAGES (640), ALGORITHMS ("flow_grpo_branch awm"), DEVICE (cuda; cpu: a smoke
+# test of the plumbing here with the tiny drawer, 64 px and a few steps).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+stage=${1:?usage: bash bench/compose_scale_gpu.sh sft|rl}
+OUT=${OUT:-/tmp/compose-scale}
+MODEL=${MODEL:-$PWD/.ckpt/compose-300m}
+DEVICE=${DEVICE:-cuda}
+SIZE=${SIZE:-128}
+mkdir -p "$OUT"
+source bench/gpu_env.sh
+started=$SECONDS
+
+if [[ $stage == sft ]]; then
+    OUT="$OUT/sft" MODEL_OUT="$MODEL" GEOMETRY=${GEOMETRY:-300m} SIZE=$SIZE STEPS=${STEPS:-1500} \
+        EVAL_EVERY=${EVAL_EVERY:-250} TARGET=${TARGET:-0.4} LIMIT_S=${SFT_LIMIT_S:-380} \
+        VARIANTS=${VARIANTS:-"lr3e-4:optim.lr=3e-4"} DEVICE=$DEVICE bash bench/sft_compose_gpu.sh
+    exit $?
+fi
+[[ $stage == rl ]] || { echo "stage $stage: sft or rl" >&2; exit 2; }
+[[ -f $MODEL/ema.safetensors ]] || { echo "no model at $MODEL: run the sft stage first (same warm machine)" >&2; exit 1; }
+rm -rf /tmp/compose-scale-runs
+if [[ $DEVICE == cuda* ]]; then
+    # the one-GPU system's placement and precision (examples/bagel_pickscore_lora_1gpu.yaml)
+    PLACE=(rollout.device=cuda:0 rollout.dtype=bfloat16 rollout.lora_mode=merge rollout.max_batch_samples=64
+           rollout.base_weights=trainer trainer.device=cuda:0 trainer.dtype=bfloat16 trainer.share_base=true
+           trainer.publish_cuda_ipc=true trainer.publish_bus=false)
+else
+    PLACE=()
+fi
+# LoRA as BAGEL-7B is trained (rank 64, alpha 128), each recipe's own lr and loss; every run
+# through the real services
+$PY -m flowgrpo.services.cli bench algos --algorithms ${ALGORITHMS:-flow_grpo_branch awm} --seeds 0 \
+    --images "${IMAGES:-3840}" --eval-images "${EVAL_IMAGES:-640}" --jobs 1 --reference flow_grpo_branch \
+    --keep /tmp/compose-scale-runs --json "$OUT/algos.json" --plot "$OUT/algos.png" \
+    model.checkpoint="$MODEL" sampling.resolution="$SIZE" launch.launcher=local trainer.policy.kind=lora \
+    "${PLACE[@]}" 2>&1 | tee "$OUT/algos.log"
+status=$?
+# the services' logs, for a failed or slow run (one file: a call brings back 8)
+tar czf "$OUT/logs.tgz" -C /tmp/compose-scale-runs $(cd /tmp/compose-scale-runs 2>/dev/null && ls -d */logs 2>/dev/null) 2>/dev/null
+echo "COMPOSE SCALE rl: exit $status in $((SECONDS - started)) s"
+exit $status
