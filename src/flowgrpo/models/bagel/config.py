@@ -132,7 +132,6 @@ def tiny_drawer() -> BagelConfig:
     )
 
 
-
 def drawer_300m() -> BagelConfig:
     """The drawing model at a size where a GPU matters (306M parameters, half of them the gen
     path): the same task, tokenizer and cell codec as ``tiny_drawer``, BAGEL's layout at 10 layers
@@ -153,6 +152,7 @@ def drawer_300m() -> BagelConfig:
 
 # ``flowgrpo make-tiny-bagel --drawer PROMPTS --drawer-size NAME``
 DRAWER_SIZES = {"tiny": tiny_drawer, "300m": drawer_300m}
+
 
 @dataclass(frozen=True)
 class VAEConfig:
