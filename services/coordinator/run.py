@@ -481,6 +481,7 @@ class Coordinator:
                 policy_version=s.policy_version,
                 advantage=a,
                 inputs={"prompt_ids": g.ids_ref, **{c: s.outputs[c] for c in columns}},
+                precision=s.precision,
             )
             for g in groups
             for s, a in zip(g.samples, targets[g.row.prompt_uid], strict=True)

@@ -25,6 +25,7 @@ from flowgrpo.models.bagel.checkpoint import (
     read_bagel_config,
 )
 from flowgrpo.models.bagel.config import is_gen_path
+from flowgrpo.models.bagel.fp8 import check_fp8_device, quantize_gen_path
 from flowgrpo.models.bagel.model import BagelModel
 from flowgrpo.models.bagel.parallelize import parallelize_bagel
 from flowgrpo.models.bagel.policy import LoraMode, PolicyApplier, PolicyUpdate
@@ -80,10 +81,15 @@ class NativeBagelEngine:
         max_batch_samples: int,
         lora_mode: LoraMode = "merge",
         base_from: str | Path | None = None,
+        fp8_bases: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.sampler = sampler
         self.max_batch_samples = max_batch_samples
         self._policy = PolicyApplier(sampler.model, lora_mode=lora_mode)
+        # rollout.precision=fp8: the gen path's weights before quantization, what LoRA merges onto
+        # (none when the trainer's shared base is that); None: the layers are in the weights' dtype
+        self.fp8 = fp8_bases is not None
+        self._policy.keep_bases(fp8_bases or {})
         # rollout.base_weights=trainer: the checkpoint for what the trainer does not share; the
         # model stays on the meta device until attach_base maps the trainer's base
         self.base_from = base_from
@@ -100,23 +106,29 @@ class NativeBagelEngine:
         lora_mode: LoraMode = "merge",
         compile: bool = False,
         base_weights: BaseWeights = "checkpoint",
+        fp8: bool = False,
     ) -> NativeBagelEngine:
+        if fp8:
+            check_fp8_device(device)
         if base_weights == "trainer":  # the weights come with the first update (attach_base)
             with torch.device("meta"):
                 model = BagelModel(read_bagel_config(folder)).to(dtype).eval().requires_grad_(False)
         else:
             model = load_bagel_model(folder, dtype=dtype, device=device).eval()
+        fp8_bases = quantize_gen_path(model) if fp8 else None  # before compile: it traces the FP8 layers
         on_gpu = str(device).startswith("cuda")
         parallelize_bagel(model, None, compile=compile and on_gpu, activation_checkpointing=False)
         vae = load_vae(folder, dtype=dtype, device=device).eval()
         if not on_gpu:  # oneDNN's channels-last convolutions in batches that stay in cache
             vae.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch's stub omits it
-        log.info("loaded BAGEL from %s on %s (%s; base weights: %s)", folder, device, dtype, base_weights)
+        log.info(
+            "loaded BAGEL from %s on %s (%s%s; base weights: %s)",
+            folder, device, dtype, ", the gen path's linear layers in FP8" if fp8 else "", base_weights,
+        )  # fmt: skip
         decode_batch = 0 if on_gpu else CPU_DECODE_BATCH
         sampler = BagelSampler(model, vae, load_special_tokens(folder), decode_batch=decode_batch)
-        return cls(
-            sampler, max_batch_samples, lora_mode, base_from=folder if base_weights == "trainer" else None
-        )
+        base_from = folder if base_weights == "trainer" else None
+        return cls(sampler, max_batch_samples, lora_mode, base_from=base_from, fp8_bases=fp8_bases)
 
     @property
     def policy_version(self) -> int:

@@ -37,7 +37,7 @@ from flowgrpo.bus import (
 from flowgrpo.bus.dtypes import itemsize
 from flowgrpo.bus.relay import Keeper, RelayedFetch, Source
 from flowgrpo.bus.torch_tensors import put_tensor, to_torch
-from flowgrpo.columns import TRAJECTORY_COLUMNS
+from flowgrpo.columns import FP8, TRAJECTORY_COLUMNS
 from flowgrpo.config_digest import role_settings
 from flowgrpo.configs.rollout import RolloutServiceConfig
 from flowgrpo.devices import release_cached_memory
@@ -140,6 +140,7 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
             lora_mode=cfg.lora_mode,
             compile=cfg.compile,
             base_weights=cfg.base_weights,
+            fp8=cfg.precision == "fp8",
         )
 
     # --- RPCs ----------------------------------------------------------------------------------
@@ -364,6 +365,7 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
             policy_version=version,
             outputs=refs,
             window_begin=int(out.window_begin[row]),
+            precision=FP8 if self.config.rollout.precision == "fp8" else "",
         )
 
     def _attach_base(self, bucket: common_pb2.CudaIpcBucket) -> None:

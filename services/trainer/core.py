@@ -15,6 +15,7 @@ from opentelemetry import trace
 from flowgrpo.algorithms import algorithm_of
 from flowgrpo.bus import BusClient, TensorRef
 from flowgrpo.bus.torch_tensors import to_torch
+from flowgrpo.columns import FP8, SAMPLE_PRECISIONS
 from flowgrpo.configs.trainer import DgpoConfig, TrainerServiceConfig
 from flowgrpo.fields import FieldError, check_float, check_id, check_int
 from flowgrpo.models.bagel.checkpoint import load_special_tokens
@@ -47,6 +48,7 @@ from flowgrpo.services.trainer.publish import Publisher
 from flowgrpo.services.trainer.step import TrainStep, Trajectory
 from flowgrpo.telemetry import links_from
 from flowgrpo.v1 import common_pb2, trainer_pb2
+from flowgrpo.yamlfile import brief
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -151,6 +153,17 @@ class TrainerCore:
                 "(this trainer's version; a sample cannot come from a newer policy)"
             )
         check_float(f"{where}.advantage", sample.advantage, -MAX_ADVANTAGE, MAX_ADVANTAGE)
+        if sample.precision not in SAMPLE_PRECISIONS:
+            raise FieldError(
+                f"{where}.precision={brief(sample.precision)}: one of {list(SAMPLE_PRECISIONS)} "
+                "('' : sampled in the weights' dtype; 'fp8': rollout.precision=fp8)"
+            )
+        if sample.precision == FP8 and self.config.trainer.loss.logp_old == "bypass":
+            raise FieldError(
+                f"{where}: sample {sample.prompt_uid}/{sample.sample_index} was drawn by an FP8 rollout, "
+                "whose log-probs are not this trainer's old policy's: trainer.loss.logp_old=bypass would "
+                "train on them as if they were; use trainer.loss.logp_old=recompute"
+            )
         missing = [c for c in self.inputs if c not in sample.inputs]
         if missing:
             raise FieldError(
@@ -293,6 +306,7 @@ class TrainerCore:
                     inputs.get("log_probs", none),
                     inputs.get("sigmas", none),
                     inputs.get("final_latents"),
+                    fp8=sample.precision == FP8,
                 )
             )
         return batch, [f.trace for f in fetched]

@@ -21,6 +21,12 @@ Dim = int | str
 ShapePattern = tuple[Dim | EllipsisType, ...]
 
 
+# A trajectory's ``precision`` on the wire (rollout Sample -> trainer TrainSample): how its rollout
+# computed the gen path's linear layers. "": in its weights' dtype; FP8: e4m3 (rollout.precision=fp8)
+FP8 = "fp8"
+SAMPLE_PRECISIONS = ("", FP8)
+
+
 class SchemaViolation(ValueError):
     """A tensor does not match its column's dtype or shape, or the column is unknown."""
 

@@ -365,6 +365,23 @@ BAD_OVERRIDES = {
         ["rollout.lora_mode=peft", "only the native engine", "rollout.lora_mode=merge"],
     ),
     "unknown engine": (["rollout.engine=vllm"], ["rollout.engine: 'vllm' is not one of", "'vllm_omni'"]),
+    "FP8 with peft LoRA": (
+        ["rollout.precision=fp8", "rollout.lora_mode=peft"],
+        ["rollout.precision=fp8 quantizes the LoRA merged", "set rollout.lora_mode=merge"],
+    ),
+    "FP8 on vLLM-Omni": (
+        ["rollout.precision=fp8", "rollout.engine=vllm_omni"],
+        ["rollout.precision=fp8 is the native engine's", "not vllm_omni"],
+    ),
+    "FP8 in fp32 on a GPU": (
+        ["rollout.precision=fp8", "rollout.dtype=float32"],
+        ["rollout.precision=fp8 on a GPU writes its GEMMs' outputs in bfloat16", "rollout.dtype=bfloat16"],
+    ),
+    "FP8 with the bypass": (
+        ["rollout.precision=fp8", "trainer.loss.logp_old=bypass", "trainer.loss.max_logp_gap=1e-3"],
+        ["rollout.precision=fp8 samples another policy", "use trainer.loss.logp_old=recompute"],
+    ),
+    "unknown precision": (["rollout.precision=fp4"], ["rollout.precision: 'fp4' is not one of", "'fp8'"]),
     "GRPO-Guard without the recompute": (
         ["trainer.loss.mode=grpo_guard", "trainer.loss.logp_old=bypass", "trainer.loss.max_logp_gap=0"],
         ["trainer.loss.mode=grpo_guard", "use trainer.loss.logp_old=recompute"],

@@ -604,3 +604,22 @@ def test_batch_invariant_runs_train_bitwise_alike_without_recomputing_logp_old(
         1.0,
         1.0,
     ]  # measured once, then trusted
+
+
+def test_an_fp8_rollout_run_reports_its_gap_and_trains_with_the_importance_weights(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """rollout.precision=fp8 through the services (CPU: PyTorch's reference FP8 kernel): every
+    sample arrives marked, the trainer measures the quantization's log-prob gap and weights every
+    sample by the truncated ratio, at lag 0 too; the weights stay within what the gap allows."""
+    train(tmp_path, tiny, "launch.launcher=inprocess", "rollout.precision=fp8", "rollout.lora_mode=merge")
+    metrics = read_metrics(tmp_path)
+    assert len(metrics) == STEPS and all(r["trainer/lag/max"] == 0 for r in metrics)
+    for r in metrics:
+        gap = r["actor/fp8_logp_gap/max"]
+        assert 0 < r["actor/fp8_logp_gap/p50"] <= r["actor/fp8_logp_gap/p90"] <= gap, r
+        assert gap == r["actor/rollout_logp_gap/max"]  # every sample was drawn in FP8
+        bound = math.exp(gap) * (1 + 1e-6)  # the weights' fp32 rounding
+        assert 1 / bound <= r["actor/is_weight/min"] <= r["actor/is_weight/max"] <= bound, r
+        assert 1 / math.cosh(gap) ** 2 <= r["actor/is_ess"] < 1
+        assert r["actor/on_policy_fp8_logp_gap/rows"] > 0 and r["actor/on_policy_logp_gap/rows"] == 0

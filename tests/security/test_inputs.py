@@ -499,6 +499,7 @@ TRAIN_CASES = [
     ("negative sample index", on_sample(sample_index=-1), "samples[0].sample_index=-1"),
     ("huge sample index", on_sample(sample_index=2**31 - 1), "samples[0].sample_index"),
     ("empty prompt uid", on_sample(prompt_uid=""), "samples[0].prompt_uid"),
+    ("unknown precision", on_sample(precision="fp4"), "samples[0].precision='fp4': one of ['', 'fp8']"),
     ("duplicate sample", lambda r, s: r.samples.append(r.samples[0]), "appears twice"),
     ("missing column", lambda r, s: r.samples[0].inputs.__delitem__("log_probs"),
      "lacks input columns ['log_probs']"),

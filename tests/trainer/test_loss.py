@@ -90,8 +90,8 @@ def test_clipping_engages_only_outside_the_band() -> None:
 
 def test_importance_weights_are_one_on_policy_and_truncated() -> None:
     prox, behaviour = torch.tensor([0.0, 0.5, 3.0]), torch.tensor([0.1, 0.0, 0.0])
-    w = importance_weights(prox, behaviour, lag=torch.tensor([0, 1, 2]), cap=2.0)
-    assert w[0] == 1.0  # lag 0: exactly the sync loss
+    w = importance_weights(prox, behaviour, off_policy=torch.tensor([False, True, True]), cap=2.0)
+    assert w[0] == 1.0  # lag 0 from a rollout in the trainer's precision: exactly the sync loss
     assert torch.isclose(w[1], torch.exp(torch.tensor(0.5))) and w[2] == 2.0
     assert effective_sample_size(torch.ones(5)) == 1.0
     assert effective_sample_size(torch.tensor([1.0, 0.0, 0.0, 0.0])) == 0.25

@@ -323,3 +323,57 @@ def test_grpo_guard_on_a_rank_above_0_has_the_proximal_means_of_every_row_it_tra
     assert metrics["actor/skipped_steps"] == 0
     # this rank's sums over the mini-batch's 3 rows (no all-reduce here): its one valid row of 3
     assert abs(3 * metrics["actor/ratio_mean"] - 1.0) < 0.05  # 0.76 with row 4's mean lost
+
+
+def fp8_rollout(tiny: Path, advantages: list[float]) -> list[Trajectory]:
+    """The same requests drawn by an FP8 rollout (rollout.precision=fp8: the gen path's linear
+    layers quantized; on a CPU PyTorch's reference kernel), each trajectory marked as such."""
+    from flowgrpo.models.bagel.fp8 import quantize_gen_path
+
+    sampler = sampler_for(tiny)
+    quantize_gen_path(sampler.model)
+    return [replace(t, fp8=True) for t in rollout(sampler, advantages)]
+
+
+def test_fp8_samples_are_weighted_by_the_truncated_importance_ratio_at_lag_0(tiny: Path) -> None:
+    """TIS: w = min(pi_old / pi_fp8, cap) on every window step of an FP8 sample, at lag 0 too.
+    Before the first update the ratio to logp_old is 1, so the step's pg_loss is mean(-A w): the
+    weights written out from the trainer's own recompute. The same trajectories unmarked train
+    as on-policy samples (pg_loss mean(-A))."""
+    advantages = [1.0, -1.0, 0.5, -0.25]
+    batch = fp8_rollout(tiny, advantages)
+    step = trainer(tiny, is_cap=1.0002)  # gaps here are ~1e-4: a cap that binds on some steps
+    with torch.no_grad():
+        old = [step.forwards.window_log_probs([t], PARAMS).log_prob.flatten() for t in batch]
+    ratios = [torch.exp(o - t.log_probs) for o, t in zip(old, batch, strict=True)]
+    gaps = torch.cat([(o - t.log_probs).abs() for o, t in zip(old, batch, strict=True)])
+    assert float(gaps.min()) > 0  # FP8 sampled another function than the fp32 trainer
+    weights = [r.clamp(max=1.0002) for r in ratios]
+    expected = torch.cat([-a * w for a, w in zip(advantages, weights, strict=True)]).double().mean()
+    metrics = step.run(batch, PARAMS)
+    assert metrics["actor/pg_loss"] == pytest.approx(float(expected), rel=1e-5)
+    every = torch.cat(ratios)
+    assert metrics["actor/is_capped"] == pytest.approx(float((every > 1.0002).double().mean()))
+    assert 0 < metrics["actor/is_capped"] < 1
+    assert metrics["actor/is_weight/max"] == pytest.approx(float(torch.cat(weights).max()), rel=1e-6)
+    assert metrics["actor/fp8_logp_gap/max"] == pytest.approx(float(gaps.max()), rel=1e-5)
+    assert metrics["actor/fp8_logp_gap/p50"] == pytest.approx(float(gaps.double().median()), rel=0.3)
+    assert metrics["actor/on_policy_fp8_logp_gap/rows"] == 4.0
+    assert metrics["actor/on_policy_logp_gap/rows"] == 0
+    assert metrics["actor/on_policy_fp8_logp_gap/max"] == pytest.approx(float(gaps.max()), rel=1e-5)
+    unmarked = trainer(tiny, is_cap=1.0002).run([replace(t, fp8=False) for t in batch], PARAMS)
+    assert unmarked["actor/pg_loss"] == pytest.approx(-sum(advantages) / 4, rel=1e-6)
+    assert "actor/fp8_logp_gap/max" not in unmarked and "actor/is_capped" not in unmarked
+
+
+def test_the_fp8_alarm_has_its_own_threshold(tiny: Path) -> None:
+    """FP8 samples are compared against trainer.loss.max_fp8_logp_gap, not max_logp_gap: an
+    exact-numerics threshold for the rest (0) lets them through; a threshold below their
+    quantization gap stops the step before any update, naming the key."""
+    batch = fp8_rollout(tiny, [1.0, -1.0, 0.5, -0.25])
+    trainer(tiny, max_logp_gap=0.0).run(batch, PARAMS)
+    step = trainer(tiny, max_fp8_logp_gap=1e-9)
+    before = {k: v.detach().clone() for k, v in step.policy.trainable().items()}
+    with pytest.raises(LogProbGapError, match=r"on FP8 samples .*trainer.loss.max_fp8_logp_gap=1e-09"):
+        step.run(batch, PARAMS)
+    assert step.version == 0 and all(torch.equal(v, before[k]) for k, v in step.policy.trainable().items())

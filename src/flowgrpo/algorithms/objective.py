@@ -88,6 +88,9 @@ class Trajectory:
     log_probs: Tensor  # [W] fp32: behaviour log-probs
     sigmas: Tensor  # [W + 1] fp32
     final_latents: Tensor | None = None  # [N, 64] fp32: the clean latent (DiffusionNFT's input)
+    # drawn with FP8 linear layers (rollout.precision=fp8): its log-probs are another policy's
+    # than the trainer's even at lag 0, so FlowGRPO weights it by the truncated importance ratio
+    fp8: bool = False
 
 
 def stop_nothing() -> None:

@@ -42,6 +42,11 @@ class EngineConfig:
     checkpoint: str = ""  # BAGEL folder in the published layout (ema.safetensors, ae.safetensors, ...)
     device: str = "cpu"  # "cuda", "cuda:1", "cpu"
     dtype: Literal["bfloat16", "float32"] = "float32"  # weights; sampler math always runs in fp32
+    # the gen path's linear layers (the denoising loop's matmuls): "dtype", in rollout.dtype; "fp8",
+    # e4m3 with row-wise scales (models/bagel/fp8.py: Hopper's FP8 tensor cores; on a CPU the same
+    # numbers by PyTorch's reference kernel). FP8 samples come from another policy than the trainer's
+    # bf16 one: FlowGRPO weights every sample by the truncated importance ratio (trainer.loss.is_cap)
+    precision: Literal["dtype", "fp8"] = "dtype"
     # samples per forward batch; a request is split into such batches
     max_batch_samples: int = knob(32, 1, 65_536)
     # a Generate asking for more is refused (INVALID_ARGUMENT): bounded work per request, so a
@@ -80,10 +85,28 @@ class EngineConfig:
                 f"rollout.engine=vllm_omni samples in bfloat16 only (vLLM-Omni's BAGEL casts to it): "
                 f"set rollout.dtype=bfloat16, not {self.dtype}"
             )
+        if self.precision == "fp8":
+            self._validate_fp8()
         if self.engine == "vllm_omni" and self.lora_mode != "merge":
             raise ValueError(
                 "rollout.lora_mode=peft runs peft's unmerged LoRA layers, which only the native engine has: "
                 "use rollout.lora_mode=merge with rollout.engine=vllm_omni"
+            )
+
+    def _validate_fp8(self) -> None:
+        if self.engine != "native":
+            raise ValueError(
+                f"rollout.precision=fp8 is the native engine's: set rollout.engine=native, not {self.engine}"
+            )
+        if self.lora_mode != "merge":
+            raise ValueError(
+                "rollout.precision=fp8 quantizes the LoRA merged into the weights: "
+                "set rollout.lora_mode=merge"
+            )
+        if self.device.startswith("cuda") and self.dtype != "bfloat16":
+            raise ValueError(
+                "rollout.precision=fp8 on a GPU writes its GEMMs' outputs in bfloat16: "
+                "set rollout.dtype=bfloat16"
             )
 
 

@@ -282,6 +282,12 @@ class RunConfig:
         self._validate_engine()
 
     def _validate_engine(self) -> None:
+        if self.rollout.precision == "fp8" and self.trainer.loss.logp_old == "bypass":
+            raise ValueError(
+                "rollout.precision=fp8 samples another policy than the trainer's bf16 one: "
+                "trainer.loss.logp_old=bypass would take its log-probs as the old policy's; use "
+                "trainer.loss.logp_old=recompute (the importance ratio then corrects the mismatch)"
+            )
         if self.sampling.batch_invariant and self.rollout.engine != "native":
             raise ValueError(
                 "sampling.batch_invariant runs each sample's forward on its own in the native engine's "

@@ -88,7 +88,9 @@ class LossConfig:
     mode: Literal["flow_grpo", "grpo_guard"] = "flow_grpo"
     clip_eps: float = knob(1e-5, 0.0, 1.0)  # BAGEL recipes; 1e-4 in flow_grpo. Choose it per sde_type
     kl_beta: float = knob(0.0, 0.0, 1e6)
-    is_cap: float = knob(2.0, 0.0, 1e6)  # truncation of the off-policy importance weight
+    # truncation of the importance weight min(pi_old / pi_behaviour, is_cap) of the samples drawn
+    # by another policy: an older version (async), or an FP8 rollout (TIS, as FlashRL's)
+    is_cap: float = knob(2.0, 0.0, 1e6)
     logp_old: Literal["recompute", "bypass"] = "recompute"
     # bypass: recompute (and measure the gap) every this many steps
     bypass_check_every: int = knob(10, 1, 10**9)
@@ -99,6 +101,10 @@ class LossConfig:
     # forward parts from the rollout by up to 3e-4 (docs/algorithms.md): 1e-3; .inf: off. Needed by
     # logp_old=bypass, whose ratios are only right when the rollout's log-probs are the trainer's
     max_logp_gap: float = knob(math.inf, 0.0, math.inf, infinite=True)
+    # the same alarm on the samples an FP8 rollout drew (rollout.precision=fp8), whose log-probs
+    # part from the trainer's by the quantization as well: a threshold of their own, above that
+    # gap (bench/fp8_gpu.sh measures it) and below a broken weight sync's; .inf: off
+    max_fp8_logp_gap: float = knob(math.inf, 0.0, math.inf, infinite=True)
     mini_batches: int = knob(2, 1, 1_000_000)  # optimizer steps per training step
     micro_batch_size: int = knob(4, 1, 65_536)  # samples per forward; 1 in deterministic mode
 
@@ -109,6 +115,10 @@ class LossConfig:
             raise ValueError(f"trainer.loss.clip_eps={self.clip_eps} must be in (0, 1)")
         if not self.max_logp_gap >= 0:
             raise ValueError(f"trainer.loss.max_logp_gap={self.max_logp_gap} must be >= 0 (.inf: no alarm)")
+        if not self.max_fp8_logp_gap >= 0:
+            raise ValueError(
+                f"trainer.loss.max_fp8_logp_gap={self.max_fp8_logp_gap} must be >= 0 (.inf: no alarm)"
+            )
         if self.logp_old == "bypass" and math.isinf(self.max_logp_gap):
             raise ValueError(
                 "trainer.loss.logp_old=bypass takes the rollout's log-probs as the old policy's: set "

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from flowgrpo.v1 import common_pb2 as flowgrpo_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66lowgrpo/v1/rollout.proto\x12\x0b\x66lowgrpo.v1\x1a\x18\x66lowgrpo/v1/common.proto\"e\n\x0bPromptGroup\x12\x12\n\nprompt_uid\x18\x01 \x01(\t\x12*\n\nprompt_ids\x18\x02 \x01(\x0b\x32\x16.flowgrpo.v1.TensorRef\x12\x16\n\x0esample_indices\x18\x03 \x03(\x05\"\xb4\x01\n\x0fGenerateRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04seed\x18\x02 \x01(\x03\x12(\n\x06groups\x18\x03 \x03(\x0b\x32\x18.flowgrpo.v1.PromptGroup\x12*\n\x06params\x18\x04 \x01(\x0b\x32\x1a.flowgrpo.v1.SamplerParams\x12\x1a\n\x12min_policy_version\x18\x05 \x01(\x03\x12\x13\n\x0brelease_tag\x18\x06 \x01(\t\"\xfe\x01\n\x06Sample\x12\x12\n\nprompt_uid\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x31\n\x07outputs\x18\x04 \x03(\x0b\x32 .flowgrpo.v1.Sample.OutputsEntry\x12\x14\n\x0cwindow_begin\x18\x05 \x01(\x05\x12!\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x12.flowgrpo.v1.Error\x1a\x46\n\x0cOutputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.flowgrpo.v1.TensorRef:\x02\x38\x01\"_\n\x10GenerateResponse\x12$\n\x07samples\x18\x01 \x03(\x0b\x32\x13.flowgrpo.v1.Sample\x12%\n\x07metrics\x18\x02 \x01(\x0b\x32\x14.flowgrpo.v1.Metrics\"F\n\x0cWeightSource\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x10\n\x08store_id\x18\x02 \x01(\t\x12\x12\n\nreplica_id\x18\x03 \x01(\t\"\x92\x01\n\x12LoadWeightsRequest\x12)\n\x06update\x18\x01 \x01(\x0b\x32\x19.flowgrpo.v1.WeightUpdate\x12*\n\x07sources\x18\x02 \x03(\x0b\x32\x19.flowgrpo.v1.WeightSource\x12\r\n\x05relay\x18\x03 \x01(\x08\x12\x16\n\x0esource_stall_s\x18\x04 \x01(\x01\"\x90\x02\n\x13LoadWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0e\n\x06load_s\x18\x02 \x01(\x01\x12(\n\x05relay\x18\x03 \x01(\x0b\x32\x19.flowgrpo.v1.WeightSource\x12I\n\rfetched_bytes\x18\x04 \x03(\x0b\x32\x32.flowgrpo.v1.LoadWeightsResponse.FetchedBytesEntry\x12\x16\n\x0e\x66\x61iled_sources\x18\x05 \x03(\t\x12\x0f\n\x07\x66\x65tch_s\x18\x06 \x01(\x01\x1a\x33\n\x11\x46\x65tchedBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x1e\n\x0eReleaseRequest\x12\x0c\n\x04tags\x18\x01 \x03(\t\")\n\x0fReleaseResponse\x12\x16\n\x0ereleased_bytes\x18\x01 \x01(\x03\x32\xea\x01\n\x07Rollout\x12G\n\x08Generate\x12\x1c.flowgrpo.v1.GenerateRequest\x1a\x1d.flowgrpo.v1.GenerateResponse\x12P\n\x0bLoadWeights\x12\x1f.flowgrpo.v1.LoadWeightsRequest\x1a .flowgrpo.v1.LoadWeightsResponse\x12\x44\n\x07Release\x12\x1b.flowgrpo.v1.ReleaseRequest\x1a\x1c.flowgrpo.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66lowgrpo/v1/rollout.proto\x12\x0b\x66lowgrpo.v1\x1a\x18\x66lowgrpo/v1/common.proto\"e\n\x0bPromptGroup\x12\x12\n\nprompt_uid\x18\x01 \x01(\t\x12*\n\nprompt_ids\x18\x02 \x01(\x0b\x32\x16.flowgrpo.v1.TensorRef\x12\x16\n\x0esample_indices\x18\x03 \x03(\x05\"\xb4\x01\n\x0fGenerateRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04seed\x18\x02 \x01(\x03\x12(\n\x06groups\x18\x03 \x03(\x0b\x32\x18.flowgrpo.v1.PromptGroup\x12*\n\x06params\x18\x04 \x01(\x0b\x32\x1a.flowgrpo.v1.SamplerParams\x12\x1a\n\x12min_policy_version\x18\x05 \x01(\x03\x12\x13\n\x0brelease_tag\x18\x06 \x01(\t\"\x91\x02\n\x06Sample\x12\x12\n\nprompt_uid\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x31\n\x07outputs\x18\x04 \x03(\x0b\x32 .flowgrpo.v1.Sample.OutputsEntry\x12\x14\n\x0cwindow_begin\x18\x05 \x01(\x05\x12!\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x12.flowgrpo.v1.Error\x12\x11\n\tprecision\x18\x07 \x01(\t\x1a\x46\n\x0cOutputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.flowgrpo.v1.TensorRef:\x02\x38\x01\"_\n\x10GenerateResponse\x12$\n\x07samples\x18\x01 \x03(\x0b\x32\x13.flowgrpo.v1.Sample\x12%\n\x07metrics\x18\x02 \x01(\x0b\x32\x14.flowgrpo.v1.Metrics\"F\n\x0cWeightSource\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x10\n\x08store_id\x18\x02 \x01(\t\x12\x12\n\nreplica_id\x18\x03 \x01(\t\"\x92\x01\n\x12LoadWeightsRequest\x12)\n\x06update\x18\x01 \x01(\x0b\x32\x19.flowgrpo.v1.WeightUpdate\x12*\n\x07sources\x18\x02 \x03(\x0b\x32\x19.flowgrpo.v1.WeightSource\x12\r\n\x05relay\x18\x03 \x01(\x08\x12\x16\n\x0esource_stall_s\x18\x04 \x01(\x01\"\x90\x02\n\x13LoadWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0e\n\x06load_s\x18\x02 \x01(\x01\x12(\n\x05relay\x18\x03 \x01(\x0b\x32\x19.flowgrpo.v1.WeightSource\x12I\n\rfetched_bytes\x18\x04 \x03(\x0b\x32\x32.flowgrpo.v1.LoadWeightsResponse.FetchedBytesEntry\x12\x16\n\x0e\x66\x61iled_sources\x18\x05 \x03(\t\x12\x0f\n\x07\x66\x65tch_s\x18\x06 \x01(\x01\x1a\x33\n\x11\x46\x65tchedBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x1e\n\x0eReleaseRequest\x12\x0c\n\x04tags\x18\x01 \x03(\t\")\n\x0fReleaseResponse\x12\x16\n\x0ereleased_bytes\x18\x01 \x01(\x03\x32\xea\x01\n\x07Rollout\x12G\n\x08Generate\x12\x1c.flowgrpo.v1.GenerateRequest\x1a\x1d.flowgrpo.v1.GenerateResponse\x12P\n\x0bLoadWeights\x12\x1f.flowgrpo.v1.LoadWeightsRequest\x1a .flowgrpo.v1.LoadWeightsResponse\x12\x44\n\x07Release\x12\x1b.flowgrpo.v1.ReleaseRequest\x1a\x1c.flowgrpo.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,23 +41,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=172
   _globals['_GENERATEREQUEST']._serialized_end=352
   _globals['_SAMPLE']._serialized_start=355
-  _globals['_SAMPLE']._serialized_end=609
-  _globals['_SAMPLE_OUTPUTSENTRY']._serialized_start=539
-  _globals['_SAMPLE_OUTPUTSENTRY']._serialized_end=609
-  _globals['_GENERATERESPONSE']._serialized_start=611
-  _globals['_GENERATERESPONSE']._serialized_end=706
-  _globals['_WEIGHTSOURCE']._serialized_start=708
-  _globals['_WEIGHTSOURCE']._serialized_end=778
-  _globals['_LOADWEIGHTSREQUEST']._serialized_start=781
-  _globals['_LOADWEIGHTSREQUEST']._serialized_end=927
-  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=930
-  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=1202
-  _globals['_LOADWEIGHTSRESPONSE_FETCHEDBYTESENTRY']._serialized_start=1151
-  _globals['_LOADWEIGHTSRESPONSE_FETCHEDBYTESENTRY']._serialized_end=1202
-  _globals['_RELEASEREQUEST']._serialized_start=1204
-  _globals['_RELEASEREQUEST']._serialized_end=1234
-  _globals['_RELEASERESPONSE']._serialized_start=1236
-  _globals['_RELEASERESPONSE']._serialized_end=1277
-  _globals['_ROLLOUT']._serialized_start=1280
-  _globals['_ROLLOUT']._serialized_end=1514
+  _globals['_SAMPLE']._serialized_end=628
+  _globals['_SAMPLE_OUTPUTSENTRY']._serialized_start=558
+  _globals['_SAMPLE_OUTPUTSENTRY']._serialized_end=628
+  _globals['_GENERATERESPONSE']._serialized_start=630
+  _globals['_GENERATERESPONSE']._serialized_end=725
+  _globals['_WEIGHTSOURCE']._serialized_start=727
+  _globals['_WEIGHTSOURCE']._serialized_end=797
+  _globals['_LOADWEIGHTSREQUEST']._serialized_start=800
+  _globals['_LOADWEIGHTSREQUEST']._serialized_end=946
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=949
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=1221
+  _globals['_LOADWEIGHTSRESPONSE_FETCHEDBYTESENTRY']._serialized_start=1170
+  _globals['_LOADWEIGHTSRESPONSE_FETCHEDBYTESENTRY']._serialized_end=1221
+  _globals['_RELEASEREQUEST']._serialized_start=1223
+  _globals['_RELEASEREQUEST']._serialized_end=1253
+  _globals['_RELEASERESPONSE']._serialized_start=1255
+  _globals['_RELEASERESPONSE']._serialized_end=1296
+  _globals['_ROLLOUT']._serialized_start=1299
+  _globals['_ROLLOUT']._serialized_end=1533
 # @@protoc_insertion_point(module_scope)

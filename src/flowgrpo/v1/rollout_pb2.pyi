@@ -127,10 +127,13 @@ class Sample(_message.Message):
     OUTPUTS_FIELD_NUMBER: _builtins.int
     WINDOW_BEGIN_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    PRECISION_FIELD_NUMBER: _builtins.int
     prompt_uid: _builtins.str
     sample_index: _builtins.int
     policy_version: _builtins.int
     window_begin: _builtins.int
+    precision: _builtins.str
+    """"fp8": sampled with FP8 linear layers (rollout.precision), so its"""
     @_builtins.property
     def outputs(self) -> _containers.MessageMap[_builtins.str, _common_pb2.TensorRef]: ...
     @_builtins.property
@@ -146,10 +149,11 @@ class Sample(_message.Message):
         outputs: _abc.Mapping[_builtins.str, _common_pb2.TensorRef] | None = ...,
         window_begin: _builtins.int = ...,
         error: _common_pb2.Error | None = ...,
+        precision: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "outputs", b"outputs", "policy_version", b"policy_version", "prompt_uid", b"prompt_uid", "sample_index", b"sample_index", "window_begin", b"window_begin"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "outputs", b"outputs", "policy_version", b"policy_version", "precision", b"precision", "prompt_uid", b"prompt_uid", "sample_index", b"sample_index", "window_begin", b"window_begin"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from flowgrpo.v1 import common_pb2 as flowgrpo_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66lowgrpo/v1/trainer.proto\x12\x0b\x66lowgrpo.v1\x1a\x18\x66lowgrpo/v1/common.proto\"\xe5\x01\n\x0bTrainSample\x12\x12\n\nprompt_uid\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x11\n\tadvantage\x18\x04 \x01(\x01\x12\x34\n\x06inputs\x18\x05 \x03(\x0b\x32$.flowgrpo.v1.TrainSample.InputsEntry\x1a\x45\n\x0bInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.flowgrpo.v1.TensorRef:\x02\x38\x01J\x04\x08\x06\x10\x07\"\x8b\x01\n\x10TrainStepRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12)\n\x07samples\x18\x02 \x03(\x0b\x32\x18.flowgrpo.v1.TrainSample\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.flowgrpo.v1.SamplerParams\x12\x0c\n\x04seed\x18\x05 \x01(\x03J\x04\x08\x04\x10\x05\"\xa3\x01\n\x11TrainStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12%\n\x07metrics\x18\x02 \x01(\x0b\x32\x14.flowgrpo.v1.Metrics\x12)\n\x06update\x18\x03 \x01(\x0b\x32\x19.flowgrpo.v1.WeightUpdate\x12.\n\x08\x63omplete\x18\x04 \x01(\x0b\x32\x1c.flowgrpo.v1.SavedCheckpoint\"-\n\x0fSavedCheckpoint\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\"E\n\x15SaveCheckpointRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x10\n\x08\x63omplete\x18\x03 \x01(\x08\"w\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06save_s\x18\x02 \x01(\x01\x12\x0f\n\x07pending\x18\x03 \x01(\x08\x12.\n\x08\x63omplete\x18\x04 \x01(\x0b\x32\x1c.flowgrpo.v1.SavedCheckpoint\"\x15\n\x13TrainerStateRequest\"\x98\x01\n\x14TrainerStateResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12*\n\x07\x63urrent\x18\x03 \x01(\x0b\x32\x19.flowgrpo.v1.WeightUpdate\x12.\n\x08\x63omplete\x18\x04 \x01(\x0b\x32\x1c.flowgrpo.v1.SavedCheckpoint2\xfe\x01\n\x07Trainer\x12J\n\tTrainStep\x12\x1d.flowgrpo.v1.TrainStepRequest\x1a\x1e.flowgrpo.v1.TrainStepResponse\x12Y\n\x0eSaveCheckpoint\x12\".flowgrpo.v1.SaveCheckpointRequest\x1a#.flowgrpo.v1.SaveCheckpointResponse\x12L\n\x05State\x12 .flowgrpo.v1.TrainerStateRequest\x1a!.flowgrpo.v1.TrainerStateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66lowgrpo/v1/trainer.proto\x12\x0b\x66lowgrpo.v1\x1a\x18\x66lowgrpo/v1/common.proto\"\xf8\x01\n\x0bTrainSample\x12\x12\n\nprompt_uid\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x11\n\tadvantage\x18\x04 \x01(\x01\x12\x34\n\x06inputs\x18\x05 \x03(\x0b\x32$.flowgrpo.v1.TrainSample.InputsEntry\x12\x11\n\tprecision\x18\x07 \x01(\t\x1a\x45\n\x0bInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.flowgrpo.v1.TensorRef:\x02\x38\x01J\x04\x08\x06\x10\x07\"\x8b\x01\n\x10TrainStepRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12)\n\x07samples\x18\x02 \x03(\x0b\x32\x18.flowgrpo.v1.TrainSample\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.flowgrpo.v1.SamplerParams\x12\x0c\n\x04seed\x18\x05 \x01(\x03J\x04\x08\x04\x10\x05\"\xa3\x01\n\x11TrainStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12%\n\x07metrics\x18\x02 \x01(\x0b\x32\x14.flowgrpo.v1.Metrics\x12)\n\x06update\x18\x03 \x01(\x0b\x32\x19.flowgrpo.v1.WeightUpdate\x12.\n\x08\x63omplete\x18\x04 \x01(\x0b\x32\x1c.flowgrpo.v1.SavedCheckpoint\"-\n\x0fSavedCheckpoint\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\"E\n\x15SaveCheckpointRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x10\n\x08\x63omplete\x18\x03 \x01(\x08\"w\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06save_s\x18\x02 \x01(\x01\x12\x0f\n\x07pending\x18\x03 \x01(\x08\x12.\n\x08\x63omplete\x18\x04 \x01(\x0b\x32\x1c.flowgrpo.v1.SavedCheckpoint\"\x15\n\x13TrainerStateRequest\"\x98\x01\n\x14TrainerStateResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12*\n\x07\x63urrent\x18\x03 \x01(\x0b\x32\x19.flowgrpo.v1.WeightUpdate\x12.\n\x08\x63omplete\x18\x04 \x01(\x0b\x32\x1c.flowgrpo.v1.SavedCheckpoint2\xfe\x01\n\x07Trainer\x12J\n\tTrainStep\x12\x1d.flowgrpo.v1.TrainStepRequest\x1a\x1e.flowgrpo.v1.TrainStepResponse\x12Y\n\x0eSaveCheckpoint\x12\".flowgrpo.v1.SaveCheckpointRequest\x1a#.flowgrpo.v1.SaveCheckpointResponse\x12L\n\x05State\x12 .flowgrpo.v1.TrainerStateRequest\x1a!.flowgrpo.v1.TrainerStateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,23 +35,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAINSAMPLE_INPUTSENTRY']._loaded_options = None
   _globals['_TRAINSAMPLE_INPUTSENTRY']._serialized_options = b'8\001'
   _globals['_TRAINSAMPLE']._serialized_start=69
-  _globals['_TRAINSAMPLE']._serialized_end=298
-  _globals['_TRAINSAMPLE_INPUTSENTRY']._serialized_start=223
-  _globals['_TRAINSAMPLE_INPUTSENTRY']._serialized_end=292
-  _globals['_TRAINSTEPREQUEST']._serialized_start=301
-  _globals['_TRAINSTEPREQUEST']._serialized_end=440
-  _globals['_TRAINSTEPRESPONSE']._serialized_start=443
-  _globals['_TRAINSTEPRESPONSE']._serialized_end=606
-  _globals['_SAVEDCHECKPOINT']._serialized_start=608
-  _globals['_SAVEDCHECKPOINT']._serialized_end=653
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=655
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=724
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=726
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=845
-  _globals['_TRAINERSTATEREQUEST']._serialized_start=847
-  _globals['_TRAINERSTATEREQUEST']._serialized_end=868
-  _globals['_TRAINERSTATERESPONSE']._serialized_start=871
-  _globals['_TRAINERSTATERESPONSE']._serialized_end=1023
-  _globals['_TRAINER']._serialized_start=1026
-  _globals['_TRAINER']._serialized_end=1280
+  _globals['_TRAINSAMPLE']._serialized_end=317
+  _globals['_TRAINSAMPLE_INPUTSENTRY']._serialized_start=242
+  _globals['_TRAINSAMPLE_INPUTSENTRY']._serialized_end=311
+  _globals['_TRAINSTEPREQUEST']._serialized_start=320
+  _globals['_TRAINSTEPREQUEST']._serialized_end=459
+  _globals['_TRAINSTEPRESPONSE']._serialized_start=462
+  _globals['_TRAINSTEPRESPONSE']._serialized_end=625
+  _globals['_SAVEDCHECKPOINT']._serialized_start=627
+  _globals['_SAVEDCHECKPOINT']._serialized_end=672
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=674
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=743
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=745
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=864
+  _globals['_TRAINERSTATEREQUEST']._serialized_start=866
+  _globals['_TRAINERSTATEREQUEST']._serialized_end=887
+  _globals['_TRAINERSTATERESPONSE']._serialized_start=890
+  _globals['_TRAINERSTATERESPONSE']._serialized_end=1042
+  _globals['_TRAINER']._serialized_start=1045
+  _globals['_TRAINER']._serialized_end=1299
 # @@protoc_insertion_point(module_scope)

@@ -53,11 +53,14 @@ class TrainSample(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     ADVANTAGE_FIELD_NUMBER: _builtins.int
     INPUTS_FIELD_NUMBER: _builtins.int
+    PRECISION_FIELD_NUMBER: _builtins.int
     prompt_uid: _builtins.str
     sample_index: _builtins.int
     policy_version: _builtins.int
     """version that generated it; lag = trainer version - this"""
     advantage: _builtins.float
+    precision: _builtins.str
+    """the rollout's Sample.precision: "fp8" or "" (its weights' dtype)"""
     @_builtins.property
     def inputs(self) -> _containers.MessageMap[_builtins.str, _common_pb2.TensorRef]:
         """"prompt_ids", "latents", "log_probs", "sigmas", ..."""
@@ -70,10 +73,11 @@ class TrainSample(_message.Message):
         policy_version: _builtins.int = ...,
         advantage: _builtins.float = ...,
         inputs: _abc.Mapping[_builtins.str, _common_pb2.TensorRef] | None = ...,
+        precision: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advantage", b"advantage", "inputs", b"inputs", "policy_version", b"policy_version", "prompt_uid", b"prompt_uid", "sample_index", b"sample_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advantage", b"advantage", "inputs", b"inputs", "policy_version", b"policy_version", "precision", b"precision", "prompt_uid", b"prompt_uid", "sample_index", b"sample_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

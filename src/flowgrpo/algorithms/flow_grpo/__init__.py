@@ -33,11 +33,12 @@ class FlowGRPO:
 def check_no_window_knobs(trainer: TrainerConfig, algorithm: str) -> None:
     """For algorithms without window log-probs: the FlowGRPO knobs that would silently do nothing."""
     loss = trainer.loss
-    if not math.isinf(loss.max_logp_gap):
-        raise ValueError(
-            f"trainer.loss.max_logp_gap compares FlowGRPO's window log-probs; trainer.algorithm="
-            f"{algorithm} computes none: leave it at .inf"
-        )
+    for key in ("max_logp_gap", "max_fp8_logp_gap"):
+        if not math.isinf(getattr(loss, key)):
+            raise ValueError(
+                f"trainer.loss.{key} compares FlowGRPO's window log-probs; trainer.algorithm="
+                f"{algorithm} computes none: leave it at .inf"
+            )
     if loss.mode != "flow_grpo":
         raise ValueError(
             f"trainer.loss.mode={loss.mode} is a FlowGRPO loss; trainer.algorithm={algorithm} "

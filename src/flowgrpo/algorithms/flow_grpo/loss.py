@@ -36,10 +36,11 @@ def clipped_surrogate(
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
-def importance_weights(logp_prox: Tensor, logp_behaviour: Tensor, lag: Tensor, cap: float) -> Tensor:
-    """Truncated w = min(exp(logp_prox - logp_behaviour), cap) for off-policy rows; 1 at lag 0."""
+def importance_weights(logp_prox: Tensor, logp_behaviour: Tensor, off_policy: Tensor, cap: float) -> Tensor:
+    """Truncated w = min(exp(logp_prox - logp_behaviour), cap) where ``off_policy`` (bool: drawn
+    by another policy, an older version or an FP8 rollout); 1 elsewhere."""
     w = torch.exp(logp_prox - logp_behaviour).clamp(max=cap)
-    return torch.where(lag > 0, w, torch.ones_like(w))
+    return torch.where(off_policy, w, torch.ones_like(w))
 
 
 def effective_sample_size(weights: Tensor) -> Tensor:

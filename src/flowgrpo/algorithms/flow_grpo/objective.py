@@ -3,12 +3,15 @@
 1. ``begin``: logp_old, the proximal policy's log-prob of every stored window step, recomputed
    without gradients with the weights at the start of the step (or, with ``logp_old=bypass``, the
    behaviour log-probs the rollout stored, while the measured gap stays below eps / 10), and the
-   truncated importance weights of the samples an older version sampled (async);
+   truncated importance weights of the samples another policy drew: an older version (async) or
+   an FP8 rollout (``rollout.precision=fp8``; TIS, as FlashRL corrects FP8 LLM rollouts), whose
+   log-prob gap to logp_old is measured too (``actor/fp8_logp_gap/...``);
 2. ``micro_batch``: every trained step recomputes the CFG-combined velocity with gradients and
    scores the stored x_{t+1} with ``window_step``: the functions the sampler used, so behaviour and
    training log-probs are the same function; the clipped surrogate (``loss.flow_grpo_terms``);
-3. ``before_update`` of the first mini-batch: the weight-sync alarm (``loss.max_logp_gap``) on the
-   samples of the trainer's own version, measured free on that forward, before any update.
+3. ``before_update`` of the first mini-batch: the weight-sync alarm (``loss.max_logp_gap``; on FP8
+   samples ``loss.max_fp8_logp_gap``) on the samples of the trainer's own version, measured free on
+   that forward, before any update.
 """
 
 from __future__ import annotations
@@ -36,6 +39,20 @@ from flowgrpo.sampler_params import SamplerParams
 
 ON_POLICY_GAP = "actor/on_policy_logp_gap/max"
 ON_POLICY_ROWS = "actor/on_policy_logp_gap/rows"  # samples the alarm compared this step (0: it saw none)
+ON_POLICY_FP8_GAP = "actor/on_policy_fp8_logp_gap/max"  # the same on the samples an FP8 rollout drew
+ON_POLICY_FP8_ROWS = "actor/on_policy_fp8_logp_gap/rows"
+GAP_QUANTILES = (0.5, 0.9, 0.99)
+
+
+def gap_distribution(prefix: str, gap: Tensor) -> dict[str, float]:
+    """Mean, quantiles (``GAP_QUANTILES``) and max of a flat tensor of log-prob gaps."""
+    gap = gap.double()
+    quantiles = torch.quantile(gap, torch.tensor(GAP_QUANTILES, dtype=torch.float64))
+    return {
+        f"{prefix}/mean": float(gap.mean()),
+        **{f"{prefix}/p{round(q * 100)}": float(v) for q, v in zip(GAP_QUANTILES, quantiles, strict=True)},
+        f"{prefix}/max": float(gap.max()),
+    }
 
 
 class LogProbGapError(ServiceError):
@@ -61,9 +78,11 @@ class FlowGRPOObjective:
         self._logp_old = torch.zeros(0)
         self._weights = torch.zeros(0)
         self._behaviour = torch.zeros(0)
-        self._lag = torch.zeros(0)
-        self._gap = -1.0  # max on-policy gap of this rank's first mini-batch rows; -1: none
-        self._gap_rows = 0
+        self._off_policy = torch.zeros(0, dtype=torch.bool)  # [B]: drawn by another policy
+        self._fp8 = torch.zeros(0, dtype=torch.bool)  # [B]: drawn by an FP8 rollout
+        # max on-policy gap of this rank's first mini-batch rows, [rollout in the trainer's
+        # precision, FP8 rollout]; -1: none
+        self._gap, self._gap_rows = [-1.0, -1.0], [0, 0]
 
     # --- the step ---------------------------------------------------------------------------------
 
@@ -82,12 +101,14 @@ class FlowGRPOObjective:
         started = time.perf_counter()
         self._batch, self._params, self._version = batch, params, version
         self._behaviour = torch.stack([t.log_probs for t in batch])
+        self._fp8 = torch.tensor([t.fp8 for t in batch], dtype=torch.bool)
         self._logp_old = self._logp_old_of(minis, steps_done, metrics)
         metrics["timing_s/old_log_prob"] = time.perf_counter() - started
-        self._lag = torch.tensor([version - t.policy_version for t in batch], dtype=torch.float32)
-        lag = self._lag[:, None].expand_as(self._behaviour)
-        self._weights = importance_weights(self._logp_old, self._behaviour, lag, self.loss.is_cap)
-        self._gap, self._gap_rows = -1.0, 0
+        lag = torch.tensor([version - t.policy_version for t in batch])
+        self._off_policy = (lag > 0) | self._fp8
+        off_policy = self._off_policy[:, None].expand_as(self._behaviour)
+        self._weights = importance_weights(self._logp_old, self._behaviour, off_policy, self.loss.is_cap)
+        self._gap, self._gap_rows = [-1.0, -1.0], [0, 0]
         return metrics
 
     def entries_per_sample(self) -> int:
@@ -153,31 +174,51 @@ class FlowGRPOObjective:
         )
 
     def before_update(self, first: bool) -> dict[str, float]:
-        """The first mini-batch's on-policy gap over every rank (absent when no sample is on
-        policy); above ``loss.max_logp_gap`` the step stops here, before any update."""
+        """The first mini-batch's on-policy gaps over every rank, of the samples drawn in the
+        trainer's precision and of those an FP8 rollout drew (each absent when there were none);
+        above ``loss.max_logp_gap`` (FP8: ``loss.max_fp8_logp_gap``) the step stops here, before
+        any update."""
         if not first:
             return {}
         dist = self.forwards.dist
-        rows = int(dist.sum(torch.tensor([self._gap_rows], dtype=torch.float64)))
-        gap = float(dist.max(torch.tensor([self._gap], dtype=torch.float64)))
-        if gap < 0:
-            return {ON_POLICY_ROWS: 0.0}
-        if gap > self.loss.max_logp_gap:
-            raise LogProbGapError(
-                f"the rollout's log-probs differ from the trainer's by up to {gap:.3g} on samples of the "
-                f"trainer's own version {self._version} (trainer.loss.max_logp_gap="
-                f"{self.loss.max_logp_gap:g}): the rollout is not sampling the published weights (a "
-                "broken weight sync) or computes another function; nothing was updated. Check the "
-                "rollouts' LoadWeights, or use trainer.loss.logp_old=recompute with a larger threshold"
-            )
-        return {ON_POLICY_GAP: gap, ON_POLICY_ROWS: float(rows)}
+        rows = dist.sum(torch.tensor(self._gap_rows, dtype=torch.float64))
+        gaps = dist.max(torch.tensor(self._gap, dtype=torch.float64))
+        metrics: dict[str, float] = {ON_POLICY_ROWS: float(rows[0])}
+        if int(rows[1]):
+            metrics[ON_POLICY_FP8_ROWS] = float(rows[1])
+        checks = (
+            (float(gaps[0]), ON_POLICY_GAP, "max_logp_gap", self.loss.max_logp_gap),
+            (float(gaps[1]), ON_POLICY_FP8_GAP, "max_fp8_logp_gap", self.loss.max_fp8_logp_gap),
+        )
+        for gap, name, key, threshold in checks:
+            if gap < 0:
+                continue
+            if gap > threshold:
+                raise LogProbGapError(
+                    f"the rollout's log-probs differ from the trainer's by up to {gap:.3g} on "
+                    f"{'FP8 ' if key == 'max_fp8_logp_gap' else ''}samples of the trainer's own version "
+                    f"{self._version} (trainer.loss.{key}={threshold:g}): the rollout is not sampling the "
+                    "published weights (a broken weight sync) or computes another function; nothing was "
+                    "updated. Check the rollouts' LoadWeights, or use trainer.loss.logp_old=recompute "
+                    "with a larger threshold"
+                )
+            metrics[name] = gap
+        return metrics
 
     def end(self, *, steps_done: int, optimizer_steps: int) -> dict[str, float]:
-        """The effective sample size of the off-policy rows' importance weights (async)."""
-        off_policy = self._lag > 0
-        if not bool(off_policy.any()):
+        """The importance weights of the rows another policy drew (async, FP8): their effective
+        sample size, range and the share the cap truncated."""
+        if not bool(self._off_policy.any()):
             return {}
-        return {"actor/is_ess": float(effective_sample_size(self._weights[off_policy].flatten()))}
+        weights = self._weights[self._off_policy].flatten()
+        ratios = torch.exp(self._logp_old - self._behaviour)[self._off_policy].flatten()
+        return {
+            "actor/is_ess": float(effective_sample_size(weights)),
+            "actor/is_weight/min": float(weights.min()),
+            "actor/is_weight/mean": float(weights.mean()),
+            "actor/is_weight/max": float(weights.max()),
+            "actor/is_capped": float((ratios > self.loss.is_cap).double().mean()),
+        }
 
     def sampling_policy(self) -> contextlib.AbstractContextManager[None]:
         """FlowGRPO's rollouts sample with the trained policy itself."""
@@ -233,27 +274,29 @@ class FlowGRPOObjective:
         metrics["actor/rollout_logp_gap/mean"] = float(gap.mean())
         metrics["actor/rollout_logp_gap/max"] = float(gap.max())
         metrics["actor/logp_old_bypassed"] = 0.0
+        if bool(self._fp8.any()):  # what the quantization costs: |logp_old - logp_fp8| per window step
+            metrics.update(gap_distribution("actor/fp8_logp_gap", gap[self._fp8].flatten()))
         return recomputed
 
     # --- the alarm and the KL ----------------------------------------------------------------------
 
     def _measure_on_policy_gap(self, rows: Rows, log_prob: Tensor) -> None:
         """max |trainer log-prob - behaviour log-prob| over the rows the trainer's current version
-        sampled (lag 0: the same weights on both sides). Rows of older versions (async) cannot be
-        compared: their weights are gone; ``ON_POLICY_ROWS`` says how many rows were compared."""
-        keep = [
-            k
-            for k, (row, valid) in enumerate(rows)
-            if valid and self._batch[row].policy_version == self._version
-        ]
-        if not keep:
-            return
-        compared = [rows[k][0] for k in keep]
-        gap = float(
-            (log_prob.detach()[keep].to("cpu", torch.float32) - self._behaviour[compared]).abs().max()
-        )
-        self._gap = max(self._gap, gap)
-        self._gap_rows += len(keep)
+        sampled (lag 0: the same weights on both sides), kept apart for the rows an FP8 rollout
+        drew. Rows of older versions (async) cannot be compared: their weights are gone;
+        ``ON_POLICY_ROWS`` says how many rows were compared."""
+        for kind, fp8 in enumerate((False, True)):
+            keep = [
+                k
+                for k, (row, valid) in enumerate(rows)
+                if valid and self._batch[row].policy_version == self._version and self._batch[row].fp8 == fp8
+            ]
+            if not keep:
+                continue
+            compared = [rows[k][0] for k in keep]
+            gap = (log_prob.detach()[keep].to("cpu", torch.float32) - self._behaviour[compared]).abs()
+            self._gap[kind] = max(self._gap[kind], float(gap.max()))
+            self._gap_rows[kind] += len(keep)
 
     def _reference_means(self, part: Sequence[Trajectory], params: SamplerParams) -> Tensor:
         """The reference policy's step means of the stored window steps, flattened [B*W, ...]."""

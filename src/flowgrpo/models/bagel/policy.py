@@ -8,9 +8,11 @@ The format (``flowgrpo.v1.WeightUpdate``) names tensors with the published BAGEL
   ``<module>.lora_B.weight`` [out, r]. ``lora_mode="merge"`` (fast sampling) merges them as
   W = W_base + (alpha / r) B A; the base weights of adapted modules are kept, so every version is
   merged onto the base, never onto the previous merge (no drift in bf16), and a later update may
-  adapt fewer modules. ``lora_mode="peft"`` runs them unmerged through peft's own LoRA layers,
-  the computation the trainer differentiates: behaviour and recomputed log-probs are then
-  bitwise equal (CPU, deterministic mode) at every policy version, not only within rounding.
+  adapt fewer modules. A layer held in FP8 (``rollout.precision=fp8``: ``fp8.Fp8Linear``) gets
+  the merge (or a gen-path tensor) in fp32 and quantizes it once. ``lora_mode="peft"`` runs them
+  unmerged through peft's own LoRA layers, the computation the trainer differentiates: behaviour
+  and recomputed log-probs are then bitwise equal (CPU, deterministic mode) at every policy
+  version, not only within rounding.
 
 Every update is checked whole before anything changes: a name the model cannot place, a
 mis-shaped tensor or half a LoRA pair fails with the names, and the model is left as it was.
@@ -26,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from flowgrpo.models.bagel.config import is_gen_path
+from flowgrpo.models.bagel.fp8 import Fp8Linear
 
 UpdateKind = Literal["lora", "gen_path"]
 LoraMode = Literal["merge", "peft"]
@@ -88,7 +91,19 @@ class PolicyApplier:
     @torch.no_grad()
     def _apply_gen_path(self, update: PolicyUpdate, params: Mapping[str, nn.Parameter]) -> None:
         for name, tensor in update.tensors.items():
+            self._write(name, tensor, params)
+
+    def _write(self, name: str, tensor: Tensor, params: Mapping[str, nn.Parameter]) -> None:
+        """Copy ``tensor`` into parameter ``name``; an FP8 layer's weight is quantized instead."""
+        layer = self._fp8_layer(name.removesuffix(".weight")) if name.endswith(".weight") else None
+        if layer is not None:
+            layer.set_weight(tensor)
+        else:
             params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+
+    def _fp8_layer(self, module: str) -> Fp8Linear | None:
+        layer = self.model.get_submodule(module)
+        return layer if isinstance(layer, Fp8Linear) else None
 
     @torch.no_grad()
     def _apply_lora(
@@ -98,18 +113,28 @@ class PolicyApplier:
         params: Mapping[str, nn.Parameter],
     ) -> None:
         for module in sorted(self._adapted - set(pairs)):  # adapted before, not any more
-            weight = params[module + ".weight"]
-            weight.copy_(self._base_of(module, weight))
+            name = module + ".weight"
+            self._write(name, self._base_of(module, params[name]), params)
         for module, (a, b) in pairs.items():
-            weight = params[module + ".weight"]
-            weight.copy_(merge_lora(self._base_of(module, weight), a, b, update.lora_scale))
+            name = module + ".weight"
+            base = self._base_of(module, params[name])
+            exact = self._fp8_layer(module) is not None  # quantized from the fp32 sum, not from bf16
+            self._write(name, merge_lora(base, a, b, update.lora_scale, keep_fp32=exact), params)
         self._adapted = set(pairs)
 
     def _base_of(self, module: str, weight: Tensor) -> Tensor:
-        """The base weight a merge starts from: the shared one, or a copy kept at first merge."""
+        """The base weight a merge starts from: the shared one, or a copy kept at first merge
+        (an FP8 layer's is the weight it was quantized from: ``base_weights``)."""
         if module in self.shared_base:
             return self.shared_base[module]
+        if module not in self._base and self._fp8_layer(module) is not None:
+            raise PolicyUpdateError(f"{module} is held in FP8 and its unquantized base was not kept")
         return self._base.setdefault(module, weight.detach().clone())
+
+    def keep_bases(self, bases: Mapping[str, Tensor]) -> None:
+        """Merge LoRA onto these weights (module -> weight), not onto copies taken at the first
+        merge: an FP8 model's weights before quantization (``fp8.quantize_gen_path``)."""
+        self._base.update(bases)
 
     @torch.no_grad()
     def _apply_lora_peft(self, update: PolicyUpdate, pairs: Mapping[str, tuple[Tensor, Tensor]]) -> None:
@@ -161,10 +186,12 @@ def check_update(
     raise PolicyUpdateError(f"unknown update kind {update.kind!r}: expected 'lora' or 'gen_path'")
 
 
-def merge_lora(base: Tensor, a: Tensor, b: Tensor, scale: float) -> Tensor:
-    """W = W_base + scale B A in fp32, rounded once to the base's dtype (on the base's device)."""
+def merge_lora(base: Tensor, a: Tensor, b: Tensor, scale: float, *, keep_fp32: bool = False) -> Tensor:
+    """W = W_base + scale B A in fp32, rounded once to the base's dtype (on the base's device);
+    ``keep_fp32``: not rounded (an FP8 layer quantizes the fp32 sum itself)."""
     delta = b.to(base.device, torch.float32) @ a.to(base.device, torch.float32)
-    return (base.float() + scale * delta).to(base.dtype)
+    merged = base.float() + scale * delta
+    return merged if keep_fp32 else merged.to(base.dtype)
 
 
 def _check_gen_path(update: PolicyUpdate, params: Mapping[str, Tensor]) -> None:

@@ -1,0 +1,141 @@
+"""FP8 linear layers for the rollout (``rollout.precision=fp8``), applied from outside the model as
+``parallelize.py`` applies compile: :func:`quantize_gen_path` swaps the gen path's linear layers of
+every decoder layer (q/k/v/o and the SwiGLU of the ``moe_gen`` expert: the denoising loop's
+matmuls) for :class:`Fp8Linear`. Attention, norms, the und path (the prompt's prefill, once per
+request), the timestep embedder, the heads and the VAE stay in the weights' dtype.
+
+The arithmetic, e4m3 with row-wise scales (one per row of the activation, one per output channel
+of the weight), what Hopper's FP8 tensor cores take through ``torch._scaled_mm``:
+
+- scale(row) = max(|row|, AMAX_FLOOR) / E4M3_MAX, in fp32;
+- q(row) = cast_e4m3(clamp(row / scale, -E4M3_MAX, E4M3_MAX)) (round to nearest even);
+- y = (q(x) scale_x) (q(W) scale_W)^T + b, accumulated in fp32, written in the output dtype.
+
+The same call runs on a CPU (PyTorch's reference kernel: the operands cast back to fp32 with the
+same scales, then an fp32 matmul), so CI checks the numbers the GPU computes, within the GPU's
+accumulation order. The weight is quantized once per version: at load, and by the rollout's
+policy applier after every update (the LoRA merged onto the base in fp32, then quantized:
+:meth:`Fp8Linear.set_weight`). The activation is quantized in the forward; compiled (the rollout
+compiles the query path), the amax, divide and cast fuse into the kernel before the GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+AMAX_FLOOR = 1e-12  # an all-zero row: scale AMAX_FLOOR / 448, its values stay 0
+FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first with FP8 tensor cores
+# the gen-path linear layers of a decoder layer, by their names in the published checkpoint
+GEN_LINEARS = (
+    "self_attn.q_proj_moe_gen",
+    "self_attn.k_proj_moe_gen",
+    "self_attn.v_proj_moe_gen",
+    "self_attn.o_proj_moe_gen",
+    "mlp_moe_gen.gate_proj",
+    "mlp_moe_gen.up_proj",
+    "mlp_moe_gen.down_proj",
+)
+
+
+def rowwise_scales(t: Tensor) -> Tensor:
+    """One fp32 scale per row of a 2-D tensor, [rows, 1]: the row's amax over E4M3_MAX."""
+    return t.abs().amax(dim=-1, keepdim=True).float().clamp(min=AMAX_FLOOR) / E4M3_MAX
+
+
+def quantize_rowwise(t: Tensor) -> tuple[Tensor, Tensor]:
+    """(e4m3 values, fp32 scales [rows, 1]) of a 2-D tensor: t ~ values * scales."""
+    scales = rowwise_scales(t)
+    values = (t.float() / scales).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return values, scales
+
+
+def fp8_matmul(x: Tensor, weight: Tensor, weight_scale: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """x [..., in] times the quantized weight [out, in] (scales [out, 1]) -> [..., out]."""
+    if x.numel() == 0:  # an expert with no token in this forward (the prefill's text-only one)
+        return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=out_dtype)
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # row-major, as _scaled_mm takes it (x may be expanded)
+    values, scales = quantize_rowwise(rows)
+    y = torch._scaled_mm(values, weight.t(), scale_a=scales, scale_b=weight_scale.t(), out_dtype=out_dtype)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer whose weight is held in e4m3 with a scale per output channel; the bias (if
+    any) in the dtype the layer had. ``weight`` keeps its name and shape, so updates, the shared
+    base and checkpoint names find it as they find an ``nn.Linear``'s; write it with
+    :meth:`set_weight`, never in place (a plain copy would drop the scales)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: Tensor | None, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=E4M3, device=device), False)
+        self.register_buffer("weight_scale", torch.ones(out_features, 1, device=device))
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
+        layer = cls(linear.in_features, linear.out_features, linear.bias, linear.weight.device)
+        if not linear.weight.is_meta:
+            layer.set_weight(linear.weight)
+        return layer
+
+    @torch.no_grad()
+    def set_weight(self, weight: Tensor) -> None:
+        """Quantize ``weight`` [out, in] (any float dtype; e.g. the LoRA merged in fp32) into this
+        layer; on the meta device (a model waiting for a shared base) the layer takes new storage."""
+        if self.weight.is_meta:  # the weight's device: a mapped base's, or the checkpoint's
+            values, scales = quantize_rowwise(weight)
+            self.weight = nn.Parameter(values, requires_grad=False)
+            self.weight_scale = scales
+        else:
+            values, scales = quantize_rowwise(weight.to(self.weight.device))
+            self.weight.copy_(values)
+            self.weight_scale.copy_(scales)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out_dtype = x.dtype
+        if x.is_cuda and torch.is_autocast_enabled("cuda"):  # as nn.Linear answers under autocast
+            out_dtype = torch.get_autocast_dtype("cuda")
+        y = fp8_matmul(x, self.weight, self.weight_scale, out_dtype)
+        return y if self.bias is None else y + self.bias.to(out_dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 row-wise"
+
+
+def quantize_gen_path(model: nn.Module) -> dict[str, Tensor]:
+    """Swap every decoder layer's gen-path linear layers (``GEN_LINEARS``) for :class:`Fp8Linear`,
+    in place. Returns the weights they held, by module name (the merge base of a LoRA policy:
+    every version is merged onto these, then quantized); empty for a model on the meta device."""
+    originals: dict[str, Tensor] = {}
+    for name, module in list(model.named_modules()):
+        if not (isinstance(module, nn.Linear) and name.endswith(GEN_LINEARS)):
+            continue
+        if not module.weight.is_meta:
+            originals[name] = module.weight.detach()
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, Fp8Linear.from_linear(module))
+    if not originals and not any(isinstance(m, Fp8Linear) for m in model.modules()):
+        raise ValueError("rollout.precision=fp8 found no gen-path linear layer to quantize in this model")
+    return originals
+
+
+def check_fp8_device(device: str | torch.device) -> None:
+    """Refuse a GPU without FP8 tensor cores, in one line naming it; a CPU runs the reference
+    kernel (the tests' emulation)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        raise RuntimeError(
+            f"rollout.precision=fp8 needs FP8 tensor cores (compute capability "
+            f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]}+: Ada, Hopper); {device} is a {name} "
+            f"({capability[0]}.{capability[1]}): use rollout.precision=dtype"
+        )
