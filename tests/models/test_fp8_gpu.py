@@ -35,8 +35,9 @@ def test_the_quantization_is_the_cpus_and_the_gemm_the_dequantized_product() -> 
     xq, xs = quantize_rowwise(x)
     wq, ws = quantize_rowwise(w)
     on_gpu = (*quantize_rowwise(x.cuda()), *quantize_rowwise(w.cuda()))
-    for cpu, gpu in zip((xq, xs, wq, ws), on_gpu, strict=True):
-        assert torch.equal(cpu, gpu.cpu())  # the same fp32 arithmetic, the same e4m3 rounding
+    for name, cpu, gpu in zip(("x", "x scales", "w", "w scales"), (xq, xs, wq, ws), on_gpu, strict=True):
+        differ = int((cpu.float() != gpu.cpu().float()).sum())  # the same fp32 arithmetic and rounding
+        assert differ == 0, f"{name}: {differ} of {cpu.numel()} differ between the CPU and the GPU"
     y = fp8_matmul(x.cuda().bfloat16(), wq.cuda(), ws.cuda(), torch.bfloat16)
     xq16, xs16 = quantize_rowwise(x.bfloat16())  # what the GPU quantized: the bf16 activation
     expected = (xq16.double() * xs16.double()) @ (wq.double() * ws.double()).t()
@@ -67,4 +68,6 @@ def test_an_fp8_model_compiles_and_stays_near_its_bf16_self() -> None:
     assert 1e-3 < rel_err(eager, reference) < 6e-2  # FP8's error: present, and a few percent
     compile_query_layers(fp8)
     compiled = velocity(fp8)
-    assert rel_err(compiled, eager) < 1e-2  # fused quantization, the same GEMMs
+    # fused quantization, the same GEMMs: a bf16 rounding of an activation that differs (fused
+    # elementwise work, 1e-2 in bf16 alone: test_bagel_gpu.py) can move it to the next e4m3 level
+    assert rel_err(compiled, eager) < 3e-2

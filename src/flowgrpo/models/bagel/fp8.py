@@ -7,7 +7,7 @@ request), the timestep embedder, the heads and the VAE stay in the weights' dtyp
 The arithmetic, e4m3 with row-wise scales (one per row of the activation, one per output channel
 of the weight), what Hopper's FP8 tensor cores take through ``torch._scaled_mm``:
 
-- scale(row) = max(|row|, AMAX_FLOOR) / E4M3_MAX, in fp32;
+- scale(row) = max(|row|, AMAX_FLOOR) x fp32(1 / E4M3_MAX), in fp32;
 - q(row) = cast_e4m3(clamp(row / scale, -E4M3_MAX, E4M3_MAX)) (round to nearest even);
 - y = (q(x) scale_x) (q(W) scale_W)^T + b, accumulated in fp32, written in the output dtype.
 
@@ -27,6 +27,9 @@ from torch import Tensor, nn
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 AMAX_FLOOR = 1e-12  # an all-zero row: scale AMAX_FLOOR / 448, its values stay 0
+# a multiplication, not a division by 448: a GPU divides by a scalar as a multiplication by its
+# reciprocal, so this is the one form both devices round alike (checked bitwise on an H100)
+INV_E4M3_MAX = 1.0 / E4M3_MAX
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first with FP8 tensor cores
 # the gen-path linear layers of a decoder layer, by their names in the published checkpoint
 GEN_LINEARS = (
@@ -42,7 +45,7 @@ GEN_LINEARS = (
 
 def rowwise_scales(t: Tensor) -> Tensor:
     """One fp32 scale per row of a 2-D tensor, [rows, 1]: the row's amax over E4M3_MAX."""
-    return t.abs().amax(dim=-1, keepdim=True).float().clamp(min=AMAX_FLOOR) / E4M3_MAX
+    return t.abs().amax(dim=-1, keepdim=True).float().clamp(min=AMAX_FLOOR) * INV_E4M3_MAX
 
 
 def quantize_rowwise(t: Tensor) -> tuple[Tensor, Tensor]:
