@@ -88,6 +88,11 @@ COMPOSE: dict[str, Algorithm] = {
     "flow_grpo_late": Algorithm("tiny_compose.yaml", ("sampling.branch=false",)),
     "flow_grpo_branch": Algorithm("tiny_compose.yaml"),
     "grpo_guard": Algorithm("tiny_compose.yaml", ("trainer.loss.mode=grpo_guard",)),
+    # GRPO-Guard on FP8 rollouts (rollout.precision=fp8; on a CPU PyTorch's reference FP8 kernel,
+    # the GPU's numbers): every sample weighted by min(pi_old / pi_fp8, trainer.loss.is_cap)
+    "grpo_guard_fp8": Algorithm(
+        "tiny_compose.yaml", ("trainer.loss.mode=grpo_guard", "rollout.precision=fp8", "rollout.lora_mode=merge")
+    ),
     "diffusion_nft": Algorithm("tiny_demo.yaml", ("sampling.cfg_text_scale=4.0",)),
     "diffusion_nft_cfg_free": Algorithm("tiny_demo.yaml"),
     # AWM on the demo's rollouts (CFG-free ODE, 8 x 8), with the reference's GenEval KL (3e-3) and
