@@ -91,7 +91,8 @@ COMPOSE: dict[str, Algorithm] = {
     # GRPO-Guard on FP8 rollouts (rollout.precision=fp8; on a CPU PyTorch's reference FP8 kernel,
     # the GPU's numbers): every sample weighted by min(pi_old / pi_fp8, trainer.loss.is_cap)
     "grpo_guard_fp8": Algorithm(
-        "tiny_compose.yaml", ("trainer.loss.mode=grpo_guard", "rollout.precision=fp8", "rollout.lora_mode=merge")
+        "tiny_compose.yaml",
+        ("trainer.loss.mode=grpo_guard", "rollout.precision=fp8", "rollout.lora_mode=merge"),
     ),
     "diffusion_nft": Algorithm("tiny_demo.yaml", ("sampling.cfg_text_scale=4.0",)),
     "diffusion_nft_cfg_free": Algorithm("tiny_demo.yaml"),

@@ -87,8 +87,7 @@ class NativeBagelEngine:
         self.max_batch_samples = max_batch_samples
         self._policy = PolicyApplier(sampler.model, lora_mode=lora_mode)
         # rollout.precision=fp8: the gen path's weights before quantization, what LoRA merges onto
-        # (none when the trainer's shared base is that); None: the layers are in the weights' dtype
-        self.fp8 = fp8_bases is not None
+        # (none when the trainer's shared base is that)
         self._policy.keep_bases(fp8_bases or {})
         # rollout.base_weights=trainer: the checkpoint for what the trainer does not share; the
         # model stays on the meta device until attach_base maps the trainer's base

@@ -27,8 +27,9 @@ from torch import Tensor, nn
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 AMAX_FLOOR = 1e-12  # an all-zero row: scale AMAX_FLOOR / 448, its values stay 0
-# a multiplication, not a division by 448: a GPU divides by a scalar as a multiplication by its
-# reciprocal, so this is the one form both devices round alike (checked bitwise on an H100)
+# a multiplication, not a division by 448: PyTorch's CUDA kernels divide by a scalar as a
+# multiplication by its reciprocal, so this is the form both devices round alike (with a division
+# an H100's quantization was not bitwise the CPU's; with this it is on an H200, test_fp8_gpu.py)
 INV_E4M3_MAX = 1.0 / E4M3_MAX
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first with FP8 tensor cores
 # the gen-path linear layers of a decoder layer, by their names in the published checkpoint
