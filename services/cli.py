@@ -35,6 +35,7 @@ examples:
   flowgrpo bench reward           images/s of every reward scorer (JPEG, OCR, PickScore, plug-ins)
   flowgrpo bench trainer          FlowGRPO LoRA / full gen-path training MFU (bench/trainer_gpu.sh)
   flowgrpo bench rollout          BAGEL-7B sampling images/s and MFU on a GPU (bench/rollout_gpu.sh)
+  flowgrpo bench fp8              FP8 rollouts against bf16: images/s, MFU of both peaks, the log-prob gap
   flowgrpo bench schedule         async vs sync images/s and their overlap (the CPU demo, or --recipe)
   flowgrpo bench system           images/s vs the FLOP limit, time split, MFU per --variant (system_gpu.sh)
   flowgrpo bench consistency      do rollout and trainer compute the same log-probs? (consistency_gpu.sh)
@@ -59,6 +60,7 @@ BENCHMARKS = [
     "algos",
     "bus",
     "consistency",
+    "fp8",
     "learning",
     "paths",
     "relay",

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# FP8 rollouts against bf16 at the 7B geometry on one GPU (docs/fp8.md), in two device calls:
+#   run(command="bash bench/fp8_gpu.sh rollout", carry=[".whl"], kind="nvidia-h200", timeout_s=600)
+#   run(command="bash bench/fp8_gpu.sh system", carry=[".whl"], kind="nvidia-h200", timeout_s=600)
+# rollout: `flowgrpo bench fp8` (the bf16 and FP8 matmul peaks; per shape images/s bf16 and FP8,
+#   compiled, their ratio and MFU against both peaks; the log-prob gap of FP8 samples scored
+#   under bf16 per window step against the clip ranges); SHAPES (512x8,512x32,1024x8), GAP (16).
+# system: the one-GPU system (examples/bagel_pickscore_lora_1gpu.yaml, bench/system_gpu.sh) with
+#   bf16 rollouts and with FP8 rollouts, back to back: images/s end to end, each part's MFU and
+#   peak memory; LAYERS (28: the whole 7B), STEPS (4, the first a warm-up).
+# Writes $OUT/fp8.json, $OUT/fp8.log or $OUT/system.json, $OUT/system.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:?usage: bash bench/fp8_gpu.sh rollout|system}
+OUT=${OUT:-/tmp/fp8-bench}
+mkdir -p "$OUT"
+source bench/gpu_env.sh
+case $part in
+    rollout)
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+        $PY -m flowgrpo.services.cli bench fp8 --shapes "${SHAPES:-512x8,512x32,1024x8}" \
+            --gap-samples "${GAP:-16}" --json "$OUT/fp8.json" 2>&1 | tee "$OUT/fp8.log"
+        ;;
+    system)
+        OUT=$OUT LAYERS=${LAYERS:-28} bash bench/system_gpu.sh --steps "${STEPS:-4}" --variant bf16 \
+            --variant fp8:rollout.precision=fp8
+        ;;
+    *) echo "part $part: rollout or system" >&2; exit 2 ;;
+esac
