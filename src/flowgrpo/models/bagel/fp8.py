@@ -15,8 +15,9 @@ The same call runs on a CPU (PyTorch's reference kernel: the operands cast back 
 same scales, then an fp32 matmul), so CI checks the numbers the GPU computes, within the GPU's
 accumulation order. The weight is quantized once per version: at load, and by the rollout's
 policy applier after every update (the LoRA merged onto the base in fp32, then quantized:
-:meth:`Fp8Linear.set_weight`). The activation is quantized in the forward; compiled (the rollout
-compiles the query path), the amax, divide and cast fuse into the kernel before the GEMM.
+:meth:`Fp8Linear.set_weight`). The activation is quantized in the forward, inside the query path's
+per-layer halves the rollout compiles, where inductor can fuse the amax, scale and cast with
+the work before the GEMM (an eager quantization costs about as much as the GEMM).
 """
 
 from __future__ import annotations
