@@ -33,7 +33,6 @@ import torch
 from torch import nn
 
 from flowgrpo.algorithms.objective import Forwards, Trajectory
-from flowgrpo.models.bagel.config import bagel_7b, flux_vae, tiny, tiny_vae
 from flowgrpo.models.bagel.fp8 import E4M3, Fp8Linear, quantize_gen_path, quantize_rowwise
 from flowgrpo.models.bagel.model import BagelModel
 from flowgrpo.models.bagel.parallelize import compile_query_layers, uncompile_query_layers
@@ -41,18 +40,14 @@ from flowgrpo.models.bagel.sampling import BagelSampler
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.bench.common import (
     DTYPES,
-    SPECIAL_7B,
-    SPECIAL_TINY,
     MatmulPeak,
     device_name,
     make_requests,
     mfu,
     open_device,
-    random_bagel,
-    random_vae,
     sync,
 )
-from flowgrpo.services.bench.rollout import Row, measure, parse_shapes
+from flowgrpo.services.bench.rollout import Row, build_setup, measure, parse_shapes
 from flowgrpo.services.bench.rollout_forward import Setup
 from flowgrpo.services.bench.stats import Figure, ratio, repeats_arg, timed, write_json
 
@@ -190,7 +185,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     fp8_peak: dict[str, Figure] = {"before": fp8_matmul_tflops(device, size)}
     report["fp8_peak"] = fp8_peak
     print(f"{report['device']}: {peak.line()}; FP8 {size}^3: {fp8_peak['before']:.4g}", flush=True)
-    setup = _setup(args, device)
+    setup = build_setup(args, device)
     shapes = parse_shapes(args.shapes)
     rows: dict[str, list[Row]] = {args.dtype: [], "fp8": []}  # the weights' dtype (bf16 on a GPU), then FP8
     report["rows"] = rows
@@ -233,19 +228,6 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     write_json(args.json, report)
     _print(report)
     return report
-
-
-def _setup(args: argparse.Namespace, device: torch.device) -> Setup:
-    seven_b, dtype = args.model == "7b", DTYPES[args.dtype]
-    return Setup(
-        model=random_bagel(bagel_7b() if seven_b else tiny(), dtype, device),
-        vae=random_vae(flux_vae() if seven_b else tiny_vae(), dtype, device),
-        special=SPECIAL_7B if seven_b else SPECIAL_TINY,
-        device=device,
-        prompt_len=args.prompt_len,
-        num_points=args.num_points,
-        repeats=args.repeats,
-    )
 
 
 def _print(report: dict[str, Any]) -> None:

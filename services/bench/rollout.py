@@ -370,7 +370,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     report["once_s"] = {}
     peak = report["matmul_peak"] = MatmulPeak.measure(device)
     print(f"{report['device']}: {peak.line()}", flush=True)
-    setup = _setup(args, device)
+    setup = build_setup(args, device)
     _variants_and_compile(setup, args, report)
     report["rows"] = _rows(setup, args, report, started)
     if args.branch and _in_time(args, started, "the branching rows"):
@@ -480,7 +480,8 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 _DYNAMIC = {"true": True, "false": False, "auto": None}
 
 
-def _setup(args: argparse.Namespace, device: torch.device) -> Setup:
+def build_setup(args: argparse.Namespace, device: torch.device) -> Setup:
+    """The model, VAE and settings every timed section shares (``--model``, ``--dtype``, ...)."""
     seven_b, dtype = args.model == "7b", DTYPES[args.dtype]
     return Setup(
         model=random_bagel(bagel_7b() if seven_b else tiny(), dtype, device),

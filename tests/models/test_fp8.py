@@ -13,10 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from flowgrpo.models.bagel.config import SpecialTokens, tiny
+from flowgrpo.models.bagel.config import GEN_PATH_LINEARS, SpecialTokens, tiny
 from flowgrpo.models.bagel.fp8 import (
     E4M3_MAX,
-    GEN_LINEARS,
     Fp8Linear,
     check_fp8_device,
     fp8_matmul,
@@ -113,7 +112,7 @@ def test_quantize_gen_path_swaps_the_gen_linears_and_nothing_else() -> None:
     originals = quantize_gen_path(model)
     swapped = sorted(n for n, m in model.named_modules() if isinstance(m, Fp8Linear))
     layers = range(tiny().layers)
-    expected = sorted(f"language_model.model.layers.{i}.{s}" for i in layers for s in GEN_LINEARS)
+    expected = sorted(f"language_model.model.layers.{i}.{s}" for i in layers for s in GEN_PATH_LINEARS)
     assert swapped == expected == sorted(originals)
     for name, weight in originals.items():
         assert torch.equal(weight, before[name + ".weight"])  # the merge bases: the weights as loaded
@@ -207,7 +206,7 @@ def test_the_shared_base_is_quantized_into_the_rollouts_own_fp8_copy(tmp_path: o
     assert fp8_bytes == sum(p.numel() for n, p in trainer.named_parameters() if n.endswith(GEN_WEIGHTS))
 
 
-GEN_WEIGHTS = tuple(s + ".weight" for s in GEN_LINEARS)
+GEN_WEIGHTS = tuple(s + ".weight" for s in GEN_PATH_LINEARS)
 
 
 def test_a_cpu_needs_no_fp8_check_and_the_layers_repr_says_fp8() -> None:

@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from flowgrpo.models.bagel.config import GEN_PATH_LINEARS
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 AMAX_FLOOR = 1e-12  # an all-zero row: scale AMAX_FLOOR / 448, its values stay 0
@@ -33,16 +35,6 @@ AMAX_FLOOR = 1e-12  # an all-zero row: scale AMAX_FLOOR / 448, its values stay 0
 # an H100's quantization was not bitwise the CPU's; with this it is on an H200, test_fp8_gpu.py)
 INV_E4M3_MAX = 1.0 / E4M3_MAX
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first with FP8 tensor cores
-# the gen-path linear layers of a decoder layer, by their names in the published checkpoint
-GEN_LINEARS = (
-    "self_attn.q_proj_moe_gen",
-    "self_attn.k_proj_moe_gen",
-    "self_attn.v_proj_moe_gen",
-    "self_attn.o_proj_moe_gen",
-    "mlp_moe_gen.gate_proj",
-    "mlp_moe_gen.up_proj",
-    "mlp_moe_gen.down_proj",
-)
 
 
 def rowwise_scales(t: Tensor) -> Tensor:
@@ -114,12 +106,12 @@ class Fp8Linear(nn.Module):
 
 
 def quantize_gen_path(model: nn.Module) -> dict[str, Tensor]:
-    """Swap every decoder layer's gen-path linear layers (``GEN_LINEARS``) for :class:`Fp8Linear`,
+    """Swap every decoder layer's gen-path linear layers (``GEN_PATH_LINEARS``) for :class:`Fp8Linear`,
     in place. Returns the weights they held, by module name (the merge base of a LoRA policy:
     every version is merged onto these, then quantized); empty for a model on the meta device."""
     originals: dict[str, Tensor] = {}
     for name, module in list(model.named_modules()):
-        if not (isinstance(module, nn.Linear) and name.endswith(GEN_LINEARS)):
+        if not (isinstance(module, nn.Linear) and name.endswith(GEN_PATH_LINEARS)):
             continue
         if not module.weight.is_meta:
             originals[name] = module.weight.detach()
