@@ -114,7 +114,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"flowgrpo serve {args.role}: {' and '.join(names)} from the run's credentials file "
               f"{config.run_dir}/credentials.json", file=sys.stderr)  # fmt: skip
     main_module.run(config)  # a bind, plug-in or checkpoint error: one line at main()'s boundary
-    return 0
+    from flowgrpo.runtime.launch import end_process
+
+    end_process()  # stopped cleanly: exit 0 without the finalization, which can abort
 
 
 def _join_credentials(config: Any) -> list[str]:

@@ -12,15 +12,15 @@ mini-batch, as in one process.
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from flowgrpo.runtime.launch import end_process
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -92,20 +92,17 @@ def close_distributed() -> None:
 
 def end_rank() -> None:
     """The last call of a torchrun rank that finished its work (after :func:`close_distributed`):
-    in a job of several ranks, flush the logs and stdio and end the process with exit status 0
-    without Python's finalization (``os._exit``); in one process, return.
+    in a job of several ranks, end the process with exit status 0 without Python's finalization
+    (:func:`flowgrpo.runtime.launch.end_process`); in one process, return.
 
-    Why: FSDP2 keeps the process group alive past ``destroy_process_group`` (DTensor's sharding
-    caches hold its DeviceMesh; measured on a 2-rank gloo job: its transport and both worker
-    threads still run), so the interpreter's finalization tears those threads down while it
-    dies. A rank that had done all its work then aborted ("terminate called without an active
-    exception", SIGABRT) in about 1 of 17 such CPU jobs, and torchrun failed the job."""
+    Why here too: FSDP2 keeps the process group alive past ``destroy_process_group`` (DTensor's
+    sharding caches hold its DeviceMesh; measured on a 2-rank gloo job: its transport and both
+    worker threads still run), and a rank torn down by the finalization aborted in about 1 of 17
+    such CPU jobs. ``flowgrpo serve`` ends every service this way; this is for ranks started
+    otherwise (the tests' workers)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_process()
 
 
 def full_tensor(value: Tensor) -> Tensor:

@@ -13,7 +13,7 @@ CONFIG = TrainerServiceConfig
 
 def run(config: TrainerServiceConfig) -> None:
     # torch: imported only to serve
-    from flowgrpo.services.trainer.distributed import close_distributed, end_rank, init_distributed
+    from flowgrpo.services.trainer.distributed import close_distributed, init_distributed
     from flowgrpo.services.trainer.service import TrainerService, follow
 
     dist = init_distributed(config.trainer.device)
@@ -24,4 +24,3 @@ def run(config: TrainerServiceConfig) -> None:
         service = Service("flowgrpo.v1.Trainer", actor, trainer_pb2_grpc.add_TrainerServicer_to_server)
         run_service(actor, config, [service])
     close_distributed()  # after STOP reached every rank: each leaves the job in step
-    end_rank()

@@ -377,3 +377,33 @@ def test_the_fp8_alarm_has_its_own_threshold(tiny: Path) -> None:
     with pytest.raises(LogProbGapError, match=r"on FP8 samples .*trainer.loss.max_fp8_logp_gap=1e-09"):
         step.run(batch, PARAMS)
     assert step.version == 0 and all(torch.equal(v, before[k]) for k, v in step.policy.trainable().items())
+
+
+def test_a_bypassing_trainer_refuses_an_fp8_sample_naming_it(tiny: Path) -> None:
+    """The trainer's own guard, behind the recipe's: under logp_old=bypass the rollout's log-probs
+    stand for the old policy's, which an FP8 rollout's are not. A request with one FP8 sample is
+    refused before any rank trains, naming the sample and the fix; the same sample unmarked passes
+    this check (it then fails on its missing inputs, which this request does not carry)."""
+    from flowgrpo.config import load_config
+    from flowgrpo.configs.trainer import TrainerServiceConfig
+    from flowgrpo.runtime.errors import InvalidArgument
+    from flowgrpo.services.trainer.core import TrainerCore
+    from flowgrpo.v1 import trainer_pb2
+
+    overrides = [f"trainer.checkpoint={tiny}", "trainer.device=cpu", "trainer.dtype=float32",
+                 "trainer.loss.logp_old=bypass", "trainer.loss.max_logp_gap=1e-3"]  # fmt: skip
+    core = TrainerCore(load_config(TrainerServiceConfig, None, overrides), Dist())
+    try:
+        sample = trainer_pb2.TrainSample(prompt_uid="p0", sample_index=1, advantage=-1.0, precision="fp8")
+        request = trainer_pb2.TrainStepRequest(step=1, samples=[sample])
+        request.params.CopyFrom(PARAMS.to_proto())
+        with pytest.raises(InvalidArgument) as refused:
+            core.check(request)
+        message = str(refused.value)
+        assert message.startswith("TrainStepRequest.samples[0]: sample p0/1 was drawn by an FP8 rollout")
+        assert "use trainer.loss.logp_old=recompute" in message and "\n" not in message
+        request.samples[0].precision = ""
+        with pytest.raises(InvalidArgument, match=r"samples\[0\].inputs: sample p0/1 lacks input columns"):
+            core.check(request)
+    finally:
+        core.close()

@@ -9,8 +9,11 @@ orphan holding ports, memory and shared-memory files.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from flowgrpo.logs import setup_logging
 from flowgrpo.runtime.actor import Actor
@@ -43,3 +46,20 @@ def inherited_parent_fd() -> int | None:
     except OSError:
         return None
     return fd
+
+
+def end_process() -> NoReturn:
+    """The last call of a service process whose actor stopped cleanly (its stores, sockets and
+    files already released by its ``stop()``, its spans exported): flush the logs and stdio, then
+    end with exit status 0 without Python's finalization (``os._exit``).
+
+    Why: the finalization tears down native threads still alive (gRPC's, libzmq's, torch's,
+    gloo's under FSDP2) in whatever order the modules go, and one of them can abort the process
+    ("terminate called without an active exception", SIGABRT) after its work was done: a rollout
+    did in 4 of 27 runs of the Kubernetes rehearsal, a torchrun trainer rank in about 1 of 17
+    2-rank jobs. A launcher, a pod's restart policy or torchrun then counts a clean stop as a
+    crash. Nothing of a clean stop is left to the finalization, so skipping it loses nothing."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
