@@ -4,7 +4,8 @@
 #   run(command="bash bench/fp8_gpu.sh system", carry=[".whl"], kind="nvidia-h200", timeout_s=600)
 # rollout: `flowgrpo bench fp8` (the bf16 and FP8 matmul peaks; per shape images/s bf16 and FP8,
 #   compiled, their ratio and MFU against both peaks; the log-prob gap of FP8 samples scored
-#   under bf16 per window step against the clip ranges); SHAPES (512x8,512x32,1024x8), GAP (16).
+#   under bf16 per window step against the clip ranges); SHAPES (512x8,512x32,1024x8), GAP (16),
+#   GAP_RESOLUTION (512).
 # system: the one-GPU system (examples/bagel_pickscore_lora_1gpu.yaml, bench/system_gpu.sh) with
 #   bf16 rollouts and with FP8 rollouts, back to back: images/s end to end, each part's MFU and
 #   peak memory; LAYERS (28: the whole 7B), STEPS (4, the first a warm-up).
@@ -19,7 +20,7 @@ case $part in
     rollout)
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
         $PY -m flowgrpo.services.cli bench fp8 --shapes "${SHAPES:-512x8,512x32,1024x8}" \
-            --gap-samples "${GAP:-16}" --json "$OUT/fp8.json" 2>&1 | tee "$OUT/fp8.log"
+            --gap-samples "${GAP:-16}" --gap-resolution "${GAP_RESOLUTION:-512}" --json "$OUT/fp8.json" 2>&1 | tee "$OUT/fp8.log"
         ;;
     system)
         OUT=$OUT LAYERS=${LAYERS:-28} bash bench/system_gpu.sh --steps "${STEPS:-4}" --variant bf16 \

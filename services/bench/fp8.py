@@ -154,9 +154,9 @@ def logp_gap(
             0,
             0.0,
             r.prompt_ids,
-            out.latents[i],
-            out.log_probs[i],
-            out.sigmas[i],
+            out.latents[i].cpu(),  # on the host, as the trainer fetches them from the bus
+            out.log_probs[i].cpu(),
+            out.sigmas[i].cpu(),
         )
         for i, r in enumerate(requests)
     ]
@@ -223,7 +223,8 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     if args.gap_samples:
         if args.compile and device.type == "cuda":  # the gap swaps layers: eager
             uncompile_query_layers(setup.model)
-        report["logp_gap"] = logp_gap(setup, originals, resolution=shapes[0][0], samples=args.gap_samples,
+        resolution = args.gap_resolution or shapes[0][0]
+        report["logp_gap"] = logp_gap(setup, originals, resolution=resolution, samples=args.gap_samples,
                                       noise_level=args.noise_level, clips=args.clip)  # fmt: skip
     write_json(args.json, report)
     _print(report)
@@ -254,6 +255,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=48)
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--gap-samples", type=int, default=16, help="FP8 rollouts scored under bf16 (0: none)")
+    p.add_argument(
+        "--gap-resolution", type=int, default=0, help="the gap's image size (0: the first shape's)"
+    )
     p.add_argument("--noise-level", type=float, default=1.3, help="the gap's SDE noise (the 7B recipes')")
     p.add_argument("--clip", type=float, nargs="+", default=[1e-5, 1e-4], help="trust regions to compare")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON (rewritten as rows come in)")
