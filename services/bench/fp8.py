@@ -14,7 +14,8 @@ run on one model (the 7B geometry, random bf16 weights, as ``bench rollout``):
    (``Forwards.window_log_probs``): |logp_bf16 - logp_fp8| per window step, its median, p90, p99
    and max over the samples at each step, and the share of entries whose ratio exp(gap) leaves
    FlowGRPO's trust region [1 - eps, 1 + eps] for each ``--clip`` (1e-5: the BAGEL recipes';
-   1e-4: flow_grpo's).
+   1e-4: flow_grpo's); and the same for the control, rollouts of the bf16 weights (the gap that
+   is not FP8's).
 
 ``--model tiny --device cpu`` runs every code path in seconds (PyTorch's reference FP8 kernel; a
 smoke test, its figures mean nothing).
@@ -138,15 +139,19 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
 @torch.no_grad()
 def logp_gap(
     setup: Setup, originals: dict[str, torch.Tensor], *, resolution: int, samples: int, noise_level: float,
-    clips: list[float],
+    clips: list[float], quantized: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
-    """FP8 rollouts scored under bf16 by the trainer's recompute: the gap per window step."""
+    """FP8 rollouts scored under bf16 by the trainer's recompute: the gap per window step.
+    ``quantized=False``: the control, rollouts of the unquantized weights scored the same way (the
+    gap a bf16 run has anyway: the sampler's batch against the trainer's micro-batches)."""
     steps = setup.num_points - 1
     params = SamplerParams(num_points=setup.num_points, height=resolution, width=resolution,
                            noise_level=noise_level, window_size=steps, window_range=(0, steps),
                            deterministic=False, decode_images=False)  # fmt: skip
     requests = make_requests(samples, setup.prompt_len, setup.special)
-    out = BagelSampler(setup.model, setup.vae, setup.special).generate(requests, params, seed=1, step=0)
+    sampler = BagelSampler(setup.model, setup.vae, setup.special)
+    with contextlib.nullcontext() if quantized else bf16_layers(setup.model, originals):
+        out = sampler.generate(requests, params, seed=1, step=0)
     batch = [
         Trajectory(
             r.prompt_uid,
@@ -224,8 +229,16 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         if args.compile and device.type == "cuda":  # the gap swaps layers: eager
             uncompile_query_layers(setup.model)
         resolution = args.gap_resolution or shapes[0][0]
-        report["logp_gap"] = logp_gap(setup, originals, resolution=resolution, samples=args.gap_samples,
-                                      noise_level=args.noise_level, clips=args.clip)  # fmt: skip
+        for key, quantized in (("logp_gap", True), ("logp_gap_bf16", False)):
+            report[key] = logp_gap(
+                setup,
+                originals,
+                resolution=resolution,
+                samples=args.gap_samples,
+                noise_level=args.noise_level,
+                clips=args.clip,
+                quantized=quantized,
+            )
     write_json(args.json, report)
     _print(report)
     return report
@@ -237,11 +250,13 @@ def _print(report: dict[str, Any]) -> None:
     for shape, figure in report["fp8_images_per_s_ratio"].items():
         print(f"{shape}: FP8 / {report['args']['dtype']} images/s {figure:.3f}; FP8 loop MFU of the FP8 peak "
               f"{report['fp8_loop_mfu_of_fp8_peak'][shape]:.3f}")  # fmt: skip
-    if "logp_gap" in report:
-        gap = report["logp_gap"]
-        print(f"log-prob gap over {gap['samples']} samples: mean {gap['all']['mean']:.3g}, max "
-              f"{gap['all']['max']:.3g}; outside the clip: {gap['outside_clip']}")  # fmt: skip
-        print("per step p50:", " ".join(f"{v:.2g}" for v in gap["per_step"]["p50"]))
+    for key, what in (("logp_gap", "FP8 samples"), ("logp_gap_bf16", "the control, bf16 samples")):
+        if key in report:
+            gap = report[key]
+            print(f"log-prob gap of {what} under the bf16 recompute over {gap['samples']} samples: mean "
+                  f"{gap['all']['mean']:.3g}, max {gap['all']['max']:.3g}; outside the clip: "
+                  f"{gap['outside_clip']}")  # fmt: skip
+            print("  per step p50:", " ".join(f"{v:.2g}" for v in gap["per_step"]["p50"]))
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -84,5 +84,6 @@ def test_the_whole_benchmark_on_the_tiny_model(tmp_path: Path) -> None:
     q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     per_layer = cfg.hidden * (q + 2 * kv) + q * cfg.hidden + 3 * cfg.hidden * cfg.intermediate
     assert report["fp8_gen_path_gib"] * 2**30 == cfg.layers * per_layer
-    gap = report["logp_gap"]
+    gap, control = report["logp_gap"], report["logp_gap_bf16"]
     assert gap["samples"] == 4 and 0 < gap["all"]["mean"] <= gap["all"]["max"]
+    assert control["samples"] == 4 and control["all"]["max"] < gap["all"]["mean"]  # not FP8's gap
