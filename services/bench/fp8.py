@@ -8,7 +8,9 @@ run on one model (the 7B geometry, random bf16 weights, as ``bench rollout``):
    CFG forward, peak memory) in bf16, then again with the gen path quantized
    (``fp8.quantize_gen_path``), compiled both (unless ``--no-compile``); FP8 over bf16 in
    images/s, and the loop's MFU against the bf16 peak and against the FP8 one (attention and the
-   und path stay bf16, so the FP8 figure is a floor);
+   und path stay bf16, so the FP8 figure is a floor); and where one CFG forward's kernel time
+   goes (``bench.kernels``: GEMMs, attention, the compiled fused kernels, the rest; the top
+   kernels by name);
 3. the log-prob gap: ``--gap-samples`` FP8 rollouts of the first shape with every step an SDE step
    (``--noise-level``), scored under the bf16 weights by the trainer's own recompute
    (``Forwards.window_log_probs``): |logp_bf16 - logp_fp8| per window step, its median, p90, p99
@@ -48,8 +50,9 @@ from flowgrpo.services.bench.common import (
     open_device,
     sync,
 )
+from flowgrpo.services.bench.kernels import kernel_profile, print_profile
 from flowgrpo.services.bench.rollout import Row, build_setup, measure, parse_shapes
-from flowgrpo.services.bench.rollout_forward import Setup
+from flowgrpo.services.bench.rollout_forward import Setup, step_forward
 from flowgrpo.services.bench.stats import Figure, ratio, repeats_arg, timed, write_json
 
 GAP_QUANTILES = (0.5, 0.9, 0.99)
@@ -210,6 +213,12 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         for resolution, batch in shapes:
             found.append(row := measure(setup, resolution, batch))
             print(f"{precision} {resolution}px b{batch}: {row.images_per_s:.4g} images/s", flush=True)
+            if args.profile:
+                forward, _ = step_forward(setup, resolution, batch)
+                kernels = report.setdefault("kernels", {}).setdefault(precision, {})
+                kernels[f"{resolution}x{batch}"] = found_kernels = kernel_profile(forward, device)
+                print_profile(f"{precision} {resolution}px b{batch} CFG forward", found_kernels)
+                del forward
             write_json(args.json, report)
     peak.measure_after(device)
     fp8_peak["after"] = fp8_matmul_tflops(device, size)
@@ -269,6 +278,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-points", type=int, default=15, help="schedule points (steps + 1)")
     p.add_argument("--prompt-len", type=int, default=48)
     p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the kernel profiles")
     p.add_argument("--gap-samples", type=int, default=16, help="FP8 rollouts scored under bf16 (0: none)")
     p.add_argument(
         "--gap-resolution", type=int, default=0, help="the gap's image size (0: the first shape's)"

@@ -9,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from flowgrpo.algorithms.objective import Forwards, Trajectory
@@ -84,6 +85,11 @@ def test_the_whole_benchmark_on_the_tiny_model(tmp_path: Path) -> None:
     q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     per_layer = cfg.hidden * (q + 2 * kv) + q * cfg.hidden + 3 * cfg.hidden * cfg.intermediate
     assert report["fp8_gen_path_gib"] * 2**30 == cfg.layers * per_layer
+    for precision in ("fp32", "fp8"):  # the kernel profile of one CFG forward: every kind, shares of 1
+        profile = report["kernels"][precision]["64x4"]
+        assert profile["kinds"]["gemm"]["ms_per_call"] > 0 and profile["top"]
+        assert sum(k["share"] for k in profile["kinds"].values()) == pytest.approx(1.0)
+    assert any(k["name"] == "aten::_scaled_mm" for k in report["kernels"]["fp8"]["64x4"]["top"])
     gap, control = report["logp_gap"], report["logp_gap_bf16"]
     assert gap["samples"] == 4 and 0 < gap["all"]["mean"] <= gap["all"]["max"]
     assert control["samples"] == 4 and control["all"]["max"] < gap["all"]["mean"]  # not FP8's gap
