@@ -186,6 +186,13 @@ def logp_gap(
     }
 
 
+@torch.no_grad()  # as the sampler: with autograd on, a 7B forward's saved activations filled an H100
+def profile_step(setup: Setup, resolution: int, batch: int) -> dict[str, Any]:
+    """Where one CFG forward of the batch spends its kernel time (``bench.kernels``)."""
+    forward, _ = step_forward(setup, resolution, batch)
+    return kernel_profile(forward, setup.device)
+
+
 def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     report: dict[str, Any] = {"args": vars(args), "torch": torch.__version__, "device": device_name(device)}
     size = 8192 if device.type == "cuda" else 512
@@ -214,11 +221,9 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             found.append(row := measure(setup, resolution, batch))
             print(f"{precision} {resolution}px b{batch}: {row.images_per_s:.4g} images/s", flush=True)
             if args.profile:
-                forward, _ = step_forward(setup, resolution, batch)
                 kernels = report.setdefault("kernels", {}).setdefault(precision, {})
-                kernels[f"{resolution}x{batch}"] = found_kernels = kernel_profile(forward, device)
+                kernels[f"{resolution}x{batch}"] = found_kernels = profile_step(setup, resolution, batch)
                 print_profile(f"{precision} {resolution}px b{batch} CFG forward", found_kernels)
-                del forward
             write_json(args.json, report)
     peak.measure_after(device)
     fp8_peak["after"] = fp8_matmul_tflops(device, size)

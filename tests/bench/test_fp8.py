@@ -93,3 +93,17 @@ def test_the_whole_benchmark_on_the_tiny_model(tmp_path: Path) -> None:
     gap, control = report["logp_gap"], report["logp_gap_bf16"]
     assert gap["samples"] == 4 and 0 < gap["all"]["mean"] <= gap["all"]["max"]
     assert control["samples"] == 4 and control["all"]["max"] < gap["all"]["mean"]  # not FP8's gap
+
+
+def test_the_kernel_profile_runs_without_autograd(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the sampler does: a forward profiled with autograd on keeps every layer's activations
+    for a backward that never comes (at 7B geometry that filled an H100's 80 GB)."""
+    seen: list[bool] = []
+
+    def record(fn: object, device: torch.device, calls: int = 3) -> dict[str, object]:
+        seen.append(torch.is_grad_enabled())
+        return {}
+
+    monkeypatch.setattr(fp8, "kernel_profile", record)
+    fp8.profile_step(setup(), 32, 2)
+    assert seen == [False]
