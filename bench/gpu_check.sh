@@ -22,8 +22,9 @@
 #      is `bash bench/system_gpu.sh` (a call of its own: a step of 128 images takes ~2.5 min).
 # Measured (H200, torch 2.11): the tests 2 min until FP8 added its runs; then 296 s one after the other
 # (c674b7b: 11 passed), which left the system stage's 4 steps (its first 176 s) past the 600 s
-# limit: the tests now run as two processes at once, 155 s (69e8dd5, H100; the whole check 424 s). At 28 layers and 128
-# images a step the first step alone took 210-268 s, which is why the check cuts both.
+# limit: the tests now run as two processes at once, 155 s (69e8dd5 on an H100; the whole check
+# 424 s). At 28 layers and 128 images a step the first step alone took 210-268 s, which is why the
+# check cuts both.
 # Environment: OUT (default /tmp/gpu-check), COMMIT, SYSTEM_STEPS (4), SYSTEM_LAYERS (2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
