@@ -1,14 +1,21 @@
 #!/usr/bin/env bash
-# FP8 rollouts against bf16 at the 7B geometry on one GPU (docs/fp8.md), in two device calls:
-#   run(command="bash bench/fp8_gpu.sh rollout", carry=[".whl"], kind="nvidia-h200", timeout_s=600)
-#   run(command="bash bench/fp8_gpu.sh system", carry=[".whl"], kind="nvidia-h200", timeout_s=600)
+# FP8 rollouts against bf16 at the 7B geometry on one GPU (docs/fp8.md), in device calls of
+# 10 minutes at most:
+#   run(command="SHAPES=512x8,512x32 bash bench/fp8_gpu.sh rollout", carry=[".whl"], timeout_s=600)
+#   run(command="SHAPES=1024x8 GAP=0 bash bench/fp8_gpu.sh rollout", carry=[".whl"], timeout_s=600)
+#   run(command="VARIANTS=bf16 STEPS=3 bash bench/fp8_gpu.sh system", carry=[".whl"], timeout_s=600)
+#   run(command="VARIANTS=fp8 STEPS=3 bash bench/fp8_gpu.sh system", carry=[".whl"], timeout_s=600)
+# (measured 2026-12-05: 512 px b8 and b32 without the gap 330 s on an H100, 1024 px b8 with the
+# gap 280 s on an H200; the GEMM table and the kernel profiles, added since, take seconds more.)
 # rollout: `flowgrpo bench fp8` (the bf16 and FP8 matmul peaks; per shape images/s bf16 and FP8,
 #   compiled, their ratio and MFU against both peaks; the log-prob gap of FP8 samples scored
 #   under bf16 per window step against the clip ranges); SHAPES (512x8,512x32,1024x8), GAP (16),
 #   GAP_RESOLUTION (512).
 # system: the one-GPU system (examples/bagel_pickscore_lora_1gpu.yaml, bench/system_gpu.sh) with
 #   bf16 rollouts and with FP8 rollouts, back to back: images/s end to end, each part's MFU and
-#   peak memory; LAYERS (28: the whole 7B), STEPS (4, the first a warm-up).
+#   peak memory; LAYERS (28: the whole 7B), STEPS (4, the first a warm-up), VARIANTS ("bf16 fp8";
+#   at 28 layers one variant fits a 10-minute call: VARIANTS=bf16, then VARIANTS=fp8 on the same
+#   machine, STEPS=3).
 # Writes $OUT/fp8.json, $OUT/fp8.log or $OUT/system.json, $OUT/system.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,8 +30,15 @@ case $part in
             --gap-samples "${GAP:-16}" --gap-resolution "${GAP_RESOLUTION:-512}" --json "$OUT/fp8.json" 2>&1 | tee "$OUT/fp8.log"
         ;;
     system)
-        OUT=$OUT LAYERS=${LAYERS:-28} bash bench/system_gpu.sh --steps "${STEPS:-4}" --variant bf16 \
-            --variant fp8:rollout.precision=fp8
+        variants=()
+        for v in ${VARIANTS:-bf16 fp8}; do  # one a call at 28 layers: a 128-image step takes ~2.5 min
+            case $v in
+                bf16) variants+=(--variant bf16) ;;
+                fp8) variants+=(--variant fp8:rollout.precision=fp8) ;;
+                *) echo "VARIANTS: bf16 and/or fp8, not $v" >&2; exit 2 ;;
+            esac
+        done
+        OUT=$OUT LAYERS=${LAYERS:-28} bash bench/system_gpu.sh --steps "${STEPS:-4}" "${variants[@]}"
         ;;
     *) echo "part $part: rollout or system" >&2; exit 2 ;;
 esac

@@ -10,7 +10,8 @@ run on one model (the 7B geometry, random bf16 weights, as ``bench rollout``):
    images/s, and the loop's MFU against the bf16 peak and against the FP8 one (attention and the
    und path stay bf16, so the FP8 figure is a floor); and where one CFG forward's kernel time
    goes (``bench.kernels``: GEMMs, attention, the compiled fused kernels, the rest; the top
-   kernels by name);
+   kernels by name); and before it, each gen-path GEMM alone at the forward's rows in bf16 and in
+   FP8 (row-wise and tensor-wise scales) with the quantization of its input (``fp8_gemms``);
 3. the log-prob gap: ``--gap-samples`` FP8 rollouts of the first shape with every step an SDE step
    (``--noise-level``), scored under the bf16 weights by the trainer's own recompute
    (``Forwards.window_log_probs``): |logp_bf16 - logp_fp8| per window step, its median, p90, p99
@@ -50,6 +51,7 @@ from flowgrpo.services.bench.common import (
     open_device,
     sync,
 )
+from flowgrpo.services.bench.fp8_gemms import gemm_table, print_gemms
 from flowgrpo.services.bench.kernels import kernel_profile, print_profile
 from flowgrpo.services.bench.rollout import Row, build_setup, measure, parse_shapes
 from flowgrpo.services.bench.rollout_forward import Setup, step_forward
@@ -202,6 +204,15 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     print(f"{report['device']}: {peak.line()}; FP8 {size}^3: {fp8_peak['before']:.4g}", flush=True)
     setup = build_setup(args, device)
     shapes = parse_shapes(args.shapes)
+    if args.gemms:  # the GEMMs one at a time at each shape's rows, before anything is quantized
+        report["gemms"] = {}
+        for resolution, batch in shapes:
+            query_rows = 2 * batch * ((resolution // 16) ** 2 + 2)  # both CFG branches, the markers
+            report["gemms"][f"{resolution}x{batch}"] = table = gemm_table(
+                setup.model, query_rows, device, setup.repeats
+            )
+            print_gemms(f"{resolution}px b{batch}", table)
+        write_json(args.json, report)
     rows: dict[str, list[Row]] = {args.dtype: [], "fp8": []}  # the weights' dtype (bf16 on a GPU), then FP8
     report["rows"] = rows
     for precision, found in rows.items():
@@ -284,6 +295,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=48)
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the kernel profiles")
+    p.add_argument("--no-gemms", dest="gemms", action="store_false", help="skip the GEMM table")
     p.add_argument("--gap-samples", type=int, default=16, help="FP8 rollouts scored under bf16 (0: none)")
     p.add_argument(
         "--gap-resolution", type=int, default=0, help="the gap's image size (0: the first shape's)"

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.autograd import DeviceType
+from torch._C._autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 KINDS = (  # the first pattern a kernel's name matches gives its kind
