@@ -17,5 +17,6 @@ pip_download \
     opentelemetry-instrumentation==0.66b2 opentelemetry-instrumentation-grpc==0.66b2 \
     opentelemetry-exporter-otlp-proto-grpc==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 \
     opentelemetry-proto==1.45.2 googleapis-common-protos==1.76.0 importlib-metadata zipp \
-    scipy==1.16.3  # the compose verifier (connected components)
+    scipy==1.16.3 `# the compose verifier (connected components)` \
+    torchao==0.18.0  # bench fp8 --torchao
 ls .whl

@@ -8,9 +8,9 @@
 # (measured 2026-12-05: 512 px b8 and b32 without the gap 330 s on an H100, 1024 px b8 with the
 # gap 280 s on an H200; the GEMM table and the kernel profiles, added since, take seconds more.)
 # rollout: `flowgrpo bench fp8` (the bf16 and FP8 matmul peaks; per shape images/s bf16 and FP8,
-#   compiled, their ratio and MFU against both peaks; the log-prob gap of FP8 samples scored
-#   under bf16 per window step against the clip ranges); SHAPES (512x8,512x32,1024x8), GAP (16),
-#   GAP_RESOLUTION (512).
+#   compiled, their ratio and MFU against both peaks; torchao's float8 on the same layers between
+#   the two (TORCHAO=0 skips it); the log-prob gap of FP8 samples scored under bf16 per window
+#   step against the clip ranges); SHAPES (512x8,512x32,1024x8), GAP (16), GAP_RESOLUTION (512).
 # system: the one-GPU system (examples/bagel_pickscore_lora_1gpu.yaml, bench/system_gpu.sh) with
 #   bf16 rollouts and with FP8 rollouts, back to back: images/s end to end, each part's MFU and
 #   peak memory; LAYERS (28: the whole 7B), STEPS (4, the first a warm-up), VARIANTS ("bf16 fp8";
@@ -26,7 +26,8 @@ source bench/gpu_env.sh
 case $part in
     rollout)
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
-        $PY -m flowgrpo.services.cli bench fp8 --shapes "${SHAPES:-512x8,512x32,1024x8}" \
+        torchao=(--torchao); [ "${TORCHAO:-1}" = 0 ] && torchao=()
+        $PY -m flowgrpo.services.cli bench fp8 --shapes "${SHAPES:-512x8,512x32,1024x8}" "${torchao[@]}" \
             --gap-samples "${GAP:-16}" --gap-resolution "${GAP_RESOLUTION:-512}" --json "$OUT/fp8.json" 2>&1 | tee "$OUT/fp8.log"
         ;;
     system)

@@ -12,6 +12,8 @@ run on one model (the 7B geometry, random bf16 weights, as ``bench rollout``):
    goes (``bench.kernels``: GEMMs, attention, the compiled fused kernels, the rest; the top
    kernels by name); and before it, each gen-path GEMM alone at the forward's rows in bf16 and in
    FP8 (row-wise and tensor-wise scales) with the quantization of its input (``fp8_gemms``);
+   with ``--torchao``, a third row per shape between the two: torchao's row-wise float8 on the
+   same layers (``fp8_torchao``), and ours over it in images/s;
 3. the log-prob gap: ``--gap-samples`` FP8 rollouts of the first shape with every step an SDE step
    (``--noise-level``), scored under the bf16 weights by the trainer's own recompute
    (``Forwards.window_log_probs``): |logp_bf16 - logp_fp8| per window step, its median, p90, p99
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -42,6 +45,7 @@ from flowgrpo.models.bagel.model import BagelModel
 from flowgrpo.models.bagel.parallelize import compile_query_layers, uncompile_query_layers
 from flowgrpo.models.bagel.sampling import BagelSampler
 from flowgrpo.sampler_params import SamplerParams
+from flowgrpo.services.bench import fp8_torchao
 from flowgrpo.services.bench.common import (
     DTYPES,
     MatmulPeak,
@@ -195,6 +199,48 @@ def profile_step(setup: Setup, resolution: int, batch: int) -> dict[str, Any]:
     return kernel_profile(forward, setup.device)
 
 
+def measure_precisions(
+    args: argparse.Namespace, setup: Setup, shapes: list[tuple[int, int]], report: dict[str, Any]
+) -> tuple[dict[str, list[Row]], dict[str, torch.Tensor]]:
+    """Each shape's row in the weights' dtype (bf16 on a GPU), in torchao's float8 if asked, then in
+    ours, compiled each (unless ``--no-compile``), with its kernel profile. The model is left with
+    our FP8 layers; returned with the rows: the weights those replaced."""
+    device = setup.device
+    compiles = args.compile and device.type == "cuda"
+    rows: dict[str, list[Row]] = {args.dtype: [], **({"fp8_torchao": []} if args.torchao else {}), "fp8": []}
+    report["rows"] = rows
+    originals: dict[str, torch.Tensor] = {}
+    for precision, found in rows.items():
+        if compiles:
+            uncompile_query_layers(setup.model)  # a no-op before the first
+        kept: dict[str, torch.Tensor] = {}
+        if precision == "fp8_torchao":
+            kept = fp8_torchao.quantize_gen_path_torchao(setup.model)
+        elif precision == "fp8":
+            started = time.perf_counter()
+            originals = quantize_gen_path(setup.model)
+            sync(device)
+            report["quantize_s"] = time.perf_counter() - started
+            report["fp8_gen_path_gib"] = sum(
+                m.weight.numel() for m in setup.model.modules() if isinstance(m, Fp8Linear)
+            ) * E4M3.itemsize / 2**30  # fmt: skip
+        if compiles:
+            compile_query_layers(setup.model)
+        for resolution, batch in shapes:
+            found.append(row := measure(setup, resolution, batch))
+            print(f"{precision} {resolution}px b{batch}: {row.images_per_s:.4g} images/s", flush=True)
+            if args.profile:
+                kernels = report.setdefault("kernels", {}).setdefault(precision, {})
+                kernels[f"{resolution}x{batch}"] = found_kernels = profile_step(setup, resolution, batch)
+                print_profile(f"{precision} {resolution}px b{batch} CFG forward", found_kernels)
+            write_json(args.json, report)
+        if kept:  # torchao's layers back to the weights' dtype, for ours to quantize
+            if compiles:
+                uncompile_query_layers(setup.model)
+            fp8_torchao.restore(setup.model, kept)
+    return rows, originals
+
+
 def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     report: dict[str, Any] = {"args": vars(args), "torch": torch.__version__, "device": device_name(device)}
     size = 8192 if device.type == "cuda" else 512
@@ -213,29 +259,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             )
             print_gemms(f"{resolution}px b{batch}", table)
         write_json(args.json, report)
-    rows: dict[str, list[Row]] = {args.dtype: [], "fp8": []}  # the weights' dtype (bf16 on a GPU), then FP8
-    report["rows"] = rows
-    for precision, found in rows.items():
-        if precision == "fp8":
-            if args.compile and device.type == "cuda":
-                uncompile_query_layers(setup.model)
-            started = time.perf_counter()
-            originals = quantize_gen_path(setup.model)
-            sync(device)
-            report["quantize_s"] = time.perf_counter() - started
-            report["fp8_gen_path_gib"] = sum(
-                m.weight.numel() for m in setup.model.modules() if isinstance(m, Fp8Linear)
-            ) * E4M3.itemsize / 2**30  # fmt: skip
-        if args.compile and device.type == "cuda":
-            compile_query_layers(setup.model)
-        for resolution, batch in shapes:
-            found.append(row := measure(setup, resolution, batch))
-            print(f"{precision} {resolution}px b{batch}: {row.images_per_s:.4g} images/s", flush=True)
-            if args.profile:
-                kernels = report.setdefault("kernels", {}).setdefault(precision, {})
-                kernels[f"{resolution}x{batch}"] = found_kernels = profile_step(setup, resolution, batch)
-                print_profile(f"{precision} {resolution}px b{batch} CFG forward", found_kernels)
-            write_json(args.json, report)
+    rows, originals = measure_precisions(args, setup, shapes, report)
     peak.measure_after(device)
     fp8_peak["after"] = fp8_matmul_tflops(device, size)
     fp8_used = max(fig.median for fig in fp8_peak.values())
@@ -243,6 +267,12 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         f"{a.resolution}x{a.batch}": ratio(b.images_per_s, a.images_per_s)
         for a, b in zip(rows[args.dtype], rows["fp8"], strict=True)
     }
+    if args.torchao:  # each shape: ours over torchao's, images/s (> 1: ours is faster)
+        report["torchao_version"] = fp8_torchao.torchao_version()
+        report["fp8_over_torchao_images_per_s"] = {
+            f"{a.resolution}x{a.batch}": ratio(b.images_per_s, a.images_per_s)
+            for a, b in zip(rows["fp8_torchao"], rows["fp8"], strict=True)
+        }
     for measured in rows.values():
         for row in measured:
             row.mfu_loop = mfu((setup.num_points - 1) * row.step_tflop * 1e12, row.loop_s, peak.used)
@@ -275,6 +305,9 @@ def _print(report: dict[str, Any]) -> None:
     for shape, figure in report["fp8_images_per_s_ratio"].items():
         print(f"{shape}: FP8 / {report['args']['dtype']} images/s {figure:.3f}; FP8 loop MFU of the FP8 peak "
               f"{report['fp8_loop_mfu_of_fp8_peak'][shape]:.3f}")  # fmt: skip
+        if "fp8_over_torchao_images_per_s" in report:
+            print(f"  ours / torchao {report['torchao_version']} images/s "
+                  f"{report['fp8_over_torchao_images_per_s'][shape]:.3f}")  # fmt: skip
     for key, what in (("logp_gap", "FP8 samples"), ("logp_gap_bf16", "the control, bf16 samples")):
         if key in report:
             gap = report[key]
@@ -296,6 +329,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the kernel profiles")
     p.add_argument("--no-gemms", dest="gemms", action="store_false", help="skip the GEMM table")
+    p.add_argument(
+        "--torchao", action="store_true", help="also torchao's row-wise float8 on the same layers (SM 8.9+)"
+    )
     p.add_argument("--gap-samples", type=int, default=16, help="FP8 rollouts scored under bf16 (0: none)")
     p.add_argument(
         "--gap-resolution", type=int, default=0, help="the gap's image size (0: the first shape's)"
@@ -310,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     device = open_device(args.device, "fp8")
     if device is None:
+        return 2
+    if args.torchao and (refused := fp8_torchao.refusal(device, args.dtype)):
+        print(f"bench fp8 --torchao: {refused}", file=sys.stderr)
         return 2
     torch.backends.cudnn.benchmark = True
     run(args, device)
