@@ -15,6 +15,8 @@
 #     the same-host CUDA IPC path, each with a consumer process taking it onto its GPU);
 #  0. the CUDA IPC test (tests/bus/test_cuda_ipc.py, marker gpu) when pytest is there.
 # Every timed figure: the median of 3 timed steps (publications) after a warm-up, with its range.
+# Each LoRA variant also profiles one step (bench.kernels: GEMMs, attention, compiled, optimizer,
+# the rest; the kernels' share of the step's time); PROFILE=0 skips it.
 # LORA=0 or FULL=0 skips a part (one part per device call keeps each call under 10 minutes);
 # LORA_DEADLINE / FULL_DEADLINE (s): what would start later is skipped.
 # CKPT_EVERY_STEP=DIR: also what a checkpoint every step costs, synchronous and in the background
@@ -48,6 +50,8 @@ $PY -c 'import zmq, opentelemetry, google.protobuf as p; print("bus: pyzmq", zmq
     2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
 
 LORA_SAVE=() FULL_SAVE=()
+PROFILE_ARGS=(--profile)  # each LoRA variant: one step's kernels by kind (PROFILE=0: none)
+[[ ${PROFILE:-1} == 0 ]] && PROFILE_ARGS=()
 if [[ -n ${CKPT_EVERY_STEP:-} ]]; then
     LORA_SAVE=(--checkpoint-every-step "$CKPT_EVERY_STEP/lora")
     FULL_SAVE=(--checkpoint-every-step "$CKPT_EVERY_STEP/full")
@@ -59,7 +63,7 @@ if [[ $DEVICE == cuda* ]] && $PY -c "import pytest" 2>/dev/null; then  # CUDA IP
 fi
 if [[ ${LORA:-1} == 1 ]]; then
     $PY -m flowgrpo.services.bench.trainer "${SMOKE[@]}" --deadline-s "$LORA_DEADLINE" --json "$OUT/trainer_lora.json" \
-        "${LORA_SAVE[@]}" "$@" \
+        "${LORA_SAVE[@]}" "${PROFILE_ARGS[@]}" "$@" \
         2>&1 | tee "$OUT/trainer_lora.log"
     status=$?
 fi

@@ -4,8 +4,9 @@ and the kernels that took the most, by name. On a CPU the same is taken over the
 own CPU time (a smoke: the kinds mean little there).
 
 The kinds come from kernel names (cuBLAS's ``nvjet_*``, ``*gemm*``, CUTLASS's ``sm90_xmma_*``;
-FlashAttention's and cuDNN's ``*flash*``/``*fmha*``; Inductor's ``triton_*``): a name of another
-library lands in ``other``, which is why the top kernels are reported by name beside them.
+FlashAttention's and cuDNN's ``*flash*``/``*fmha*``; Inductor's ``triton_*``; the optimizer's
+``multi_tensor_apply``/foreach kernels; NCCL's): a name of another library lands in ``other``,
+which is why the top kernels are reported by name beside them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ KINDS = (  # the first pattern a kernel's name matches gives its kind
     ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|_scaled_mm|aten::(mm|addmm|bmm|matmul)$", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
     ("compiled (fused)", re.compile(r"^triton_", re.I)),
+    ("optimizer", re.compile(r"multi_tensor|foreach|adam", re.I)),  # AdamW's fused/foreach kernels
+    ("communication", re.compile(r"nccl", re.I)),  # FSDP's all-gathers and reduce-scatters
 )
 TOP = 12
 

@@ -19,6 +19,11 @@ MFU = FLOPs (trainer_flops.py: the matmuls actually executed) / time / the bf16 
 measured in this run (8192^3) after a warm-up, before and after the timed steps; the larger of
 the two is used (``MatmulPeak.used`` says why). Publication: publication.py.
 
+``--profile``: each variant one more step under torch.profiler (``bench.kernels``): its kernel
+time by kind (GEMMs, attention, the compiled fused kernels, the optimizer's, NCCL's, the rest),
+the top kernels by name, and the kernels' share of the step's median time (what is left is the
+GPU waiting on the host).
+
 ``--model tiny --device cpu`` runs every code path on the tiny model in seconds (a smoke test;
 its figures mean nothing).
 """
@@ -56,6 +61,7 @@ from flowgrpo.services.bench.common import (
     random_bagel,
     sync,
 )
+from flowgrpo.services.bench.kernels import print_profile
 from flowgrpo.services.bench.publication import measure_publication
 from flowgrpo.services.bench.stats import MIN_REPEATS, repeats_arg, write_json
 from flowgrpo.services.bench.trainer_checkpoint import measure_checkpoint_cost
@@ -222,6 +228,7 @@ def _step_bench(
         args.mini_batches,
         args.compile,
         args.nft_fraction,
+        args.profile,
     )
 
 
@@ -241,6 +248,9 @@ def _measure_variants(
             row["peak_gib_per_rank"] = peaks
         report["rows"].append(row)
         say(_row_line(row), flush=True)
+        if "kernels" in row and bench.dist.rank == 0:
+            busy = row["kernels"]["busy_share"]
+            print_profile(f"{variant.name}: one step's kernels ({busy:.0%} of its time)", row["kernels"])
         if bench.dist.rank == 0:
             write_json(args.json, report)
 
@@ -317,6 +327,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=repeats_arg, default=MIN_REPEATS,
                    help=f"timed steps per variant, after one warm-up (>= {MIN_REPEATS})")  # fmt: skip
     p.add_argument("--trajectories", choices=["sampler", "random"], default="sampler")
+    p.add_argument(
+        "--profile", action="store_true", help="each variant: one more step under torch.profiler, by kind"
+    )
     p.add_argument("--no-publish", dest="publish", action="store_false")
     p.add_argument("--publish-reps", type=repeats_arg, default=MIN_REPEATS,
                    help=f"timed publications per path, after one warm-up (>= {MIN_REPEATS})")  # fmt: skip

@@ -25,6 +25,7 @@ from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest, compute_
 from flowgrpo.sampler_math import shifted_schedule
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.bench.common import GiB, free, mfu
+from flowgrpo.services.bench.kernels import kernel_profile
 from flowgrpo.services.bench.stats import Figure, Runs, run_timed
 from flowgrpo.services.trainer.distributed import Dist
 from flowgrpo.services.trainer.policy import TrainablePolicy
@@ -169,6 +170,7 @@ class StepBench:
     mini_batches: int
     compiled_before_sharding: bool  # sharded runs: --compile
     nft_fraction: float = 0.99  # DiffusionNFT rows: the share of the schedule's times trained per sample
+    profile: bool = False  # each row: one more step under torch.profiler (bench.kernels)
 
     @property
     def device(self) -> torch.device:
@@ -185,7 +187,7 @@ def measure_variant(variant: Variant, bench: StepBench) -> dict[str, Any]:
     configure_variant(variant, bench)
     row["compiled"] = variant.compile
     try:
-        runs = _timed_steps(variant, bench)
+        runs, profiled = _timed_steps(variant, bench)
     except torch.OutOfMemoryError as e:
         row["error"] = "out of memory: " + str(e).splitlines()[0][:300]
     except Exception as e:  # report it and go on with the next variant
@@ -193,7 +195,10 @@ def measure_variant(variant: Variant, bench: StepBench) -> dict[str, Any]:
     if "error" in row:
         free(bench.device)
         return row
-    return row | _figures(runs, bench)
+    row |= _figures(runs, bench)
+    if profiled is not None:  # the kernels' time over the step's: how busy the GPU was
+        row["kernels"] = profiled | {"busy_share": profiled["ms_per_call"] / (1e3 * runs.seconds.median)}
+    return row
 
 
 def _skip_reason(variant: Variant, bench: StepBench) -> str:
@@ -218,7 +223,7 @@ def configure_variant(variant: Variant, bench: StepBench) -> None:
         checkpoint_query_layers(model)
 
 
-def _timed_steps(variant: Variant, bench: StepBench) -> Runs[dict[str, float]]:
+def _timed_steps(variant: Variant, bench: StepBench) -> tuple[Runs[dict[str, float]], dict[str, Any] | None]:
     if bench.initial is not None:  # back to the sampled weights: the warm-up step is a sync step
         bench.policy.load_published(bench.initial)
     loss = LossConfig(mini_batches=bench.mini_batches, micro_batch_size=variant.micro)
@@ -230,7 +235,11 @@ def _timed_steps(variant: Variant, bench: StepBench) -> Runs[dict[str, float]]:
     patched = addmm_lora(bench.policy.model) if variant.addmm else []
     params = nft_params(bench.params) if variant.nft else bench.params
     try:
-        return run_timed(lambda: _step(trainer, bench, params), repeats=bench.repeats, device=bench.device)
+        runs = run_timed(lambda: _step(trainer, bench, params), repeats=bench.repeats, device=bench.device)
+        profiled = None
+        if bench.profile:  # after the timed steps: one more step, then the profiled one
+            profiled = kernel_profile(lambda: _step(trainer, bench, params), bench.device, calls=1)
+        return runs, profiled
     finally:
         for layer in patched:
             vars(layer).pop("forward", None)

@@ -1,7 +1,12 @@
 """``bench fp8 --torchao`` on the tiny model (bf16, CPU): torchao's float8 takes the layers ours
 swaps and no other, gives them back untouched, computes what ours computes within e4m3's rounding,
 and the whole run measures it between bf16 and ours. torchao refuses float8 on a CPU; these tests
-lift that one check (torchao's own numbers on a CPU are its reference kernels', as ours)."""
+lift that one check (torchao's own numbers on a CPU are its reference kernels', as ours); the gpu
+test runs it where torchao allows it.
+
+CI does not install torchao (the ``fp8`` extra): peft imports an installed torchao at its own
+import, which costs every trainer process 0.3 s and its log two warnings. These tests run where it
+is installed: here, and on the device, whose wheels bench/fetch_gpu_wheels.sh fetches."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.bench import fp8, fp8_torchao
 from flowgrpo.services.bench.common import SPECIAL_TINY, make_requests, random_bagel, random_vae
 
-pytest.importorskip("torchao", reason="flowgrpo[fp8] (the dev install has it)")
+pytest.importorskip("torchao", reason="torchao is not installed: pip install 'flowgrpo[fp8]'")
 
 
 @pytest.fixture
@@ -64,15 +69,28 @@ def test_torchao_is_refused_in_one_line_where_it_cannot_run() -> None:
         fp8_torchao.quantize_gen_path_torchao(model)
 
 
-def test_the_benchmark_measures_torchao_between_bf16_and_ours(no_hardware_check: None) -> None:
+def measured(device: str) -> dict[str, object]:
     args = fp8._parser().parse_args(
-        ["--model", "tiny", "--device", "cpu", "--dtype", "bf16", "--shapes", "32x2", "--num-points", "9",
-         "--gap-samples", "0", "--no-profile", "--no-gemms", "--torchao"]
+        ["--model", "tiny", "--device", device, "--dtype", "bf16", "--shapes", "32x2", "--num-points", "9",
+         "--gap-samples", "0", "--no-profile", "--no-gemms", "--no-compile", "--torchao"]
     )  # fmt: skip
-    report = fp8.run(args, torch.device("cpu"))
+    report = fp8.run(args, torch.device(device))
     assert list(report["rows"]) == ["bf16", "fp8_torchao", "fp8"]
     (theirs,), (ours,) = report["rows"]["fp8_torchao"], report["rows"]["fp8"]
     assert theirs.step_tflop == ours.step_tflop > 0
     assert report["torchao_version"] == "0.18.0"
     expected = ours.images_per_s.median / theirs.images_per_s.median
     assert report["fp8_over_torchao_images_per_s"]["32x2"].median == pytest.approx(expected, rel=0.5)
+    return report
+
+
+def test_the_benchmark_measures_torchao_between_bf16_and_ours(no_hardware_check: None) -> None:
+    measured("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_benchmark_runs_torchao_on_a_gpu_without_lifting_its_check() -> None:
+    """The device's own path (bench/gpu_check.sh, with the wheels of bench/fetch_gpu_wheels.sh)."""
+    assert fp8_torchao.refusal(torch.device("cuda"), "bf16") is None
+    measured("cuda")

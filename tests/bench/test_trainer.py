@@ -5,6 +5,9 @@ timings, FLOPs and peak; each step's two passes fit inside it)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -158,3 +161,24 @@ def test_a_checkpoint_with_fewer_layers_is_counted_by_its_own_layers(tmp_path: P
         pytest.approx(expected["old"]),
         pytest.approx(expected["update"]),
     )
+
+
+def test_the_profile_finds_each_step_s_matmuls_and_its_optimizer(tmp_path: Path) -> None:
+    """``--profile`` as a user runs it, in a process of its own (torch.profiler's global state stays
+    out of the test process): one step's ATen time by kind on a CPU, the GEMMs and AdamW's foreach
+    kernels among them, inside the step's own time."""
+    out = tmp_path / "trainer.json"
+    command = [sys.executable, "-m", "flowgrpo.services.bench.trainer", *TINY, "--variants", "none2",
+               "--no-publish", "--profile", "--json", str(out)]  # fmt: skip
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=240, env=os.environ | {"OMP_NUM_THREADS": "1"}
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "none2: one step's kernels" in done.stdout
+    (row,) = json.loads(out.read_text())["rows"]
+    kernels = row["kernels"]
+    assert sum(k["share"] for k in kernels["kinds"].values()) == pytest.approx(1.0)
+    # AdamW's aten::_foreach_* ops (on a GPU its multi_tensor_apply kernels) land in "optimizer"
+    assert kernels["kinds"]["gemm"]["ms_per_call"] > 0 and kernels["kinds"]["optimizer"]["ms_per_call"] > 0
+    assert kernels["busy_share"] == pytest.approx(kernels["ms_per_call"] / (1e3 * median(row["step_s"])))
+    assert 0 < kernels["busy_share"] < 1.5  # the profiled step's ATen time against an unprofiled step's
