@@ -59,8 +59,9 @@ from flowgrpo.runtime import Service, ServiceServer
 from flowgrpo.runtime.config import ServerConfig
 from flowgrpo.runtime.security import TOKEN_ENV
 from flowgrpo.services.bench.stats import write_json
-from flowgrpo.services.coordinator.launch import launch, role_config, run_settings, terminate_groups
+from flowgrpo.services.coordinator.launch import launch, role_config, run_settings
 from flowgrpo.services.coordinator.outputs import RunOutputs
+from flowgrpo.services.coordinator.processes import terminate_groups
 from flowgrpo.services.coordinator.registry import (
     CoordinatorService,
     RegistryLoad,

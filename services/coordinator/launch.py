@@ -27,12 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import os
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -41,9 +37,7 @@ from typing import Any, TypeVar
 
 import grpc.aio
 
-from flowgrpo.bus.config import SECRET_ENV
 from flowgrpo.columns import COLUMNS, StageSpec, check_pipeline
-from flowgrpo.config import dump_yaml
 from flowgrpo.config_digest import Settings, refusal, role_settings
 from flowgrpo.configs.reward import RewardServiceConfig
 from flowgrpo.configs.rollout import RolloutServiceConfig
@@ -53,11 +47,18 @@ from flowgrpo.runtime import open_channel, wait_ready
 from flowgrpo.runtime.client import health
 from flowgrpo.runtime.config import ServerConfig
 from flowgrpo.runtime.errors import HandshakeError, NotReadyError
-from flowgrpo.runtime.launch import PARENT_FD_ENV
-from flowgrpo.runtime.security import TOKEN_ENV
 from flowgrpo.services.coordinator.handles import STUBS, Replica
-from flowgrpo.services.coordinator.lifecycle import record_process
 from flowgrpo.services.coordinator.pool import RunError
+from flowgrpo.services.coordinator.processes import (
+    Lifeline,
+    ServiceStartError,
+    exit_status,
+    kill_groups,
+    ready_address,
+    spawn,
+    stop_groups,
+    unless_one_exits,
+)
 from flowgrpo.services.coordinator.progress import StartupReport
 from flowgrpo.services.coordinator.registry import ROLES, CoordinatorService
 from flowgrpo.services.coordinator.revive import TrainerSource
@@ -65,11 +66,6 @@ from flowgrpo.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class ServiceStartError(RuntimeError):
-    """A launched service process exited before it answered the READY handshake; the message
-    quotes the last line of its log (the service's own one-line error)."""
 
 
 # What the coordinator itself puts in (prompt ids) and produces (advantages), around the services.
@@ -250,14 +246,14 @@ async def _launch_local(cfg: RunConfig, coordinator: str, report: StartupReport)
     configs = {rid: replace(c, orphan_after_s=cfg.launch.lost_after_s)
                for rid, c in service_configs(cfg, coordinator).items()}  # fmt: skip
     timeout = cfg.launch.start_timeout_s
-    lifeline = _Lifeline()
+    lifeline = Lifeline()
     try:
         for rid, config in configs.items():
             nproc = cfg.launch.trainer_nproc if rid == "trainer" else 1
-            procs[rid] = _spawn(rid, config, run_dir, nproc, lifeline)
+            procs[rid] = spawn(rid, config, run_dir, nproc, lifeline)
         report.expect(procs)
         waits = [
-            _ready_address(rid, procs[rid], config, run_dir, timeout, report)
+            ready_address(rid, procs[rid], config, run_dir, timeout, report)
             for rid, config in configs.items()
         ]
         by_id = dict(zip(procs, await asyncio.gather(*waits), strict=True))
@@ -284,7 +280,7 @@ async def _launch_local(cfg: RunConfig, coordinator: str, report: StartupReport)
         lifeline.close()
 
     services._stop.insert(0, stop_processes)
-    services._kill.append(lambda: _kill(procs.values()))
+    services._kill.append(lambda: kill_groups(procs.values()))
     return services
 
 
@@ -293,7 +289,7 @@ async def _supervise(  # noqa: PLR0917 (the launcher's parts)
     configs: dict[str, Any],
     run_dir: Path,
     restarts: int,
-    lifeline: _Lifeline,
+    lifeline: Lifeline,
     trainer: LocalTrainer,
 ) -> None:
     """Start a rollout or reward process that died again (``restarts`` times each); the new one
@@ -309,7 +305,7 @@ async def _supervise(  # noqa: PLR0917 (the launcher's parts)
             started[rid] += 1
             log.warning("%s exited with status %s; starting it again (%d of launch.restarts=%d); see %s", rid,
                         proc.returncode, started[rid], restarts, run_dir / "logs" / f"{rid}.log")  # fmt: skip
-            procs[rid] = _spawn(rid, configs[rid], run_dir, 1, lifeline)
+            procs[rid] = spawn(rid, configs[rid], run_dir, 1, lifeline)
 
 
 class LocalTrainer:
@@ -324,7 +320,7 @@ class LocalTrainer:
         procs: dict[str, subprocess.Popen[bytes]],
         config: Any,
         run_dir: Path,
-        lifeline: _Lifeline,
+        lifeline: Lifeline,
     ) -> None:
         self.cfg, self.procs, self.config, self.run_dir, self.lifeline = cfg, procs, config, run_dir, lifeline
         self.limit = cfg.launch.trainer_restarts
@@ -339,14 +335,14 @@ class LocalTrainer:
         if self._reviving:
             return
         if proc is self.serving and proc.poll() is not None and self.restarts < self.limit:
-            self._start(f"the trainer exited ({_status(proc.returncode)})")
+            self._start(f"the trainer exited ({exit_status(proc.returncode)})")
 
     def _start(self, why: str) -> None:
         self.restarts += 1  # said on the console once it serves the run (revive.py); here: the log
         log.info("%s; starting it again (%d of launch.trainer_restarts=%d); see %s", why, self.restarts,
                  self.limit, self.run_dir / "logs" / "trainer.log")  # fmt: skip
         nproc = self.cfg.launch.trainer_nproc
-        self.procs["trainer"] = _spawn("trainer", self.config, self.run_dir, nproc, self.lifeline)
+        self.procs["trainer"] = spawn("trainer", self.config, self.run_dir, nproc, self.lifeline)
 
     async def gone(self, replica: Replica) -> bool:
         if self.serving.poll() is not None or self.procs["trainer"] is not self.serving:
@@ -358,7 +354,7 @@ class LocalTrainer:
             code: int | None = self.serving.wait(timeout=0.5)
         except subprocess.TimeoutExpired:
             code = None
-        return _status(code) if code is not None else "it stopped answering; its process is replaced"
+        return exit_status(code) if code is not None else "it stopped answering; its process is replaced"
 
     async def revive(self, failed: Replica) -> Replica:
         self._reviving = True
@@ -377,7 +373,7 @@ class LocalTrainer:
                 self._start("the trainer is gone")
             proc = self.procs["trainer"]
             try:
-                address = await _ready_address("trainer", proc, self.config, self.run_dir,
+                address = await ready_address("trainer", proc, self.config, self.run_dir,
                                                self.cfg.launch.start_timeout_s)  # fmt: skip
                 replica, channel = await unless_one_exits(
                     _connect_one("trainer", address, self.cfg.launch.start_timeout_s, run_settings(self.cfg)),
@@ -477,175 +473,6 @@ async def _serving(address: str) -> bool:
         return await health(address, timeout_s=5.0) == "SERVING"
     except grpc.aio.AioRpcError:
         return False
-
-
-def _status(code: int | None) -> str:
-    if code is not None and code < 0:
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-code).name}"
-    return f"exit status {code}"
-
-
-class _Lifeline:
-    """A pipe whose read end every launched single-process replica inherits: when this process
-    dies (even SIGKILL), the kernel closes the write end and each replica sees end-of-file at
-    once and drains (``runtime.launch``). torchrun's workers do not inherit it; they rely on
-    ``orphan_after_s``."""
-
-    def __init__(self) -> None:
-        self.read_fd, self._write_fd = os.pipe()  # neither inheritable (PEP 446) unless passed
-
-    def close(self) -> None:
-        for fd in (self.read_fd, self._write_fd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-
-def _spawn(rid: str, config: Any, run_dir: Path, nproc: int, lifeline: _Lifeline) -> subprocess.Popen[bytes]:
-    path = run_dir / "services" / f"{rid}.yaml"
-    dump_yaml(config, path)
-    Path(config.server.ready_file).unlink(missing_ok=True)
-    role = rid.split("-", maxsplit=1)[0]
-    # --debug: the log keeps the traceback, then the one-line error the coordinator quotes
-    serve = ["-m", "flowgrpo.services.cli", "--debug", "serve", role, "--config", str(path)]
-    if nproc > 1:
-        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-        cmd = [sys.executable, *launcher, *serve]
-    else:
-        cmd = [sys.executable, *serve]
-    logfile = open(run_dir / "logs" / f"{rid}.log", "ab")  # noqa: SIM115 (the child holds it)
-    env = dict(os.environ)
-    # a secret set in the config reaches the child through its environment: the file it reads
-    # is written with secrets emptied (dump_yaml)
-    for name, value in ((TOKEN_ENV, config.server.token), (SECRET_ENV, config.bus.secret)):
-        if value:
-            env[name] = value
-    passed: tuple[int, ...] = ()
-    if nproc == 1:
-        env[PARENT_FD_ENV], passed = str(lifeline.read_fd), (lifeline.read_fd,)
-    # its own process group: stopping the run stops torchrun's workers too, and a Ctrl-C in the
-    # terminal reaches only the coordinator, which stops the services in order
-    proc = subprocess.Popen(
-        cmd, stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True, env=env, pass_fds=passed
-    )
-    logfile.close()
-    record_process(run_dir / "services", rid, proc.pid)
-    return proc
-
-
-async def _ready_address(  # noqa: PLR0917
-    rid: str,
-    proc: subprocess.Popen[bytes],
-    config: Any,
-    run_dir: Path,
-    timeout_s: float,
-    report: StartupReport | None = None,
-) -> str:
-    ready = Path(config.server.ready_file)
-    deadline = time.monotonic() + timeout_s
-    while not ready.exists():
-        if proc.poll() is not None:
-            raise _start_failure(rid, proc, run_dir)
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"{rid} wrote no ready file ({ready}) within launch.start_timeout_s={timeout_s:.0f} s; "
-                f"see {run_dir / 'logs' / (rid + '.log')}"
-            )
-        await asyncio.sleep(0.1)
-    address: str = json.loads(ready.read_text())["grpc_address"]
-    if report is not None:  # asked at once: its line comes as soon as it is ready, not once all listen
-        report.listening(rid, address, rid.split("-", maxsplit=1)[0], timeout_s)
-    return address
-
-
-def terminate_groups(procs: Sequence[subprocess.Popen[bytes]] | Any, grace_s: float) -> None:
-    """SIGTERM (a graceful drain), then SIGKILL of the whole process group after ``grace_s``."""
-    procs = list(procs)
-    for proc in procs:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-async def stop_groups(procs: Any, grace_s: float) -> None:
-    """:func:`terminate_groups` off the event loop: while the services drain, their goodbyes
-    (``Leave``) reach the coordinator's server, which a blocked loop would leave unanswered until
-    its stop cancels them (a CancelledError traceback on the user's terminal). Cancelled, it kills
-    at once rather than leave the processes running."""
-    procs = list(procs)
-    try:
-        await asyncio.to_thread(terminate_groups, procs, grace_s)
-    except asyncio.CancelledError:
-        _kill(procs)
-        raise
-
-
-def _kill(procs: Any) -> None:
-    """SIGKILL every process group still running (a forced stop)."""
-    for proc in list(procs):
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-
-
-async def unless_one_exits(
-    connect: Awaitable[T], procs: dict[str, subprocess.Popen[bytes]], run_dir: Path
-) -> T:
-    """``connect``'s result, or :class:`ServiceStartError` as soon as one of ``procs`` exits.
-
-    A connect that fails while a process is dying is that process's failure: a server that stops
-    cancels the handshake in flight (CANCELLED) a moment before its process can be reaped, so a
-    failed connect waits up to ``_EXIT_GRACE_S`` for an exit before it is raised as it is."""
-    connecting = asyncio.ensure_future(connect)
-    while not connecting.done():
-        exited = _exited(procs)
-        if exited is not None:
-            connecting.cancel()
-            await asyncio.gather(connecting, return_exceptions=True)
-            raise _start_failure(exited, procs[exited], run_dir)
-        await asyncio.wait({connecting}, timeout=0.1)
-    if connecting.exception() is not None:
-        deadline = time.monotonic() + _EXIT_GRACE_S
-        while time.monotonic() < deadline:
-            exited = _exited(procs)
-            if exited is not None:
-                raise _start_failure(exited, procs[exited], run_dir) from connecting.exception()
-            await asyncio.sleep(0.05)
-    return connecting.result()
-
-
-_EXIT_GRACE_S = 2.0
-
-
-def _exited(procs: dict[str, subprocess.Popen[bytes]]) -> str | None:
-    return next((rid for rid, proc in procs.items() if proc.poll() is not None), None)
-
-
-def _start_failure(rid: str, proc: subprocess.Popen[bytes], run_dir: Path) -> ServiceStartError:
-    log_path = run_dir / "logs" / f"{rid}.log"
-    return ServiceStartError(
-        f"{rid} exited with status {proc.returncode} while starting; its log ends: "
-        f"{last_line(log_path)} (all of it: {log_path})"
-    )
-
-
-def last_line(path: Path, most: int = 500) -> str:
-    """The last non-empty line of a log file, at most ``most`` characters (read from its end: a
-    log may be large)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
-            lines = [line.strip() for line in f.read().decode(errors="replace").splitlines()]
-    except OSError:
-        return "(no log)"
-    line = next((line for line in reversed(lines) if line), "(an empty log)")
-    return line if len(line) <= most else line[:most] + "..."
 
 
 async def all_or_none(waits: Sequence[Awaitable[T]]) -> list[T]:
