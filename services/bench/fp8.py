@@ -50,6 +50,7 @@ from flowgrpo.services.bench.common import (
     DTYPES,
     MatmulPeak,
     device_name,
+    free,
     make_requests,
     mfu,
     open_device,
@@ -206,17 +207,16 @@ def measure_precisions(
     ours, compiled each (unless ``--no-compile``), with its kernel profile. The model is left with
     our FP8 layers; returned with the rows: the weights those replaced."""
     device = setup.device
-    compiles = args.compile and device.type == "cuda"
     rows: dict[str, list[Row]] = {args.dtype: [], **({"fp8_torchao": []} if args.torchao else {}), "fp8": []}
     report["rows"] = rows
     originals: dict[str, torch.Tensor] = {}
     for precision, found in rows.items():
-        if compiles:
+        if args.compile and device.type == "cuda":
             uncompile_query_layers(setup.model)  # a no-op before the first
-        kept: dict[str, torch.Tensor] = {}
         if precision == "fp8_torchao":
-            kept = fp8_torchao.quantize_gen_path_torchao(setup.model)
-        elif precision == "fp8":
+            _measure_torchao(args, setup, shapes, report, found)
+            continue
+        if precision == "fp8":
             started = time.perf_counter()
             originals = quantize_gen_path(setup.model)
             sync(device)
@@ -224,21 +224,53 @@ def measure_precisions(
             report["fp8_gen_path_gib"] = sum(
                 m.weight.numel() for m in setup.model.modules() if isinstance(m, Fp8Linear)
             ) * E4M3.itemsize / 2**30  # fmt: skip
-        if compiles:
-            compile_query_layers(setup.model)
-        for resolution, batch in shapes:
-            found.append(row := measure(setup, resolution, batch))
-            print(f"{precision} {resolution}px b{batch}: {row.images_per_s:.4g} images/s", flush=True)
-            if args.profile:
-                kernels = report.setdefault("kernels", {}).setdefault(precision, {})
-                kernels[f"{resolution}x{batch}"] = found_kernels = profile_step(setup, resolution, batch)
-                print_profile(f"{precision} {resolution}px b{batch} CFG forward", found_kernels)
-            write_json(args.json, report)
-        if kept:  # torchao's layers back to the weights' dtype, for ours to quantize
-            if compiles:
-                uncompile_query_layers(setup.model)
-            fp8_torchao.restore(setup.model, kept)
+        _measure_shapes(args, setup, shapes, report, precision, found)
     return rows, originals
+
+
+def _measure_shapes(  # noqa: PLR0917 (what a precision's rows are measured with)
+    args: argparse.Namespace,
+    setup: Setup,
+    shapes: list[tuple[int, int]],
+    report: dict[str, Any],
+    precision: str,
+    found: list[Row],
+) -> None:
+    """The model as it is now, compiled (unless ``--no-compile``): each shape's row and profile."""
+    if args.compile and setup.device.type == "cuda":
+        compile_query_layers(setup.model)
+    for resolution, batch in shapes:
+        found.append(row := measure(setup, resolution, batch))
+        print(f"{precision} {resolution}px b{batch}: {row.images_per_s:.4g} images/s", flush=True)
+        if args.profile:
+            kernels = report.setdefault("kernels", {}).setdefault(precision, {})
+            kernels[f"{resolution}x{batch}"] = found_kernels = profile_step(setup, resolution, batch)
+            print_profile(f"{precision} {resolution}px b{batch} CFG forward", found_kernels)
+        write_json(args.json, report)
+
+
+def _measure_torchao(
+    args: argparse.Namespace,
+    setup: Setup,
+    shapes: list[tuple[int, int]],
+    report: dict[str, Any],
+    found: list[Row],
+) -> None:
+    """torchao's rows; a failure is reported in one line (``torchao_error``) and the run goes on
+    with ours. Either way the model leaves with its unquantized layers, uncompiled."""
+    kept: dict[str, torch.Tensor] = {}
+    try:
+        kept = fp8_torchao.quantize_gen_path_torchao(setup.model)
+        _measure_shapes(args, setup, shapes, report, "fp8_torchao", found)
+    except Exception as error:  # torchao's own failure: say it, measure ours regardless
+        report["torchao_error"] = f"{type(error).__name__}: {' '.join(str(error).split())[:500]}"
+        print(f"torchao: {report['torchao_error']}", file=sys.stderr, flush=True)
+        found.clear()
+        free(setup.device)
+    finally:
+        if args.compile and setup.device.type == "cuda":
+            uncompile_query_layers(setup.model)
+        fp8_torchao.restore(setup.model, kept)
 
 
 def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -267,8 +299,8 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         f"{a.resolution}x{a.batch}": ratio(b.images_per_s, a.images_per_s)
         for a, b in zip(rows[args.dtype], rows["fp8"], strict=True)
     }
-    if args.torchao:  # each shape: ours over torchao's, images/s (> 1: ours is faster)
-        report["torchao_version"] = fp8_torchao.torchao_version()
+    report["torchao_version"] = fp8_torchao.torchao_version() if args.torchao else None
+    if args.torchao and rows["fp8_torchao"]:  # each shape: ours over torchao's images/s (> 1: ours faster)
         report["fp8_over_torchao_images_per_s"] = {
             f"{a.resolution}x{a.batch}": ratio(b.images_per_s, a.images_per_s)
             for a, b in zip(rows["fp8_torchao"], rows["fp8"], strict=True)

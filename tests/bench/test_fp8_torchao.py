@@ -94,3 +94,28 @@ def test_the_benchmark_runs_torchao_on_a_gpu_without_lifting_its_check() -> None
     """The device's own path (bench/gpu_check.sh, with the wheels of bench/fetch_gpu_wheels.sh)."""
     assert fp8_torchao.refusal(torch.device("cuda"), "bf16") is None
     measured("cuda")
+
+
+def test_a_torchao_failure_is_one_line_and_ours_is_measured_regardless(
+    no_hardware_check: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One device call takes every figure: torchao failing (a compile it cannot take, say) costs
+    its rows only."""
+    measure_shapes = fp8._measure_shapes
+
+    def failing_for_torchao(*args: object) -> None:
+        if args[4] == "fp8_torchao":
+            raise RuntimeError("torchao cannot\n  take this")
+        measure_shapes(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fp8, "_measure_shapes", failing_for_torchao)
+    args = fp8._parser().parse_args(
+        ["--model", "tiny", "--device", "cpu", "--dtype", "bf16", "--shapes", "32x2", "--num-points", "9",
+         "--gap-samples", "2", "--gap-resolution", "32", "--no-profile", "--no-gemms", "--no-compile",
+         "--torchao"]
+    )  # fmt: skip
+    report = fp8.run(args, torch.device("cpu"))
+    assert report["torchao_error"] == "RuntimeError: torchao cannot take this"
+    assert report["rows"]["fp8_torchao"] == [] and "fp8_over_torchao_images_per_s" not in report
+    assert len(report["rows"]["fp8"]) == 1 and report["fp8_images_per_s_ratio"]["32x2"].median > 0
+    assert report["logp_gap"]["all"]["max"] > report["logp_gap_bf16"]["all"]["max"]  # ours, on bf16 layers
