@@ -159,6 +159,26 @@ def test_the_frontier_is_the_images_to_the_reference_algorithms_final_gain() -> 
         algos.frontier_of(curves, "medium", {})
 
 
+def test_staying_at_the_target_ignores_a_crossing_the_next_validation_takes_back() -> None:
+    """The target +15 (slow's median final: +16, +10, +15). spiky crosses it at 640 images (+20),
+    falls back (+10), and stays from 1,920 (+20, +25); slow stays from its last validation on
+    seeds 0 and 2 (1,920 images) and never on seed 1."""
+    curves = [
+        synthetic("spiky", 0, [0.30, 0.50, 0.40, 0.50, 0.55]),
+        synthetic("slow", 0, [0.30, 0.30, 0.36, 0.46]),
+        synthetic("slow", 1, [0.20, 0.10, 0.20, 0.30]),
+        synthetic("slow", 2, [0.25, 0.30, 0.35, 0.40]),
+    ]
+    spiky = curves[0]
+    assert spiky.reach(15.0, spiky.images) == 640.0 and spiky.stays(15.0, spiky.images) == 1920.0
+    assert spiky.stays(30.0, spiky.images) == math.inf  # the last validation is below: never for good
+    frontier = algos.frontier_of(curves, "slow", {"spiky": 10.0, "slow": 20.0})
+    assert (frontier.reference_images, frontier.reference_images_staying) == (1920.0, 1920.0)
+    row = algos.held_out_row("spiky", curves[:1], algos.best_final_gain(curves), frontier)
+    assert (row.images_to_target.median, row.fewer_images.median) == (640.0, 3.0)
+    assert (row.images_to_stay.median, row.fewer_images_staying.median) == (1920.0, 1.0)
+
+
 def test_a_reference_that_learnt_nothing_sets_no_target() -> None:
     """flat ends at or below its controls (0 and -10 points): no gain to reach, so no run reaches
     one and no ratio is given, where an accuracy target would have been met at step 0."""
