@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flowgrpo.sampler_params import SamplerSettings
-from flowgrpo.services.bench.learning import HELD_OUT_KEY, Case, run_case, validations_of
+from flowgrpo.services.bench.learning import HELD_OUT_KEY, Case, held_out_key, run_case, validations_of
 from flowgrpo.services.bench.stats import Figure, write_json
 
 if TYPE_CHECKING:
@@ -558,6 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown {args.task} algorithms {unknown}: choose from {sorted(algorithms)}")
     schedules = {a: schedule_of(a, algorithms[a], args) for a in chosen}  # a bad budget stops here
+    key = held_out_key(args.val_samples)
+    validation = [f"data.val_samples={args.val_samples}"] if args.task == "compose" else []
     cases = [(a, Case(s, "", args.threads, c)) for a in chosen for s in args.seeds for c in (False, True)]
     with tempfile.TemporaryDirectory(prefix="bench-algos-") as tmp:
         folder = Path(args.tabulate or args.keep or tmp)
@@ -571,9 +573,9 @@ def main(argv: list[str] | None = None) -> int:
             algorithm = algorithms[name]
             options = argparse.Namespace(
                 recipe=str(EXAMPLES / algorithm.recipe),
-                overrides=[*algorithm.overrides, *schedules[name], *args.overrides],
+                overrides=[*algorithm.overrides, *schedules[name], *validation, *args.overrides],
             )
-            run_case(case, options, folder / name, HELD_OUT_KEY if args.task == "compose" else None)
+            run_case(case, options, folder / name, key if args.task == "compose" else None)
 
         with ThreadPoolExecutor(args.jobs) as pool:
             failures = [error for error in pool.map(lambda item: _failure_of(run, item), cases) if error]
@@ -593,9 +595,11 @@ def main(argv: list[str] | None = None) -> int:
                 args.plot,
                 lambda curves: frontier_of(curves, args.reference, forwards_of(algorithms, chosen, args)),
                 args.reference,
+                key=key,
             )
         )
-    write_json(args.json, {**report, "task": args.task, "algorithms": {a: algorithms[a] for a in chosen}})
+    write_json(args.json, {**report, "task": args.task, "algorithms": {a: algorithms[a] for a in chosen},
+                           "val_samples": args.val_samples})  # fmt: skip
     return 0
 
 
@@ -627,11 +631,11 @@ def compose_report(
     png: str | None,
     frontier_of_curves: Callable[[list[HeldOutCurve]], Frontier],
     reference: str,
+    *,
+    key: str = HELD_OUT_KEY,
 ) -> dict[str, object]:
     curves = [
-        held_out_curve(
-            a, seed, trained, [v for _, v in sorted(validations_of(control, HELD_OUT_KEY).items())]
-        )
+        held_out_curve(a, seed, trained, [v for _, v in sorted(validations_of(control, key).items())], key)
         for a, seed, trained, control in pairs
     ]
     best = best_final_gain(curves)
@@ -654,6 +658,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="schedule.seed values")
     parser.add_argument("--images", type=int, default=6400, help="compose: images every algorithm generates")
     parser.add_argument("--eval-images", type=int, default=640, help="compose: images between validations")
+    parser.add_argument(
+        "--val-samples",
+        type=int,
+        default=1,
+        help="compose: images per held-out prompt at every validation (data.val_samples); the accuracy "
+        "is over all of them (mean@N)",
+    )
     parser.add_argument("--steps", type=int, default=40, help="jpeg: steps of every run")
     parser.add_argument(
         "--reference", default="flow_grpo", help="compose: the algorithm whose final accuracy is the target"

@@ -49,6 +49,11 @@ CONTROL_VALIDATIONS = ["schedule.steps=2", "schedule.eval_every=1"]  # an lr = 0
 CLI = [sys.executable, "-m", "flowgrpo.services.cli"]
 
 
+def held_out_key(samples: int) -> str:
+    """The held-out accuracy over ``samples`` images a validation prompt (``data.val_samples``)."""
+    return HELD_OUT_KEY.removesuffix("@1") + f"@{samples}"
+
+
 @dataclass(frozen=True)
 class Case:
     seed: int

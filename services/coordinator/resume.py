@@ -52,6 +52,7 @@ FIXED = {
     "data.prompts_per_step": "the dataset cursor moves by it",
     "data.group_size": "the samples of every step and their advantages",
     "data.val_prompts": "validation compares the same prompts across the run",
+    "data.val_samples": "validation compares the same images across the run",
     "sampling.": "the sampler geometry the policy is trained under",
     "schedule.seed": "noise, windows and the prompt order are functions of it",
     "schedule.mode": "the schedule the samples are drawn under",

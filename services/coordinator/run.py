@@ -201,11 +201,12 @@ class Coordinator:
         return None
 
     async def validate(self) -> dict[str, float]:
-        """Sample the fixed validation prompts once each with the ODE (noise 0,
-        ``eval_num_points``) and the same noise every time, score them, log ``val-core/...``
+        """Sample the fixed validation prompts ``data.val_samples`` times each with the ODE (noise
+        0, ``eval_num_points``) and the same noise every time, score them, log ``val-core/...``
         (at step 0, before any update, then every ``eval_every`` steps and at the last)."""
         with tracer.start_as_current_span("coordinator.validate", attributes={"step": self.state.step}):
-            self.progress.begin("val", f"validation at step {self.state.step}", len(self.val_rows))
+            count = len(self.val_rows) * self.config.data.val_samples
+            self.progress.begin("val", f"validation at step {self.state.step}", count)
             try:
                 return await self._validate_now()
             finally:
@@ -215,13 +216,18 @@ class Coordinator:
         started = time.perf_counter()
         groups = [self._group_of(row) for row in self.val_rows]
         tag = f"val{self.state.step}"
+        per_prompt = self.config.data.val_samples
         requests = [
             rollout_pb2.GenerateRequest(
                 step=0,  # fixed noise coordinates: every validation draws the same initial noise
                 seed=self.config.schedule.seed,
                 groups=[
                     rollout_pb2.PromptGroup(
-                        prompt_uid=g.row.prompt_uid, prompt_ids=g.ids_ref, sample_indices=[0]
+                        # sample k's noise is a function of (seed, 0, prompt, k) alone: sample 0 is
+                        # the same image whatever val_samples is
+                        prompt_uid=g.row.prompt_uid,
+                        prompt_ids=g.ids_ref,
+                        sample_indices=list(range(per_prompt)),
                     )
                     for g in chunk
                 ],
@@ -230,7 +236,9 @@ class Coordinator:
                 release_tag=tag,
             )
             for chunk in _requests(
-                groups, len(self.pool.healthy_rollouts()), self.config.rollout.max_request_samples
+                groups,
+                len(self.pool.healthy_rollouts()),
+                self.config.rollout.max_request_samples // per_prompt,
             )
         ]
         answers = await asyncio.gather(*(self._generate("val", r) for r in requests))
@@ -251,7 +259,7 @@ class Coordinator:
                 "validation has taken %.0f%% of the run's time so far; raise schedule.eval_every, or lower "
                 "data.val_prompts or sampling.eval_num_points", 100 * share,
             )  # fmt: skip
-        metrics.update(validation_metrics(groups, self.config.reward.scorers))
+        metrics.update(validation_metrics(groups, self.config.reward.scorers, per_prompt))
         self.outputs.log("val", self.state.step, metrics)
         shown = "  ".join(f"{k} {v:+.5f}" for k, v in metrics.items() if k.startswith("val-core"))
         self.outputs.say(f"  validation: {shown}")
@@ -606,21 +614,31 @@ class Coordinator:
         return metrics
 
 
-def validation_metrics(groups: list[Group], scorers: Sequence[ScorerSpec]) -> dict[str, float]:
+def validation_metrics(
+    groups: list[Group], scorers: Sequence[ScorerSpec], samples: int = 1
+) -> dict[str, float]:
     """``val-core/<scorer>/reward/mean@1`` per scorer (its own score, unweighted: what it measures)
     and ``val-aux/<scorer>/<detail>/mean@1`` for the details a scorer reports beside its score;
     ``val-core/total/reward/mean@1`` (the weighted sum that is trained on) when it differs from
     the one scorer's score. Keyed by scorer, not data source: the data set does not say what was
-    scored. A scorer with no result anywhere logs NaN, so a missing curve is a visible gap."""
-    scores = [s for g in groups if g.rewards for s in g.scores]
+    scored. A scorer with no result anywhere logs NaN, so a missing curve is a visible gap.
+    mean@1 is over each prompt's first sample; with ``samples`` (N) > 1 per prompt the same keys
+    with mean@N are over all of them (verl's meaning of mean@N)."""
+    metrics = _means(groups, scorers, 1)
+    return metrics | (_means(groups, scorers, samples) if samples > 1 else {})
+
+
+def _means(groups: list[Group], scorers: Sequence[ScorerSpec], first: int) -> dict[str, float]:
+    """:func:`validation_metrics`' mean@``first``: over the first ``first`` samples of each prompt."""
+    scores = [s for g in groups if g.rewards for s in g.scores[:first]]
     metrics: dict[str, float] = {}
     for key in sorted({k for s in scores for k in s} | {spec.name for spec in scorers}):
         values = [s[key] for s in scores if key in s]
-        name = f"val-core/{key}/reward/mean@1" if "/" not in key else f"val-aux/{key}/mean@1"
+        name = f"val-core/{key}/reward/mean@{first}" if "/" not in key else f"val-aux/{key}/mean@{first}"
         metrics[name] = float(np.mean(values)) if values else math.nan
     if _weighted(scorers):
-        totals = [r for g in groups for r in g.rewards]
-        metrics["val-core/total/reward/mean@1"] = float(np.mean(totals)) if totals else math.nan
+        totals = [r for g in groups for r in g.rewards[:first]]
+        metrics[f"val-core/total/reward/mean@{first}"] = float(np.mean(totals)) if totals else math.nan
     return metrics
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
 from flowgrpo.services.bench import algos
-from flowgrpo.services.bench.learning import Case
+from flowgrpo.services.bench.learning import HELD_OUT_KEY, Case, validations_of
 
 from .demo import SHORT_DEMO
 
@@ -53,7 +53,7 @@ def test_the_compose_benchmark_pairs_held_out_validations(tmp_path: Path) -> Non
     out, again, kept = tmp_path / "algos.json", tmp_path / "again.json", tmp_path / "runs"
     chosen = ["flow_grpo_branch", "diffusion_nft_cfg_free"]  # both recipes the task's algorithms use
     argv = [*SHORT_COMPOSE, "--seeds", "0", "--images", "8", "--eval-images", "4", "--jobs", "2",
-            "--reference", "flow_grpo_branch", "--algorithms", *chosen]  # fmt: skip
+            "--val-samples", "2", "--reference", "flow_grpo_branch", "--algorithms", *chosen]  # fmt: skip
     assert algos.main([*argv, "--json", str(out), "--keep", str(kept)]) == 0
     report = json.loads(out.read_text())
     assert algos.main([*argv, "--json", str(again), "--tabulate", str(kept)]) == 0  # nothing run again
@@ -61,12 +61,15 @@ def test_the_compose_benchmark_pairs_held_out_validations(tmp_path: Path) -> Non
     with pytest.raises(SystemExit, match=r"no flow_grpo/seed0-native-t1-trained/metrics\.jsonl"):
         algos.main([*argv[:-2], "flow_grpo", "--tabulate", str(kept)])
     assert report["task"] == "compose" and [r["algorithm"] for r in report["rows"]] == chosen
+    assert report["val_samples"] == 2
     finals = []
     for row, curve in zip(report["rows"], report["curves"], strict=True):
         assert curve["steps"] == [0, 1, 2] and curve["images"] == [0, 4, 8]  # a validation each 4 images
         assert curve["trainer_s"][0] == 0.0 < curve["trainer_s"][1] < curve["trainer_s"][2]
         assert curve["accuracy"][0] == curve["control"]  # the lr = 0 control: step 0's validation
-        assert all(a in {0.0, 0.25, 0.5, 0.75, 1.0} for a in curve["accuracy"])  # 4 prompts, 1 image each
+        assert all(a * 8 == round(a * 8) for a in curve["accuracy"])  # 4 prompts, 2 images each (mean@2)
+        firsts = validations_of(kept / row["algorithm"] / "seed0-native-t1-trained", HELD_OUT_KEY)
+        assert all(a * 4 == round(a * 4) for a in firsts.values()) and len(firsts) == 3  # mean@1 beside it
         final = (curve["accuracy"][-1] - curve["control"]) * 100
         assert row["gain"]["median"] == pytest.approx(final)
         assert row["peak"]["median"] == pytest.approx(max(curve["accuracy"]) * 100 - curve["control"] * 100)

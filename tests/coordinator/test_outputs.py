@@ -90,6 +90,17 @@ def test_validation_is_keyed_by_scorer_with_the_weighted_total_when_it_differs()
     assert math.isnan(missing["val-core/ocr/reward/mean@1"])  # a gap in the curve, not a zero
 
 
+def test_validation_of_several_samples_a_prompt_logs_the_first_ones_and_all_of_them() -> None:
+    groups = [
+        group([{"ocr": 1.0}, {"ocr": 0.0}, {"ocr": 0.5}], [2.0, 0.0, 1.0]),
+        group([{"ocr": 0.25}, {"ocr": 0.75}, {"ocr": 0.5}], [0.5, 1.5, 1.0]),
+    ]
+    assert validation_metrics(groups, [ScorerSpec("ocr", 2.0)], samples=3) == pytest.approx({
+        "val-core/ocr/reward/mean@1": (1.0 + 0.25) / 2, "val-core/total/reward/mean@1": (2.0 + 0.5) / 2,
+        "val-core/ocr/reward/mean@3": 3.0 / 6, "val-core/total/reward/mean@3": 6.0 / 6,
+    })  # fmt: skip
+
+
 def test_tensorboard_gets_the_config_and_an_hparams_session_with_the_last_metrics(tmp_path: Path) -> None:
     config = load_run_config(ROOT / "examples" / "tiny_jpeg.yaml", ["trainer.optim.lr=0.25"])
     keys = [*validation_keys(config.reward.scorers), "critic/rewards/mean"]

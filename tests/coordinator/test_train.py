@@ -224,14 +224,20 @@ def test_compare_reports_identical_runs_and_finds_an_injected_difference(
 
 
 def test_local_processes_with_two_rollouts_equal_the_inprocess_run(
-    reference: list[dict[str, float]], tiny: Path, tmp_path: Path
+    reference_dir: Path, reference: list[dict[str, float]], tiny: Path, tmp_path: Path
 ) -> None:
-    train(tmp_path, tiny, "launch.launcher=local", "launch.rollout_replicas=2")
+    # validating 3 images a prompt (split over the replicas) changes neither training nor mean@1
+    train(tmp_path, tiny, "launch.launcher=local", "launch.rollout_replicas=2", "data.val_samples=3")
     local = read_metrics(tmp_path)
     assert len(local) == STEPS
     for ours, theirs in zip(local, reference, strict=True):
         for key in EXACT:
             assert ours[key] == theirs[key], (ours["step"], key)
+    key = "val-core/jpeg_compressibility/reward/mean@"
+    validations = read_metrics(tmp_path, kind="val")
+    for ours, theirs in zip(validations, read_metrics(reference_dir, kind="val"), strict=True):
+        assert ours[f"{key}1"] == theirs[f"{key}1"], ours["step"]  # sample 0: the same noise, image
+        assert f"{key}3" not in theirs and ours[f"{key}3"] != ours[f"{key}1"]
     assert (tmp_path / "config.yaml").is_file() and (tmp_path / "run_state.json").is_file()
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
         "reward-0.log", "rollout-0.log", "rollout-1.log", "trainer.log"]  # fmt: skip

@@ -48,6 +48,9 @@ class DataConfig:
     prompts_per_step: int = knob(48, 1, 1_000_000)  # prompt groups per training step
     group_size: int = knob(16, 1, 100_000)  # G: samples per prompt
     val_prompts: int = knob(16, 0, 1_000_000)  # a fixed subset of the test split, scored at every validation
+    # images per validation prompt, each with its own fixed noise: mean@1 is the first's (comparable
+    # whatever this is), mean@N all N's (a standard error about sqrt(N) times smaller)
+    val_samples: int = knob(1, 1, 1024)
 
     def validate(self) -> None:
         if bool(self.dataset) == bool(self.prompts):
@@ -64,6 +67,8 @@ class DataConfig:
             )
         if self.val_prompts < 0:
             raise ValueError(f"data.val_prompts={self.val_prompts} must be >= 0")
+        if not 1 <= self.val_samples <= 1024:
+            raise ValueError(f"data.val_samples={self.val_samples} must be in [1, 1024]")
 
 
 @dataclass(frozen=True)
@@ -267,10 +272,11 @@ class RunConfig:
                 f"schedule.eval_every={self.schedule.eval_every} validates on data.val_prompts=0 prompts: "
                 "set data.val_prompts > 0, or schedule.eval_every=0 for no validation"
             )
-        if self.rollout.max_request_samples < self.data.group_size:
+        if self.rollout.max_request_samples < max(self.data.group_size, self.data.val_samples):
             raise ValueError(
                 f"rollout.max_request_samples={self.rollout.max_request_samples} is below "
-                f"data.group_size={self.data.group_size}: a prompt's group goes in one request; raise it"
+                f"data.group_size={self.data.group_size} or data.val_samples={self.data.val_samples}: a "
+                "prompt's samples go in one request; raise it"
             )
         if self.schedule.mode == "async" and self.trainer.loss.logp_old == "bypass":
             raise ValueError(
