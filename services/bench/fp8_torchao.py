@@ -2,7 +2,7 @@
 answer to what ``models/bagel/fp8.py`` hand-writes, measured beside it in the same run.
 
 ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`` quantizes the weight of each
-gen-path linear layer (``GEN_PATH_LINEARS``, the layers ``quantize_gen_path`` swaps) to e4m3 with a
+gen-path linear layer (``gen_path_linears``, the layers ``quantize_gen_path`` swaps) to e4m3 with a
 scale per output channel, and each activation per row in the forward: the same scaling rule as
 ``Fp8Linear``, in torchao's tensor subclass (``Float8Tensor``) instead of a module of our own. The
 bf16 weights are kept aside and put back after, so the run goes on with the unquantized model.
@@ -18,8 +18,7 @@ import importlib.metadata
 import torch
 from torch import nn
 
-from flowgrpo.models.bagel.config import GEN_PATH_LINEARS
-from flowgrpo.models.bagel.fp8 import FP8_CAPABILITY
+from flowgrpo.models.bagel.fp8 import FP8_CAPABILITY, gen_path_linears
 
 
 def torchao_version() -> str | None:
@@ -41,11 +40,6 @@ def refusal(device: torch.device, dtype: str) -> str | None:
     return None
 
 
-def gen_path_linears(model: nn.Module) -> list[str]:
-    """The names of the linear layers ``quantize_gen_path`` would swap."""
-    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.endswith(GEN_PATH_LINEARS)]
-
-
 def quantize_gen_path_torchao(model: nn.Module) -> dict[str, torch.Tensor]:
     """Quantize the gen-path linears in place with torchao's row-wise float8; returns their bf16
     weights by module name, for :func:`restore`."""
@@ -55,14 +49,14 @@ def quantize_gen_path_torchao(model: nn.Module) -> dict[str, torch.Tensor]:
         quantize_,
     )
 
-    names = gen_path_linears(model)
-    if not names:
+    layers = gen_path_linears(model)
+    if not layers:
         raise ValueError("torchao: no gen-path linear layer to quantize in this model")
-    originals = {name: _linear(model, name).weight for name in names}
+    originals = {name: layer.weight for name, layer in layers.items()}
     wrong = {str(w.dtype) for w in originals.values() if w.dtype != torch.bfloat16}
     if wrong:
         raise ValueError(f"torchao's row-wise float8 takes bf16 weights; the gen path's: {', '.join(wrong)}")
-    chosen = set(names)
+    chosen = set(layers)
     quantize_(
         model,
         Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flowgrpo.models.bagel.config import tiny, tiny_vae
-from flowgrpo.models.bagel.fp8 import Fp8Linear, quantize_gen_path
+from flowgrpo.models.bagel.fp8 import Fp8Linear, gen_path_linears, quantize_gen_path
 from flowgrpo.models.bagel.sampling import BagelSampler
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.bench import fp8, fp8_torchao
@@ -42,7 +42,7 @@ def test_torchao_quantizes_our_layers_and_gives_them_back(no_hardware_check: Non
     cpu = torch.device("cpu")
     model, vae = random_bagel(tiny(), torch.bfloat16, cpu), random_vae(tiny_vae(), torch.bfloat16, cpu)
     reference = latents(model, vae)
-    names = fp8_torchao.gen_path_linears(model)
+    names = gen_path_linears(model)
     assert len(names) == 7 * tiny().layers  # q, k, v, o, gate, up, down of every layer's gen expert
     kept = fp8_torchao.quantize_gen_path_torchao(model)
     assert set(kept) == set(names)

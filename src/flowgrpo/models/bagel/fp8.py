@@ -105,14 +105,23 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 row-wise"
 
 
+def gen_path_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The decoder layers' gen-path linear layers (``GEN_PATH_LINEARS``) by module name: the
+    layers FP8 rollouts quantize (:func:`quantize_gen_path`; torchao's in ``bench fp8 --torchao``)."""
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.endswith(GEN_PATH_LINEARS)
+    }
+
+
 def quantize_gen_path(model: nn.Module) -> dict[str, Tensor]:
-    """Swap every decoder layer's gen-path linear layers (``GEN_PATH_LINEARS``) for :class:`Fp8Linear`,
-    in place. Returns the weights they held, by module name (the merge base of a LoRA policy:
-    every version is merged onto these, then quantized); empty for a model on the meta device."""
+    """Swap every decoder layer's gen-path linear layers (:func:`gen_path_linears`) for
+    :class:`Fp8Linear`, in place. Returns the weights they held, by module name (the merge base of
+    a LoRA policy: every version is merged onto these, then quantized); empty for a model on the
+    meta device."""
     originals: dict[str, Tensor] = {}
-    for name, module in list(model.named_modules()):
-        if not (isinstance(module, nn.Linear) and name.endswith(GEN_PATH_LINEARS)):
-            continue
+    for name, module in gen_path_linears(model).items():
         if not module.weight.is_meta:
             originals[name] = module.weight.detach()
         parent_name, _, child = name.rpartition(".")
