@@ -13,7 +13,9 @@ run on one model (the 7B geometry, random bf16 weights, as ``bench rollout``):
    kernels by name); and before it, each gen-path GEMM alone at the forward's rows in bf16 and in
    FP8 (row-wise and tensor-wise scales) with the quantization of its input (``fp8_gemms``);
    with ``--torchao``, a third row per shape between the two: torchao's row-wise float8 on the
-   same layers (``fp8_torchao``), and ours over it in images/s;
+   same layers (``fp8_torchao``), and ours over it in images/s; with ``--fast-accum``, a row
+   after ours: the same FP8 layers with Hopper's fast accumulation (``fp8_fast``,
+   ``rollout.fp8_fast_accum``), and its log-prob gap beside ours;
 3. the log-prob gap: ``--gap-samples`` FP8 rollouts of the first shape with every step an SDE step
    (``--noise-level``), scored under the bf16 weights by the trainer's own recompute
    (``Forwards.window_log_probs``): |logp_bf16 - logp_fp8| per window step, its median, p90, p99
@@ -208,6 +210,8 @@ def measure_precisions(
     our FP8 layers; returned with the rows: the weights those replaced."""
     device = setup.device
     rows: dict[str, list[Row]] = {args.dtype: [], **({"fp8_torchao": []} if args.torchao else {}), "fp8": []}
+    if args.fast_accum:
+        rows["fp8_fast"] = []
     report["rows"] = rows
     originals: dict[str, torch.Tensor] = {}
     for precision, found in rows.items():
@@ -224,8 +228,17 @@ def measure_precisions(
             report["fp8_gen_path_gib"] = sum(
                 m.weight.numel() for m in setup.model.modules() if isinstance(m, Fp8Linear)
             ) * E4M3.itemsize / 2**30  # fmt: skip
+        if precision == "fp8_fast":  # the same FP8 weights, Hopper's fast accumulation
+            set_fast_accum(setup.model, True)
         _measure_shapes(args, setup, shapes, report, precision, found)
     return rows, originals
+
+
+def set_fast_accum(model: nn.Module, on: bool) -> None:
+    """Every FP8 layer's :attr:`Fp8Linear.fast_accum` (``rollout.fp8_fast_accum``)."""
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.fast_accum = on
 
 
 def _measure_shapes(  # noqa: PLR0917 (what a precision's rows are measured with)
@@ -300,6 +313,11 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         for a, b in zip(rows[args.dtype], rows["fp8"], strict=True)
     }
     report["torchao_version"] = fp8_torchao.torchao_version() if args.torchao else None
+    if args.fast_accum:  # each shape: fast accumulation over bf16's images/s
+        report["fp8_fast_images_per_s_ratio"] = {
+            f"{a.resolution}x{a.batch}": ratio(b.images_per_s, a.images_per_s)
+            for a, b in zip(rows[args.dtype], rows["fp8_fast"], strict=True)
+        }
     if args.torchao and rows["fp8_torchao"]:  # each shape: ours over torchao's images/s (> 1: ours faster)
         report["fp8_over_torchao_images_per_s"] = {
             f"{a.resolution}x{a.batch}": ratio(b.images_per_s, a.images_per_s)
@@ -316,7 +334,9 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         if args.compile and device.type == "cuda":  # the gap swaps layers: eager
             uncompile_query_layers(setup.model)
         resolution = args.gap_resolution or shapes[0][0]
-        for key, quantized in (("logp_gap", True), ("logp_gap_bf16", False)):
+        gaps = [("logp_gap", True, False), ("logp_gap_bf16", False, False)]
+        for key, quantized, fast in gaps + ([("logp_gap_fast", True, True)] if args.fast_accum else []):
+            set_fast_accum(setup.model, fast)
             report[key] = logp_gap(
                 setup,
                 originals,
@@ -337,10 +357,14 @@ def _print(report: dict[str, Any]) -> None:
     for shape, figure in report["fp8_images_per_s_ratio"].items():
         print(f"{shape}: FP8 / {report['args']['dtype']} images/s {figure:.3f}; FP8 loop MFU of the FP8 peak "
               f"{report['fp8_loop_mfu_of_fp8_peak'][shape]:.3f}")  # fmt: skip
+        if "fp8_fast_images_per_s_ratio" in report:
+            print(f"  with fast accumulation: FP8 / {report['args']['dtype']} images/s "
+                  f"{report['fp8_fast_images_per_s_ratio'][shape]:.3f}")  # fmt: skip
         if "fp8_over_torchao_images_per_s" in report:
             print(f"  ours / torchao {report['torchao_version']} images/s "
                   f"{report['fp8_over_torchao_images_per_s'][shape]:.3f}")  # fmt: skip
-    for key, what in (("logp_gap", "FP8 samples"), ("logp_gap_bf16", "the control, bf16 samples")):
+    for key, what in (("logp_gap", "FP8 samples"), ("logp_gap_fast", "FP8 samples, fast accumulation"),
+                      ("logp_gap_bf16", "the control, bf16 samples")):  # fmt: skip
         if key in report:
             gap = report[key]
             print(f"log-prob gap of {what} under the bf16 recompute over {gap['samples']} samples: mean "
@@ -363,6 +387,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-gemms", dest="gemms", action="store_false", help="skip the GEMM table")
     p.add_argument(
         "--torchao", action="store_true", help="also torchao's row-wise float8 on the same layers (SM 8.9+)"
+    )
+    p.add_argument(
+        "--fast-accum",
+        action="store_true",
+        help="also our FP8 with Hopper's fast accumulation (rollout.fp8_fast_accum): its rows and its gap",
     )
     p.add_argument("--gap-samples", type=int, default=16, help="FP8 rollouts scored under bf16 (0: none)")
     p.add_argument(

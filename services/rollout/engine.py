@@ -106,6 +106,7 @@ class NativeBagelEngine:
         compile: bool = False,
         base_weights: BaseWeights = "checkpoint",
         fp8: bool = False,
+        fp8_fast_accum: bool = False,
     ) -> NativeBagelEngine:
         if fp8:
             check_fp8_device(device)
@@ -114,7 +115,8 @@ class NativeBagelEngine:
                 model = BagelModel(read_bagel_config(folder)).to(dtype).eval().requires_grad_(False)
         else:
             model = load_bagel_model(folder, dtype=dtype, device=device).eval()
-        fp8_bases = quantize_gen_path(model) if fp8 else None  # before compile: it traces the FP8 layers
+        # before compile: it traces the FP8 layers
+        fp8_bases = quantize_gen_path(model, fast_accum=fp8_fast_accum) if fp8 else None
         on_gpu = str(device).startswith("cuda")
         parallelize_bagel(model, None, compile=compile and on_gpu, activation_checkpointing=False)
         vae = load_vae(folder, dtype=dtype, device=device).eval()

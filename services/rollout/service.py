@@ -141,6 +141,7 @@ class RolloutService(Actor, rollout_pb2_grpc.RolloutServicer):
             compile=cfg.compile,
             base_weights=cfg.base_weights,
             fp8=cfg.precision == "fp8",
+            fp8_fast_accum=cfg.fp8_fast_accum,
         )
 
     # --- RPCs ----------------------------------------------------------------------------------

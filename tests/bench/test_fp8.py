@@ -79,13 +79,17 @@ def test_the_whole_benchmark_on_the_tiny_model(tmp_path: Path) -> None:
     out = tmp_path / "fp8.json"
     command = [sys.executable, "-m", "flowgrpo.services.cli", "bench", "fp8", "--model", "tiny", "--device",
                "cpu", "--dtype", "fp32", "--shapes", "64x4", "--num-points", "9", "--gap-samples", "4",
-               "--json", str(out)]  # fmt: skip
+               "--fast-accum", "--json", str(out)]  # fmt: skip
     done = subprocess.run(
         command, capture_output=True, text=True, timeout=240, env=os.environ | {"OMP_NUM_THREADS": "1"}
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "64x4: FP8 / fp32 images/s" in done.stdout and "CFG forward" in done.stdout
+    assert "with fast accumulation: FP8 / fp32 images/s" in done.stdout
     report = json.loads(out.read_text())
+    assert (
+        list(report["rows"]) == ["fp32", "fp8", "fp8_fast"] and report["fp8_fast_images_per_s_ratio"]["64x4"]
+    )
     (dtype_row,), (fp8_row,) = report["rows"]["fp32"], report["rows"]["fp8"]
     assert dtype_row["step_tflop"] == fp8_row["step_tflop"] > 0  # the same FLOPs, counted once
     ratio = report["fp8_images_per_s_ratio"]["64x4"]["median"]
@@ -104,6 +108,7 @@ def test_the_whole_benchmark_on_the_tiny_model(tmp_path: Path) -> None:
     gap, control = report["logp_gap"], report["logp_gap_bf16"]
     assert gap["samples"] == 4 and 0 < gap["all"]["mean"] <= gap["all"]["max"]
     assert control["samples"] == 4 and control["all"]["max"] < gap["all"]["mean"]  # not FP8's gap
+    assert report["logp_gap_fast"] == gap  # the CPU's reference kernel has no fast accumulation
 
 
 def test_the_kernel_profile_runs_without_autograd(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,6 +8,7 @@ same checks on CUDA)."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,6 +86,22 @@ def test_the_fp8_gemm_is_the_float64_product_of_the_dequantized_operands() -> No
     exact = x.double() @ w.double().t()
     relative = float((y.double() - exact).norm() / exact.norm())
     assert 1e-3 < relative < 0.06, relative
+
+
+def test_in_bf16_the_bias_is_added_before_the_one_rounding_of_the_output() -> None:
+    """The GEMM's epilogue (cuBLAS's, the CPU kernel's): the fp32 product plus the bf16 bias, then
+    one rounding to bf16; an add after the GEMM would round twice (a quarter of the entries here)."""
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(3, 7, 64, generator=g).bfloat16(), torch.randn(48, 64, generator=g) * 0.05
+    bias = torch.randn(48, generator=g)
+    wq, ws = quantize_rowwise(w)
+    fused = fp8_matmul(x, wq, ws, torch.bfloat16, bias=bias)
+    product = fp8_matmul(x.float(), wq, ws, torch.float32)  # the same quantized operands, fp32 out
+    assert torch.equal(fused, (product + bias.bfloat16().float()).bfloat16())
+    twice = (product.bfloat16().float() + bias.bfloat16().float()).bfloat16()
+    assert int((fused != twice).sum()) > fused.numel() // 10
+    # the CPU's reference kernel has no fast accumulation: the same numbers
+    assert torch.equal(fp8_matmul(x, wq, ws, torch.bfloat16, bias=bias, fast_accum=True), fused)
 
 
 def test_an_fp8_linear_keeps_the_bias_and_its_weight_is_written_by_set_weight() -> None:
@@ -212,4 +229,21 @@ GEN_WEIGHTS = tuple(s + ".weight" for s in GEN_PATH_LINEARS)
 def test_a_cpu_needs_no_fp8_check_and_the_layers_repr_says_fp8() -> None:
     check_fp8_device("cpu")
     assert "e4m3 row-wise" in repr(Fp8Linear(8, 16, None, torch.device("cpu")))
+    assert "fast accumulation" in repr(Fp8Linear(8, 16, None, torch.device("cpu"), fast_accum=True))
     assert math.isclose(E4M3_MAX, torch.finfo(torch.float8_e4m3fn).max)
+
+
+def test_the_engine_builds_its_fp8_layers_with_the_configured_accumulation(tmp_path: Path) -> None:
+    """rollout.fp8_fast_accum reaches every FP8 layer of the engine (a GPU option: on a CPU it
+    changes no number, so this checks the wiring)."""
+    from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
+    from flowgrpo.services.rollout.engine import NativeBagelEngine
+
+    folder = make_tiny_bagel(tmp_path, seed=0)
+    for fast in (False, True):
+        engine = NativeBagelEngine.from_checkpoint(
+            folder, device="cpu", dtype=torch.float32, max_batch_samples=4, fp8=True, fp8_fast_accum=fast
+        )
+        layers = [m for m in engine.sampler.model.modules() if isinstance(m, Fp8Linear)]
+        assert len(layers) == 7 * engine.sampler.model.config.layers
+        assert {layer.fast_accum for layer in layers} == {fast}

@@ -44,6 +44,23 @@ def test_the_quantization_is_the_cpus_and_the_gemm_the_dequantized_product() -> 
     assert rel_err(y.cpu(), expected) < 4e-3  # bf16 output rounding (2^-9) over fp32 accumulation
 
 
+def test_the_bias_in_the_epilogue_and_the_fast_accumulation_stay_near_the_product() -> None:
+    """cuBLAS adds the bias before the output's rounding; Hopper's fast accumulation
+    (rollout.fp8_fast_accum) keeps its partial sums in the tensor cores' lower precision: at the
+    7B's longest reduction (18,944, the down projection) both stay near the float64 product."""
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(256, 18944, generator=g), torch.randn(384, 18944, generator=g) * 0.01
+    bias = torch.randn(384, generator=g)
+    wq, ws = quantize_rowwise(w)
+    xq, xs = quantize_rowwise(x.bfloat16())
+    expected = (xq.double() * xs.double()) @ (wq.double() * ws.double()).t() + bias.bfloat16().double()
+    operands = (x.cuda().bfloat16(), wq.cuda(), ws.cuda(), torch.bfloat16)
+    exact = fp8_matmul(*operands, bias=bias.cuda())
+    fast = fp8_matmul(*operands, bias=bias.cuda(), fast_accum=True)
+    assert rel_err(exact.cpu(), expected) < 4e-3  # one bf16 rounding over fp32 accumulation
+    assert rel_err(fast.cpu(), expected) < 5e-2, rel_err(fast.cpu(), expected)  # DeepSeek-V3: ~14 bits kept
+
+
 @torch.no_grad()
 def test_an_fp8_model_compiles_and_stays_near_its_bf16_self() -> None:
     torch.manual_seed(1)

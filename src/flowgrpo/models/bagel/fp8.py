@@ -49,13 +49,36 @@ def quantize_rowwise(t: Tensor) -> tuple[Tensor, Tensor]:
     return values, scales
 
 
-def fp8_matmul(x: Tensor, weight: Tensor, weight_scale: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """x [..., in] times the quantized weight [out, in] (scales [out, 1]) -> [..., out]."""
+def fp8_matmul(
+    x: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    out_dtype: torch.dtype,
+    *,
+    bias: Tensor | None = None,
+    fast_accum: bool = False,
+) -> Tensor:
+    """x [..., in] times the quantized weight [out, in] (scales [out, 1]), plus ``bias`` ->
+    [..., out]. The bias is added in the GEMM's epilogue, in fp32 before the output's rounding,
+    where the output is not fp32 (cuBLAS takes no bias then). ``fast_accum``: Hopper's fast FP8
+    accumulation (no periodic promotion of the partial sums to fp32: faster, less exact; what
+    torchao's float8 inference uses by default); the CPU's reference kernel ignores it."""
     if x.numel() == 0:  # an expert with no token in this forward (the prefill's text-only one)
         return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=out_dtype)
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # row-major, as _scaled_mm takes it (x may be expanded)
     values, scales = quantize_rowwise(rows)
-    y = torch._scaled_mm(values, weight.t(), scale_a=scales, scale_b=weight_scale.t(), out_dtype=out_dtype)
+    fused = bias is not None and out_dtype != torch.float32
+    y = torch._scaled_mm(
+        values,
+        weight.t(),
+        scale_a=scales,
+        scale_b=weight_scale.t(),
+        bias=bias.to(out_dtype) if fused and bias is not None else None,
+        out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
+    )
+    if bias is not None and not fused:
+        y = y + bias.to(out_dtype)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -63,20 +86,27 @@ class Fp8Linear(nn.Module):
     """A linear layer whose weight is held in e4m3 with a scale per output channel; the bias (if
     any) in the dtype the layer had. ``weight`` keeps its name and shape, so updates, the shared
     base and checkpoint names find it as they find an ``nn.Linear``'s; write it with
-    :meth:`set_weight`, never in place (a plain copy would drop the scales)."""
+    :meth:`set_weight`, never in place (a plain copy would drop the scales). ``fast_accum``:
+    :func:`fp8_matmul`'s (``rollout.fp8_fast_accum``)."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: Tensor | None, device: torch.device
+        self,
+        in_features: int,
+        out_features: int,
+        bias: Tensor | None,
+        device: torch.device,
+        fast_accum: bool = False,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.fast_accum = fast_accum
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=E4M3, device=device), False)
         self.register_buffer("weight_scale", torch.ones(out_features, 1, device=device))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
-        layer = cls(linear.in_features, linear.out_features, linear.bias, linear.weight.device)
+    def from_linear(cls, linear: nn.Linear, fast_accum: bool = False) -> Fp8Linear:
+        layer = cls(linear.in_features, linear.out_features, linear.bias, linear.weight.device, fast_accum)
         if not linear.weight.is_meta:
             layer.set_weight(linear.weight)
         return layer
@@ -98,11 +128,13 @@ class Fp8Linear(nn.Module):
         out_dtype = x.dtype
         if x.is_cuda and torch.is_autocast_enabled("cuda"):  # as nn.Linear answers under autocast
             out_dtype = torch.get_autocast_dtype("cuda")
-        y = fp8_matmul(x, self.weight, self.weight_scale, out_dtype)
-        return y if self.bias is None else y + self.bias.to(out_dtype)
+        return fp8_matmul(
+            x, self.weight, self.weight_scale, out_dtype, bias=self.bias, fast_accum=self.fast_accum
+        )
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 row-wise"
+        fast = ", fast accumulation" if self.fast_accum else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 row-wise{fast}"
 
 
 def gen_path_linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -115,7 +147,7 @@ def gen_path_linears(model: nn.Module) -> dict[str, nn.Linear]:
     }
 
 
-def quantize_gen_path(model: nn.Module) -> dict[str, Tensor]:
+def quantize_gen_path(model: nn.Module, fast_accum: bool = False) -> dict[str, Tensor]:
     """Swap every decoder layer's gen-path linear layers (:func:`gen_path_linears`) for
     :class:`Fp8Linear`, in place. Returns the weights they held, by module name (the merge base of
     a LoRA policy: every version is merged onto these, then quantized); empty for a model on the
@@ -125,7 +157,7 @@ def quantize_gen_path(model: nn.Module) -> dict[str, Tensor]:
         if not module.weight.is_meta:
             originals[name] = module.weight.detach()
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, Fp8Linear.from_linear(module))
+        setattr(model.get_submodule(parent_name), child, Fp8Linear.from_linear(module, fast_accum))
     if not originals and not any(isinstance(m, Fp8Linear) for m in model.modules()):
         raise ValueError("rollout.precision=fp8 found no gen-path linear layer to quantize in this model")
     return originals
