@@ -20,9 +20,15 @@ from torch._C._autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 KINDS = (  # the first pattern a kernel's name matches gives its kind
-    ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|_scaled_mm|aten::(mm|addmm|bmm|matmul)$", re.I)),
+    # Inductor's fused kernels first: their names list the ops they feed, so the activation's
+    # quantization before an FP8 GEMM reads "triton_red_fused__scaled_mm_..._amax_..."; its GEMM
+    # templates ("triton_tem_...") are GEMMs
+    ("compiled (fused)", re.compile(r"^triton_(?!tem_)", re.I)),
+    (
+        "gemm",
+        re.compile(r"gemm|nvjet|xmma|cutlass|_scaled_mm|^triton_tem_|aten::(mm|addmm|bmm|matmul)$", re.I),
+    ),
     ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
-    ("compiled (fused)", re.compile(r"^triton_", re.I)),
     ("optimizer", re.compile(r"multi_tensor|foreach|adam", re.I)),  # AdamW's fused/foreach kernels
     ("communication", re.compile(r"nccl", re.I)),  # FSDP's all-gathers and reduce-scatters
 )

@@ -16,6 +16,9 @@ NAMES = {  # names as Hopper's libraries and Inductor write them
     "cudnn_generated_fort_native_sdpa_sm90_flash_fprop": "attention",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
     "triton_per_fused_abs_amax_clamp_div_mul_0": "compiled (fused)",
+    # the quantization before an FP8 GEMM, named after the op it feeds (an H100's profile)
+    "triton_red_fused__scaled_mm__to_copy_abs_amax_clamp_div_mul_silu_t_view_2": "compiled (fused)",
+    "triton_tem_fused_mm_0": "gemm",  # Inductor's GEMM template
     "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>": "other",
     "aten::copy_": "other",
     "aten::matmul_backward_helper": "other",  # aten::matmul only as the whole name
