@@ -61,8 +61,9 @@ def fp8_matmul(
     """x [..., in] times the quantized weight [out, in] (scales [out, 1]), plus ``bias`` ->
     [..., out]. The bias is added in the GEMM's epilogue, in fp32 before the output's rounding,
     where the output is not fp32 (cuBLAS takes no bias then) and the accumulation is not fast.
-    ``fast_accum``: Hopper's fast FP8 accumulation (no periodic promotion of the partial sums to fp32: faster, less exact; what
-    torchao's float8 inference uses by default); the CPU's reference kernel ignores it."""
+    ``fast_accum``: Hopper's fast FP8 accumulation (no periodic promotion of the partial sums to
+    fp32: faster, less exact; what torchao's float8 inference uses by default); the CPU's
+    reference kernel ignores it."""
     if x.numel() == 0:  # an expert with no token in this forward (the prefill's text-only one)
         return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=out_dtype)
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # row-major, as _scaled_mm takes it (x may be expanded)
