@@ -29,7 +29,6 @@ from flowgrpo.algorithms import algorithm_of
 from flowgrpo.bus import BusClient, BusError, TensorRef, TensorStore
 from flowgrpo.configs.run import RunConfig
 from flowgrpo.data import PromptRow, PromptSplit
-from flowgrpo.rewards.config import ScorerSpec
 from flowgrpo.services.coordinator.advantages import group_advantages
 from flowgrpo.services.coordinator.handles import Replica
 from flowgrpo.services.coordinator.lifecycle import RunInterrupted
@@ -38,6 +37,7 @@ from flowgrpo.services.coordinator.pool import ReplicaPool, RunError, TrainerGon
 from flowgrpo.services.coordinator.progress import StepProgress
 from flowgrpo.services.coordinator.registry import CoordinatorService
 from flowgrpo.services.coordinator.revive import TrainerKeeper, TrainerSource
+from flowgrpo.services.coordinator.validation import validation_metrics
 from flowgrpo.v1 import common_pb2, reward_pb2, rollout_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)
@@ -612,46 +612,6 @@ class Coordinator:
             values = [s[name] for g in groups for s in g.scores if name in s]
             metrics[f"critic/score/{name}/mean"] = float(np.mean(values))  # each scorer, unweighted
         return metrics
-
-
-def validation_metrics(
-    groups: list[Group], scorers: Sequence[ScorerSpec], samples: int = 1
-) -> dict[str, float]:
-    """``val-core/<scorer>/reward/mean@1`` per scorer (its own score, unweighted: what it measures)
-    and ``val-aux/<scorer>/<detail>/mean@1`` for the details a scorer reports beside its score;
-    ``val-core/total/reward/mean@1`` (the weighted sum that is trained on) when it differs from
-    the one scorer's score. Keyed by scorer, not data source: the data set does not say what was
-    scored. A scorer with no result anywhere logs NaN, so a missing curve is a visible gap.
-    mean@1 is over each prompt's first sample; with ``samples`` (N) > 1 per prompt the same keys
-    with mean@N are over all of them (verl's meaning of mean@N)."""
-    metrics = _means(groups, scorers, 1)
-    return metrics | (_means(groups, scorers, samples) if samples > 1 else {})
-
-
-def _means(groups: list[Group], scorers: Sequence[ScorerSpec], first: int) -> dict[str, float]:
-    """:func:`validation_metrics`' mean@``first``: over the first ``first`` samples of each prompt."""
-    scores = [s for g in groups if g.rewards for s in g.scores[:first]]
-    metrics: dict[str, float] = {}
-    for key in sorted({k for s in scores for k in s} | {spec.name for spec in scorers}):
-        values = [s[key] for s in scores if key in s]
-        name = f"val-core/{key}/reward/mean@{first}" if "/" not in key else f"val-aux/{key}/mean@{first}"
-        metrics[name] = float(np.mean(values)) if values else math.nan
-    if _weighted(scorers):
-        totals = [r for g in groups for r in g.rewards[:first]]
-        metrics[f"val-core/total/reward/mean@{first}"] = float(np.mean(totals)) if totals else math.nan
-    return metrics
-
-
-def validation_keys(scorers: Sequence[ScorerSpec]) -> list[str]:
-    """The ``val-core`` keys every validation logs (:func:`validation_metrics`), known before it."""
-    return [f"val-core/{s.name}/reward/mean@1" for s in scorers] + (
-        ["val-core/total/reward/mean@1"] if _weighted(scorers) else []
-    )
-
-
-def _weighted(scorers: Sequence[ScorerSpec]) -> bool:
-    """Whether the reward trained on differs from the one scorer's own score."""
-    return len(scorers) > 1 or any(spec.weight != 1.0 for spec in scorers)
 
 
 def _requests(groups: list[Group], replicas: int, most: int) -> list[list[Group]]:

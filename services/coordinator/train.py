@@ -43,8 +43,9 @@ from flowgrpo.services.coordinator.resume import (
     record_resume,
     tiny_model_folder,
 )
-from flowgrpo.services.coordinator.run import Coordinator, reward_summary, validation_keys
+from flowgrpo.services.coordinator.run import Coordinator, reward_summary
 from flowgrpo.services.coordinator.runmeta import Invocation, end_session, start_session
+from flowgrpo.services.coordinator.validation import validation_keys
 from flowgrpo.telemetry import setup_tracing, shutdown_tracing
 from flowgrpo.v1 import coordinator_pb2_grpc
 

@@ -14,7 +14,8 @@ from tensorboard.plugins.hparams import api_pb2
 from flowgrpo.configs.run import LoggerConfig, load_run_config
 from flowgrpo.rewards.config import ScorerSpec
 from flowgrpo.services.coordinator.outputs import RunOutputs, evenly_spaced, image_grid
-from flowgrpo.services.coordinator.run import Group, validation_keys, validation_metrics
+from flowgrpo.services.coordinator.run import Group
+from flowgrpo.services.coordinator.validation import validation_keys, validation_metrics
 from tests.tensorboard_view import hparams_view, texts
 
 ROOT = Path(__file__).resolve().parents[2]
