@@ -98,18 +98,23 @@ class Variant:
     addmm: bool = False  # an experiment, not the trainer's path: see addmm_lora
     compile: bool = False  # the query path compiled (compile_query_layers), under autograd
     nft: bool = False  # DiffusionNFT's step (CFG-free, its recipe's times per sample) instead of FlowGRPO's
+    checkpoint_every: int = 1  # checkpoint every this many decoder layers (with checkpointing)
 
 
 def parse_variants(text: str) -> list[Variant]:
     """'ac4,ac8,none2,ac4-fp32' -> variants: activation checkpointing ('ac') or not ('none'), the
     micro-batch size, '-fp32': LoRA matmuls in fp32 (no autocast: peft's own dtype handling),
     '-addmm': the experiment of :func:`addmm_lora`, '-compile': the query path compiled, '-nft':
-    a DiffusionNFT step instead of FlowGRPO's."""
+    a DiffusionNFT step instead of FlowGRPO's, '-everyN': checkpoint every N-th decoder layer only
+    (trainer.activation_checkpointing_every; 'ac8-every2')."""
     out = []
     for item in filter(None, text.split(",")):
         head, *flags = item.split("-")
         ac = head.startswith("ac")
         micro = int(head.removeprefix("ac").removeprefix("none"))
+        every = [int(f.removeprefix("every")) for f in flags if f.startswith("every")]
+        if every and (not ac or every[0] < 1):
+            raise ValueError(f"variant {item!r}: -everyN needs 'ac' and N >= 1")
         out.append(
             Variant(
                 item,
@@ -119,6 +124,7 @@ def parse_variants(text: str) -> list[Variant]:
                 addmm="addmm" in flags,
                 compile="compile" in flags,
                 nft="nft" in flags,
+                checkpoint_every=every[0] if every else 1,
             )
         )
     return out
@@ -181,6 +187,9 @@ def measure_variant(variant: Variant, bench: StepBench) -> dict[str, Any]:
     """One row: a warm-up step, ``bench.repeats`` timed steps, their figures (MFU: add_mfu)."""
     row: dict[str, Any] = {"variant": variant.name, "micro_batch": variant.micro, "nft": variant.nft,
                            "checkpointing": variant.checkpointing, "autocast": variant.autocast}  # fmt: skip
+    layers = len(bench.policy.model.decoder.layers)  # checkpoint_query_layers takes 0, N, 2N, ...
+    checkpointed = -(-layers // variant.checkpoint_every) if variant.checkpointing else 0
+    row["checkpointed_share"] = checkpointed / layers
     skipped = _skip_reason(variant, bench)
     if skipped:
         return row | {"error": skipped}
@@ -220,7 +229,7 @@ def configure_variant(variant: Variant, bench: StepBench) -> None:
     if variant.compile:
         compile_query_layers(model)
     if variant.checkpointing:
-        checkpoint_query_layers(model)
+        checkpoint_query_layers(model, every=variant.checkpoint_every)
 
 
 def _timed_steps(variant: Variant, bench: StepBench) -> tuple[Runs[dict[str, float]], dict[str, Any] | None]:
@@ -283,11 +292,12 @@ def _figures(runs: Runs[dict[str, float]], bench: StepBench) -> dict[str, Any]:
 
 def add_mfu(row: dict[str, Any], flops: dict[str, float], world: int, peak_tflops: float) -> None:
     """MFU of the row's passes (every rank runs 1/world of the rows) against ``peak_tflops``;
-    HFU adds activation checkpointing's recompute to the update pass."""
+    HFU adds activation checkpointing's recompute (of the checkpointed layers) to the update pass."""
     if "error" in row:
         return
     old, update = flops["old"] / world, flops["update"] / world
-    recompute = flops["recompute"] / world if row["checkpointing"] else 0.0
+    # every layer recomputes the same matmuls: the checkpointed layers' share of them
+    recompute = flops["recompute"] / world * row["checkpointed_share"]
     if row.get("nft"):  # the old policy's forwards are part of the update pass
         update, old = update + old, 0.0
     else:

@@ -83,6 +83,7 @@ class TrainerCore:
             keep_reference=cfg.loss.kl_beta > 0
             or (isinstance(cfg.algorithm, DgpoConfig) and cfg.algorithm.reference == "base"),
             activation_checkpointing=cfg.activation_checkpointing,
+            checkpoint_every=cfg.activation_checkpointing_every,
             compile=cfg.compile,
             share_base=cfg.share_base,
         )

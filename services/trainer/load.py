@@ -42,6 +42,7 @@ def load_policy(
     param_dtype: torch.dtype | None = None,
     keep_reference: bool = False,
     activation_checkpointing: bool = False,
+    checkpoint_every: int = 1,
     compile: bool = False,
     share_base: bool = False,
 ) -> TrainablePolicy:
@@ -64,6 +65,7 @@ def load_policy(
         dist.mesh(device),
         compile=compile,
         activation_checkpointing=activation_checkpointing,
+        checkpoint_every=checkpoint_every,
         param_dtype=param_dtype,
     )
     if share_base:

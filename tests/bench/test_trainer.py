@@ -52,7 +52,7 @@ def test_the_trainer_benchmark_reports_consistent_figures(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "trainer.json"
-    assert trainer.main([*TINY, "--variants", "none2,ac4,none2-nft", "--json", str(out)]) == 0
+    assert trainer.main([*TINY, "--variants", "none2,ac4,ac4-every2,none2-nft", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     check_figures(report)
     peak = report["matmul_peak"]
@@ -64,9 +64,11 @@ def test_the_trainer_benchmark_reports_consistent_figures(
         pytest.approx(expected["old"]),
         pytest.approx(expected["update"]),
     )
-    assert [r["variant"] for r in report["rows"]] == ["none2", "ac4", "none2-nft"]
-    _check_nft_row(report["rows"][2], report["flops_nft"], report["nft_times_per_sample"], world, used)
-    for row in report["rows"][:2]:
+    assert [r["variant"] for r in report["rows"]] == ["none2", "ac4", "ac4-every2", "none2-nft"]
+    # the tiny model's 2 layers: every2 checkpoints layer 0 alone, so recomputes half of ac4's
+    assert [r["checkpointed_share"] for r in report["rows"]] == [0.0, 1.0, 0.5, 0.0]
+    _check_nft_row(report["rows"][3], report["flops_nft"], report["nft_times_per_sample"], world, used)
+    for row in report["rows"][:3]:
         assert "error" not in row, row
         step = row["step_s"]
         assert step["n"] == 3 and row["once_s"]["warmup_step"] > 0
@@ -80,7 +82,7 @@ def test_the_trainer_benchmark_reports_consistent_figures(
         assert median(row["mfu_old_log_prob"]) == pytest.approx(
             flops["old"] / world / median(row["old_log_prob_s"]) / used
         )
-        recompute = flops["recompute"] if row["checkpointing"] else 0.0
+        recompute = flops["recompute"] * {"none2": 0.0, "ac4": 1.0, "ac4-every2": 0.5}[row["variant"]]
         hfu = (flops["update"] + recompute) / world / median(row["update_s"]) / used
         assert median(row["hfu_update"]) == pytest.approx(hfu)
         parts = zip(row["old_log_prob_s"]["values"], row["update_s"]["values"], step["values"], strict=True)

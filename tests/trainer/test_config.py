@@ -14,6 +14,14 @@ from flowgrpo.configs.trainer import TrainerServiceConfig
         (["trainer.publish_cuda_ipc=true"], r"publish_cuda_ipc needs a GPU trainer \(trainer.device='cpu'\)"),
         (["trainer.publish_bus=false"], "nothing publishes"),
         (["trainer.policy.lora_targets=[self_attn.q_proj]"], "outside the gen path"),
+        (
+            ["trainer.activation_checkpointing_every=2"],
+            "no effect with trainer.activation_checkpointing=false",
+        ),
+        (
+            ["trainer.activation_checkpointing=true", "trainer.activation_checkpointing_every=0"],
+            "out of range: need 1 <=",
+        ),
     ],
 )
 def test_impossible_publication_and_targets_are_refused(overrides: list[str], message: str) -> None:

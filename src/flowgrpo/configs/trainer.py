@@ -171,6 +171,9 @@ class TrainerConfig:
     # recompute each decoder layer's image-query work in the backward: ~6x less activation
     # memory for ~1/3 more update time (the 7B full gen path needs it at micro-batch > 1)
     activation_checkpointing: bool = False
+    # checkpoint only decoder layers 0, N, 2N, ... (torchtitan's selective layer checkpointing):
+    # 2 keeps half the layers' activations and recomputes half, between the two in memory and time
+    activation_checkpointing_every: int = knob(1, 1, 1024)
     compile: bool = False  # torch.compile each decoder layer's image-query work (a GPU speed-up)
     checkpoint_dir: str = ""  # where trainer checkpoints go; empty: no checkpoints
     keep_last: int = knob(3, 1, 1_000_000)
@@ -228,6 +231,11 @@ class TrainerConfig:
             )
         if self.keep_last < 1:
             raise ValueError(f"trainer.keep_last={self.keep_last} must be >= 1")
+        if self.activation_checkpointing_every != 1 and not self.activation_checkpointing:
+            raise ValueError(
+                f"trainer.activation_checkpointing_every={self.activation_checkpointing_every} has no "
+                "effect with trainer.activation_checkpointing=false: turn it on or leave the every at 1"
+            )
         algorithm_of(self).check(self, None)  # the checks that need no sampler settings
 
 

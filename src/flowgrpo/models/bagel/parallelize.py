@@ -35,7 +35,7 @@ batch 1 (GPU idle between launches) and nothing from batch 8 on, so they are not
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -61,15 +61,17 @@ def parallelize_bagel(
     *,
     compile: bool,
     activation_checkpointing: bool,
+    checkpoint_every: int = 1,
     param_dtype: torch.dtype | None = None,
 ) -> BagelModel:
-    """Apply compile, activation checkpointing and FSDP2 over ``mesh`` (None: one process, no
-    sharding), each when asked, in that order. ``param_dtype`` is the compute dtype of the
-    all-gathered parameters under FSDP2. Returns ``model``, changed in place."""
+    """Apply compile, activation checkpointing (of every ``checkpoint_every``-th layer) and FSDP2
+    over ``mesh`` (None: one process, no sharding), each when asked, in that order.
+    ``param_dtype`` is the compute dtype of the all-gathered parameters under FSDP2. Returns
+    ``model``, changed in place."""
     if compile:
         compile_query_layers(model)
     if activation_checkpointing:
-        checkpoint_query_layers(model)
+        checkpoint_query_layers(model, every=checkpoint_every)
     if mesh is not None:
         shard_model(model, mesh, param_dtype=param_dtype)
     return model
@@ -116,16 +118,23 @@ def uncompile_query_layers(model: BagelModel) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def checkpoint_query_layers(model: BagelModel) -> None:
-    """Activation checkpointing of the image-query path: each decoder layer's ``query_qkv`` and
-    ``query_out`` (the per-layer work around the joint attention) keep only their inputs and run
-    again in the backward. Saved per layer and row: the layer's input, q/k/v and the attention
-    output: ~1.1 GiB per row (one CFG branch of one trajectory at one window step, 7B, 512px)
-    against ~6.6 GiB without, for ~1/3 more update time. Without gradients (logp_old) the methods
-    run plainly. FSDP2 skips its pre-forward during the backward's recompute, so sharding may
-    come before or after; :func:`parallelize_bagel` shards after.
+def checkpoint_query_layers(model: BagelModel, every: int = 1) -> None:
+    """Activation checkpointing of the image-query path: each checkpointed decoder layer's
+    ``query_qkv`` and ``query_out`` (the per-layer work around the joint attention) keep only
+    their inputs and run again in the backward. Saved per layer and row: the layer's input, q/k/v
+    and the attention output: ~1.1 GiB per row (one CFG branch of one trajectory at one window
+    step, 7B, 512px, all 28 layers) against ~6.6 GiB without, for ~1/3 more update time.
+
+    ``every``: checkpoint layers 0, every, 2 x every, ... only (torchtitan's selective layer
+    checkpointing): 2 keeps half the layers' activations and recomputes the other half, the
+    memory and the recompute in between. Without gradients (logp_old) the methods run plainly.
+    FSDP2 skips its pre-forward during the backward's recompute, so sharding may come before or
+    after; :func:`parallelize_bagel` shards after.
     """
-    _wrap_query_methods(model, "checkpoint", _checkpointed)
+    if every < 1:
+        raise ValueError(f"checkpoint every {every} layers: must be >= 1")
+    layers = [layer for i, layer in enumerate(model.decoder.layers) if i % every == 0]
+    _wrap_query_methods(model, "checkpoint", _checkpointed, layers)
 
 
 def uncheckpoint_query_layers(model: BagelModel) -> None:
@@ -194,10 +203,14 @@ class _Wrapping:
 
 
 def _wrap_query_methods(
-    model: BagelModel, kind: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+    model: BagelModel,
+    kind: str,
+    wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
+    layers: Sequence[torch.nn.Module] | None = None,
 ) -> None:
-    """Shadow every decoder layer's ``QUERY_METHODS`` with ``wrap`` of what they are now."""
-    for layer in model.decoder.layers:
+    """Shadow the ``QUERY_METHODS`` of ``layers`` (default: every decoder layer) with ``wrap`` of
+    what they are now."""
+    for layer in model.decoder.layers if layers is None else layers:
         stack: list[_Wrapping] = vars(layer).setdefault(_WRAPPINGS, [])
         if any(w.kind == kind for w in stack):
             raise RuntimeError(f"the query layers are already wrapped by {kind}")
