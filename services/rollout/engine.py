@@ -106,7 +106,7 @@ class NativeBagelEngine:
         compile: bool = False,
         base_weights: BaseWeights = "checkpoint",
         fp8: bool = False,
-        fp8_fast_accum: bool = False,
+        fp8_fast_accum: bool = True,  # rollout.fp8_fast_accum's default
     ) -> NativeBagelEngine:
         if fp8:
             check_fp8_device(device)

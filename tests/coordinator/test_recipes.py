@@ -381,10 +381,6 @@ BAD_OVERRIDES = {
         ["rollout.precision=fp8", "trainer.loss.logp_old=bypass", "trainer.loss.max_logp_gap=1e-3"],
         ["rollout.precision=fp8 samples another policy", "use trainer.loss.logp_old=recompute"],
     ),
-    "FP8's accumulation without FP8": (
-        ["rollout.fp8_fast_accum=true"],
-        ["rollout.fp8_fast_accum=true is an option of the FP8 GEMMs", "set rollout.precision=fp8"],
-    ),
     "unknown precision": (["rollout.precision=fp4"], ["rollout.precision: 'fp4' is not one of", "'fp8'"]),
     "GRPO-Guard without the recompute": (
         ["trainer.loss.mode=grpo_guard", "trainer.loss.logp_old=bypass", "trainer.loss.max_logp_gap=0"],
