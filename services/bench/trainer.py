@@ -66,6 +66,7 @@ from flowgrpo.services.bench.publication import measure_publication
 from flowgrpo.services.bench.stats import MIN_REPEATS, repeats_arg, write_json
 from flowgrpo.services.bench.trainer_checkpoint import measure_checkpoint_cost
 from flowgrpo.services.bench.trainer_flops import (
+    counted_flops,
     lora_parameters,
     nft_pass_flops,
     pass_flops,
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace, dist: Dist, device: torch.device, started: flo
     say(f"{report['device']} x{dist.world}: {peak.line()}", flush=True)
     policy = _build_policy(args, dist, device, report, say)
     bench = _step_bench(args, policy, dist, report, say)
-    flops = report["flops"]
+    cfg = policy.model.config
     _measure_variants(args, bench, report, started, say)
     if args.checkpoint_every_step:
         variant = parse_variants(args.variants)[0]
@@ -121,8 +122,15 @@ def run(args: argparse.Namespace, dist: Dist, device: torch.device, started: flo
         )
     peak.measure_after(device)
     say(f"{peak.line()}; MFU against {peak.used:.4g} TFLOP/s (the larger)", flush=True)
+    targets = list(DEFAULT_LORA_TARGETS)
     for row in report["rows"]:
-        add_mfu(row, report["flops_nft"] if row.get("nft") else flops, dist.world, peak.used)
+        if "error" not in row:
+            counted = {(phase, grad, context): n for phase, grad, context, n in row["forwards"]["rows"]}
+            tokens = row["forwards"]["latent_tokens"]
+            flops = counted_flops(
+                cfg, counted, tokens, kind=args.policy, rank=args.lora_rank, targets=targets
+            )
+            add_mfu(row, flops, peak.used)
     if not dist.enabled:
         uncheckpoint_query_layers(policy.model)
     if args.publish and time.perf_counter() - started < args.deadline_s:
@@ -316,7 +324,9 @@ def _parser() -> argparse.ArgumentParser:
         "--variants",
         default="none2,none2-compile,ac8-compile",
         help="'ac<micro>' (activation checkpointing) or 'none<micro>', '-fp32': no autocast, "
-        "'-nft': a DiffusionNFT step (CFG-free, --nft-fraction of the schedule's times per trajectory)",
+        "'-everyN': checkpoint every N-th layer, '-compile'; another algorithm's step than FlowGRPO's: "
+        "'-nft' (DiffusionNFT, CFG-free, --nft-fraction of the schedule's times per trajectory), "
+        "'-awm', '-dgpo', '-guard' (GRPO-Guard), each as its recipe runs it",
     )
     p.add_argument(
         "--nft-fraction",

@@ -15,6 +15,11 @@ modules of one layer of (in + out):
 logp_old pass: rows x F; update pass: rows x (F + Fa + Fw); rows = trajectories x 2 (CFG) x W.
 The recompute of activation checkpointing (the forward's matmuls without attention, again) and
 the prompt prefill are not counted (``hfu`` adds the recompute).
+
+The benchmark's MFU comes from :func:`counted_flops`: the same per-row formula over the rows
+each variant's step actually ran (any algorithm); :func:`pass_flops` and :func:`nft_pass_flops`
+write FlowGRPO's and DiffusionNFT's passes out from the settings, which the counted figures
+must equal (tests/bench/test_trainer.py).
 """
 
 from __future__ import annotations
@@ -123,3 +128,29 @@ def spec_flops_per_sample(cfg: BagelConfig, latent_tokens: int, prompt_len: int)
         row_flops(cfg, latent_tokens, context, kind="lora", rank=0, targets=[]).forward
         for context in (prompt_len, 0)
     )
+
+
+ForwardRows = dict[tuple[str, bool, int], int]
+"""The velocity forwards a step ran (``trainer_step.counting_forwards``): rows by (pass: "old",
+the objective's work before the updates, FlowGRPO's logp_old recompute; "update", the rest),
+whether they ran with gradients, and their context length."""
+
+
+def counted_flops(
+    cfg: BagelConfig,
+    rows: ForwardRows,
+    latent_tokens: int,
+    *,
+    kind: str,
+    rank: int,
+    targets: list[str],
+) -> dict[str, float]:
+    """FLOPs of the forwards a step ran (any algorithm), by the per-row formula above: a row
+    without gradients costs F, one with gradients F + Fa + Fw (and, checkpointed, the recompute).
+    The LoRA's matmuls count in every row, those of a reference with the adapters off too."""
+    out = {"old": 0.0, "update": 0.0, "recompute": 0.0}
+    for (phase, grad, context), n in rows.items():
+        f = row_flops(cfg, latent_tokens, context, kind=kind, rank=rank, targets=targets)
+        out[phase] += n * (f.forward + (f.act_grad + f.weight_grad if grad else 0.0))
+        out["recompute"] += n * f.recompute if grad else 0.0
+    return out

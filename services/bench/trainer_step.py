@@ -4,15 +4,19 @@ whose rollout/trainer log-prob gap is the sync-mode gap, then ``--reps`` (>= 3) 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
-from dataclasses import dataclass, replace
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from flowgrpo.configs.trainer import LossConfig, NftConfig, TrainerConfig
+from flowgrpo.configs.trainer import AwmConfig, DgpoConfig, LossConfig, NftConfig, TrainerConfig
+from flowgrpo.models.bagel.attention import KVCache
 from flowgrpo.models.bagel.config import BagelConfig, SpecialTokens
 from flowgrpo.models.bagel.model import BagelModel
 from flowgrpo.models.bagel.parallelize import (
@@ -97,16 +101,26 @@ class Variant:
     autocast: bool = True
     addmm: bool = False  # an experiment, not the trainer's path: see addmm_lora
     compile: bool = False  # the query path compiled (compile_query_layers), under autograd
-    nft: bool = False  # DiffusionNFT's step (CFG-free, its recipe's times per sample) instead of FlowGRPO's
+    # the step's algorithm (ALGORITHM_FLAGS), as its recipe runs it: algorithm_setup
+    algorithm: str = "flow_grpo"
     checkpoint_every: int = 1  # checkpoint every this many decoder layers (with checkpointing)
+
+    @property
+    def nft(self) -> bool:
+        return self.algorithm == "diffusion_nft"
+
+
+# a variant's flag -> trainer.algorithm (grpo_guard: FlowGRPO's step with GRPO-Guard's loss)
+ALGORITHM_FLAGS = {"nft": "diffusion_nft", "awm": "awm", "dgpo": "dgpo", "guard": "grpo_guard"}
 
 
 def parse_variants(text: str) -> list[Variant]:
     """'ac4,ac8,none2,ac4-fp32' -> variants: activation checkpointing ('ac') or not ('none'), the
     micro-batch size, '-fp32': LoRA matmuls in fp32 (no autocast: peft's own dtype handling),
-    '-addmm': the experiment of :func:`addmm_lora`, '-compile': the query path compiled, '-nft':
-    a DiffusionNFT step instead of FlowGRPO's, '-everyN': checkpoint every N-th decoder layer only
-    (trainer.activation_checkpointing_every; 'ac8-every2')."""
+    '-addmm': the experiment of :func:`addmm_lora`, '-compile': the query path compiled,
+    '-everyN': checkpoint every N-th decoder layer only (trainer.activation_checkpointing_every;
+    'ac8-every2'); '-nft', '-awm', '-dgpo', '-guard': another algorithm's step than FlowGRPO's
+    (:data:`ALGORITHM_FLAGS`, :func:`algorithm_setup`)."""
     out = []
     for item in filter(None, text.split(",")):
         head, *flags = item.split("-")
@@ -115,6 +129,9 @@ def parse_variants(text: str) -> list[Variant]:
         every = [int(f.removeprefix("every")) for f in flags if f.startswith("every")]
         if every and (not ac or every[0] < 1):
             raise ValueError(f"variant {item!r}: -everyN needs 'ac' and N >= 1")
+        algorithms = [ALGORITHM_FLAGS[f] for f in flags if f in ALGORITHM_FLAGS]
+        if len(algorithms) > 1:
+            raise ValueError(f"variant {item!r}: one algorithm flag at most")
         out.append(
             Variant(
                 item,
@@ -123,7 +140,7 @@ def parse_variants(text: str) -> list[Variant]:
                 "fp32" not in flags,
                 addmm="addmm" in flags,
                 compile="compile" in flags,
-                nft="nft" in flags,
+                algorithm=algorithms[0] if algorithms else "flow_grpo",
                 checkpoint_every=every[0] if every else 1,
             )
         )
@@ -185,7 +202,8 @@ class StepBench:
 
 def measure_variant(variant: Variant, bench: StepBench) -> dict[str, Any]:
     """One row: a warm-up step, ``bench.repeats`` timed steps, their figures (MFU: add_mfu)."""
-    row: dict[str, Any] = {"variant": variant.name, "micro_batch": variant.micro, "nft": variant.nft,
+    row: dict[str, Any] = {"variant": variant.name, "micro_batch": variant.micro,
+                           "algorithm": variant.algorithm, "nft": variant.nft,
                            "checkpointing": variant.checkpointing, "autocast": variant.autocast}  # fmt: skip
     layers = len(bench.policy.model.decoder.layers)  # checkpoint_query_layers takes 0, N, 2N, ...
     checkpointed = -(-layers // variant.checkpoint_every) if variant.checkpointing else 0
@@ -196,7 +214,7 @@ def measure_variant(variant: Variant, bench: StepBench) -> dict[str, Any]:
     configure_variant(variant, bench)
     row["compiled"] = variant.compile
     try:
-        runs, profiled = _timed_steps(variant, bench)
+        runs, profiled, count = _timed_steps(variant, bench)
     except torch.OutOfMemoryError as e:
         row["error"] = "out of memory: " + str(e).splitlines()[0][:300]
     except Exception as e:  # report it and go on with the next variant
@@ -205,6 +223,8 @@ def measure_variant(variant: Variant, bench: StepBench) -> dict[str, Any]:
         free(bench.device)
         return row
     row |= _figures(runs, bench)
+    (tokens,) = count.latent_tokens  # one resolution a step
+    row["forwards"] = {"latent_tokens": tokens, "rows": [[*key, n] for key, n in sorted(count.rows.items())]}
     if profiled is not None:  # the kernels' time over the step's: how busy the GPU was
         row["kernels"] = profiled | {"busy_share": profiled["ms_per_call"] / (1e3 * runs.seconds.median)}
     return row
@@ -232,23 +252,30 @@ def configure_variant(variant: Variant, bench: StepBench) -> None:
         checkpoint_query_layers(model, every=variant.checkpoint_every)
 
 
-def _timed_steps(variant: Variant, bench: StepBench) -> tuple[Runs[dict[str, float]], dict[str, Any] | None]:
+def _timed_steps(
+    variant: Variant, bench: StepBench
+) -> tuple[Runs[dict[str, float]], dict[str, Any] | None, ForwardCount]:
     if bench.initial is not None:  # back to the sampled weights: the warm-up step is a sync step
         bench.policy.load_published(bench.initial)
-    loss = LossConfig(mini_batches=bench.mini_batches, micro_batch_size=variant.micro)
-    cfg = TrainerConfig(loss=loss)
-    if variant.nft:
-        cfg = TrainerConfig(algorithm=NftConfig(timestep_fraction=bench.nft_fraction), loss=loss)
+    cfg, params = algorithm_setup(variant, bench)
     trainer = TrainStep(bench.policy, bench.special, cfg, bench.dist)
     trainer.forwards.mixed_precision = variant.autocast
     patched = addmm_lora(bench.policy.model) if variant.addmm else []
-    params = nft_params(bench.params) if variant.nft else bench.params
+    counted: list[ForwardCount] = []
+
+    def step() -> dict[str, float]:
+        if counted:
+            return _step(trainer, bench, params)
+        with counting_forwards(trainer) as count:  # the warm-up step: what every step runs
+            counted.append(count)
+            return _step(trainer, bench, params)
+
     try:
-        runs = run_timed(lambda: _step(trainer, bench, params), repeats=bench.repeats, device=bench.device)
+        runs = run_timed(step, repeats=bench.repeats, device=bench.device)
         profiled = None
         if bench.profile:  # after the timed steps: one more step, then the profiled one
             profiled = kernel_profile(lambda: _step(trainer, bench, params), bench.device, calls=1)
-        return runs, profiled
+        return runs, profiled, counted[0]
     finally:
         for layer in patched:
             vars(layer).pop("forward", None)
@@ -258,6 +285,70 @@ def _timed_steps(variant: Variant, bench: StepBench) -> tuple[Runs[dict[str, flo
 def nft_params(params: SamplerParams) -> SamplerParams:
     """DiffusionNFT's recipe samples CFG-free with the ODE: its training forwards are one branch."""
     return replace(params, cfg_text_scale=1.0, noise_level=0.0)
+
+
+def algorithm_setup(variant: Variant, bench: StepBench) -> tuple[TrainerConfig, SamplerParams]:
+    """The variant's trainer settings and the sampler settings it trains under, as the algorithm's
+    recipe (examples/bagel_pickscore_lora_<name>.yaml) has them, its section at its defaults and
+    the KL to the frozen base (trainer.loss.kl_beta) off: DiffusionNFT and AWM CFG-free on the
+    ODE, DGPO on the ODE with the rollouts' CFG (it trains the conditional velocity), GRPO-Guard
+    FlowGRPO's SDE window."""
+    loss = LossConfig(mini_batches=bench.mini_batches, micro_batch_size=variant.micro)
+    name = variant.algorithm
+    if name == "diffusion_nft":
+        nft = NftConfig(timestep_fraction=bench.nft_fraction)
+        return TrainerConfig(algorithm=nft, loss=loss), nft_params(bench.params)
+    if name == "awm":
+        return TrainerConfig(algorithm=AwmConfig(), loss=loss), nft_params(bench.params)
+    if name == "dgpo":
+        return TrainerConfig(algorithm=DgpoConfig(), loss=loss), replace(bench.params, noise_level=0.0)
+    if name == "grpo_guard":
+        return TrainerConfig(loss=replace(loss, mode="grpo_guard")), bench.params
+    return TrainerConfig(loss=loss), bench.params
+
+
+@dataclass
+class ForwardCount:
+    """What :func:`counting_forwards` saw: rows by (pass, with gradients, context length)."""
+
+    rows: Counter[tuple[str, bool, int]] = field(default_factory=Counter)
+    latent_tokens: set[int] = field(default_factory=set)
+
+
+@contextlib.contextmanager
+def counting_forwards(trainer: TrainStep) -> Iterator[ForwardCount]:
+    """Count the rows of every velocity forward the trainer runs inside (``predict_velocity``,
+    through which every objective's forwards go): by pass ("old" inside the objective's ``begin``,
+    "update" after it), grad mode and each row's context length (read from the device: the
+    counted step is not a timed one)."""
+    model, objective = trainer.policy.model, trainer.objective
+    count, phase = ForwardCount(), ["update"]
+    velocity, begin = model.predict_velocity, objective.begin  # FSDP's registered wrapper, if any
+    shadowed = vars(model).get("predict_velocity")
+
+    def counted_velocity(cache: KVCache, x_t: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        for length in cache.lengths.tolist():
+            count.rows[(phase[0], torch.is_grad_enabled(), int(length))] += 1
+        count.latent_tokens.add(int(x_t.shape[1]))
+        return velocity(cache, x_t, *args, **kwargs)
+
+    def counted_begin(*args: Any, **kwargs: Any) -> dict[str, float]:
+        phase[0] = "old"
+        try:
+            return begin(*args, **kwargs)
+        finally:
+            phase[0] = "update"
+
+    vars(model)["predict_velocity"] = counted_velocity
+    vars(objective)["begin"] = counted_begin
+    try:
+        yield count
+    finally:
+        del vars(objective)["begin"]
+        if shadowed is None:
+            del vars(model)["predict_velocity"]
+        else:
+            vars(model)["predict_velocity"] = shadowed
 
 
 def _step(trainer: TrainStep, bench: StepBench, params: SamplerParams) -> dict[str, float]:
@@ -290,17 +381,19 @@ def _figures(runs: Runs[dict[str, float]], bench: StepBench) -> dict[str, Any]:
     }
 
 
-def add_mfu(row: dict[str, Any], flops: dict[str, float], world: int, peak_tflops: float) -> None:
-    """MFU of the row's passes (every rank runs 1/world of the rows) against ``peak_tflops``;
-    HFU adds activation checkpointing's recompute (of the checkpointed layers) to the update pass."""
+def add_mfu(row: dict[str, Any], flops: dict[str, float], peak_tflops: float) -> None:
+    """MFU of the row's passes against ``peak_tflops``, from ``flops``: this rank's, of the
+    forwards its step ran (``counted_flops`` of ``row["forwards"]``). HFU adds activation
+    checkpointing's recompute (of the checkpointed layers) to the update pass. An algorithm
+    without a pass before its updates (DiffusionNFT, AWM: their old policy's forwards are in the
+    update) has no logp_old MFU."""
     if "error" in row:
         return
-    old, update = flops["old"] / world, flops["update"] / world
+    row["flops"] = flops
+    old, update = flops["old"], flops["update"]
     # every layer recomputes the same matmuls: the checkpointed layers' share of them
-    recompute = flops["recompute"] / world * row["checkpointed_share"]
-    if row.get("nft"):  # the old policy's forwards are part of the update pass
-        update, old = update + old, 0.0
-    else:
+    recompute = flops["recompute"] * row["checkpointed_share"]
+    if old > 0:
         row["mfu_old_log_prob"] = mfu(old, row["old_log_prob_s"], peak_tflops)
     row["mfu_update"] = mfu(update, row["update_s"], peak_tflops)
     row["hfu_update"] = mfu(update + recompute, row["update_s"], peak_tflops)

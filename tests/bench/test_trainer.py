@@ -118,6 +118,44 @@ def _check_publication(pub: dict[str, object]) -> None:
         assert all(fetch <= whole for fetch, whole in took)
 
 
+def test_each_algorithm_is_timed_on_the_forwards_its_step_runs(tmp_path: Path) -> None:
+    """Every algorithm's variant trains, and its FLOPs come from the velocity forwards its
+    warm-up step ran, counted by pass, grad mode and context: FlowGRPO's and GRPO-Guard's equal
+    the pass formula written out above; the others' counts are their recipes' per-sample work
+    (2 samples of each prompt, CFG-free): AWM 6 times, each the policy with gradients and its EMA
+    without; DGPO 4 times, each the current, reference and old errors without gradients (the
+    groups' statistics come first) and the current again with them."""
+    out = tmp_path / "trainer.json"
+    variants = "none2,none2-awm,none2-dgpo,none2-guard"
+    assert trainer.main([*TINY, "--variants", variants, "--no-publish", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert [r["algorithm"] for r in rows.values()] == ["flow_grpo", "awm", "dgpo", "grpo_guard"]
+    expected = expected_pass_flops()
+    used = report["matmul_peak"]["used_tflops"] * 1e12
+    for name in ("none2", "none2-guard"):
+        flops = rows[name]["flops"]
+        assert (flops["old"], flops["update"]) == (
+            pytest.approx(expected["old"]),
+            pytest.approx(expected["update"]),
+        )
+
+    def counts(name: str) -> dict[tuple[str, bool, int], int]:
+        assert rows[name]["forwards"]["latent_tokens"] == 4
+        return {(phase, grad, context): n for phase, grad, context, n in rows[name]["forwards"]["rows"]}
+
+    assert counts("none2-awm") == {
+        ("update", grad, length): 2 * 6 for grad in (False, True) for length in (6, 14)
+    }
+    assert counts("none2-dgpo") == {
+        ("update", grad, length): 2 * 4 * (1 if grad else 3) for grad in (False, True) for length in (6, 14)
+    }
+    for name in ("none2-awm", "none2-dgpo"):
+        row = rows[name]
+        assert row["flops"]["old"] == 0 and "mfu_old_log_prob" not in row
+        assert median(row["mfu_step"]) == pytest.approx(row["flops"]["update"] / median(row["step_s"]) / used)
+
+
 def test_fewer_than_three_timed_steps_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         trainer.main([*TINY, "--reps", "2"])
