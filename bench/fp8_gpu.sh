@@ -10,7 +10,8 @@
 # rollout: `flowgrpo bench fp8` (the bf16 and FP8 matmul peaks; per shape images/s bf16 and FP8,
 #   compiled, their ratio and MFU against both peaks; torchao's float8 on the same layers between
 #   the two (TORCHAO=0 skips it); ours again with Hopper's fast accumulation, its row and its gap
-#   (FAST_ACCUM=0 skips it); the log-prob gap of FP8 samples scored under bf16 per window
+#   (FAST_ACCUM=0 skips it); FUSED_SWIGLU=1: a last row with the experiment of
+#   services/bench/fp8_swiglu.py (the SwiGLU's quantization in one Triton pass); the log-prob gap of FP8 samples scored under bf16 per window
 #   step against the clip ranges); SHAPES (512x8,512x32,1024x8), GAP (16), GAP_RESOLUTION (512).
 # system: the one-GPU system (examples/bagel_pickscore_lora_1gpu.yaml, bench/system_gpu.sh) with
 #   bf16 rollouts and with FP8 rollouts, back to back: images/s end to end, each part's MFU and
@@ -29,6 +30,7 @@ case $part in
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
         torchao=(--torchao); [ "${TORCHAO:-1}" = 0 ] && torchao=()
         fast=(--fast-accum); [ "${FAST_ACCUM:-1}" = 0 ] && fast=()
+        [ "${FUSED_SWIGLU:-0}" = 1 ] && fast+=(--fused-swiglu)
         $PY -m flowgrpo.services.cli bench fp8 --shapes "${SHAPES:-512x8,512x32,1024x8}" "${torchao[@]}" "${fast[@]}" \
             --gap-samples "${GAP:-16}" --gap-resolution "${GAP_RESOLUTION:-512}" --json "$OUT/fp8.json" 2>&1 | tee "$OUT/fp8.log"
         ;;
