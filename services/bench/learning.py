@@ -95,6 +95,16 @@ def rewards_of(run_dir: Path) -> list[float]:
     return [steps[k] for k in sorted(steps)]
 
 
+def step_records(run_dir: Path) -> list[dict[str, float]]:
+    """The training records of a run, one per step (the last record of a step wins)."""
+    steps: dict[int, dict[str, float]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("kind", "train") == "train" and "critic/rewards/mean" in record:
+            steps[int(record["step"])] = record
+    return [steps[k] for k in sorted(steps)]
+
+
 def validations_of(run_dir: Path, key: str) -> dict[int, float]:
     """The held-out figure ``key`` of each validation, by step (step 0: before any update)."""
     found: dict[int, float] = {}

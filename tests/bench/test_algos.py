@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
-from flowgrpo.services.bench import algos
+from flowgrpo.services.bench import algos, held_out
 from flowgrpo.services.bench.learning import HELD_OUT_KEY, Case, validations_of
 
 from .demo import SHORT_DEMO
@@ -87,10 +87,10 @@ def test_the_compose_benchmark_pairs_held_out_validations(tmp_path: Path) -> Non
     }
 
 
-def synthetic(algorithm: str, seed: int, accuracy: list[float]) -> algos.HeldOutCurve:
+def synthetic(algorithm: str, seed: int, accuracy: list[float]) -> held_out.HeldOutCurve:
     n = len(accuracy)
     axis = [float(i) for i in range(n)]
-    return algos.HeldOutCurve(algorithm, seed, steps=[10 * i for i in range(n)], accuracy=accuracy,
+    return held_out.HeldOutCurve(algorithm, seed, steps=[10 * i for i in range(n)], accuracy=accuracy,
                               control=accuracy[0], images=[640 * x for x in axis],
                               trainer_s=[15 * x for x in axis], rollout_s=[20 * x for x in axis])  # fmt: skip
 
@@ -104,30 +104,30 @@ def test_the_thresholds_are_the_first_validations_at_half_and_90_percent_of_the_
         synthetic("slow", 1, [0.20, 0.10, 0.20, 0.30]),  # +10
         synthetic("slow", 2, [0.25, 0.30, 0.35, 0.40]),  # +15
     ]
-    best = algos.best_final_gain(curves)
+    best = held_out.best_final_gain(curves)
     assert best == pytest.approx(30.0)  # the median of fast's finals; slow's median is 15
 
-    def first(c: algos.HeldOutCurve, target: float, axis: list[float]) -> float:
+    def first(c: held_out.HeldOutCurve, target: float, axis: list[float]) -> float:
         for i, a in enumerate(c.accuracy):
             if (a - c.control) * 100 >= target:
                 return axis[i]
         return math.inf
 
-    frontier = algos.frontier_of(curves, "slow", {"fast": 10.0, "slow": 20.0, "flat": 10.0})
+    frontier = held_out.frontier_of(curves, "slow", {"fast": 10.0, "slow": 20.0, "flat": 10.0})
     for name in ("fast", "slow"):
         mine = [c for c in curves if c.algorithm == name]
-        row = algos.held_out_row(name, mine, best, frontier)
+        row = held_out.held_out_row(name, mine, best, frontier)
         half = sorted(first(c, 15.0, c.images) for c in mine)
         most = sorted(first(c, 27.0, c.trainer_s) for c in mine)
         for figure, expected in ((row.images_to_half, half), (row.trainer_s_to_most, most)):
             assert (figure.min, figure.median, figure.max) == tuple(expected)
-    fast = algos.held_out_row("fast", curves[:3], best, frontier)
+    fast = held_out.held_out_row("fast", curves[:3], best, frontier)
     assert (fast.images_to_half.median, fast.images_to_most.median) == (640.0, 1920.0)
     assert fast.images_to_most.max == math.inf  # seed 2 ends at +20 < 27: never
-    assert algos.reach_cell(fast.images_to_most) == "1,920 (1,280-never)"
-    slow = algos.held_out_row("slow", curves[3:], best, frontier)
+    assert held_out.reach_cell(fast.images_to_most) == "1,920 (1,280-never)"
+    slow = held_out.held_out_row("slow", curves[3:], best, frontier)
     assert slow.images_to_most.median == math.inf and slow.images_to_half.median == 1920.0
-    nothing = algos.held_out_row("flat", [synthetic("flat", 0, [0.3, 0.3])], 0.0, frontier)
+    nothing = held_out.held_out_row("flat", [synthetic("flat", 0, [0.3, 0.3])], 0.0, frontier)
     assert nothing.images_to_half.median == math.inf  # no gain: no threshold is reached, not step 0's
 
 
@@ -143,10 +143,10 @@ def test_the_frontier_is_the_images_to_the_reference_algorithms_final_gain() -> 
         synthetic("slow", 1, [0.20, 0.10, 0.20, 0.30]),
         synthetic("slow", 2, [0.25, 0.30, 0.35, 0.40]),
     ]
-    frontier = algos.frontier_of(curves, "slow", {"fast": 10.0, "slow": 20.0})
+    frontier = held_out.frontier_of(curves, "slow", {"fast": 10.0, "slow": 20.0})
     assert (frontier.target, frontier.reference_images) == (pytest.approx(15.0), 1920.0)
-    best = algos.best_final_gain(curves)
-    fast = algos.held_out_row("fast", curves[:3], best, frontier)
+    best = held_out.best_final_gain(curves)
+    fast = held_out.held_out_row("fast", curves[:3], best, frontier)
     assert (fast.images_to_target.min, fast.images_to_target.median, fast.images_to_target.max) == (
         640,
         640,
@@ -155,11 +155,13 @@ def test_the_frontier_is_the_images_to_the_reference_algorithms_final_gain() -> 
     assert (fast.fewer_images.min, fast.fewer_images.median) == (1.5, 3.0)
     assert fast.forwards_to_target.median == 6400.0  # 640 images x 10 forwards
     assert fast.wall_s_to_target.max == 2 * (15 + 20)  # seed 1, the second validation: trainer + rollout
-    slow = algos.held_out_row("slow", curves[3:], best, frontier)
+    slow = held_out.held_out_row("slow", curves[3:], best, frontier)
     assert slow.images_to_target.max == math.inf and slow.fewer_images.median == 1.0
-    assert algos.fewer_cell(fast.fewer_images) == "3.0 (1.5-3.0)" and algos.fewer(1920.0, 0.0) == math.inf
+    assert (
+        held_out.fewer_cell(fast.fewer_images) == "3.0 (1.5-3.0)" and held_out.fewer(1920.0, 0.0) == math.inf
+    )
     with pytest.raises(SystemExit, match="--reference medium was not run"):
-        algos.frontier_of(curves, "medium", {})
+        held_out.frontier_of(curves, "medium", {})
 
 
 def test_staying_at_the_target_ignores_a_crossing_the_next_validation_takes_back() -> None:
@@ -175,9 +177,9 @@ def test_staying_at_the_target_ignores_a_crossing_the_next_validation_takes_back
     spiky = curves[0]
     assert spiky.reach(15.0, spiky.images) == 640.0 and spiky.stays(15.0, spiky.images) == 1920.0
     assert spiky.stays(30.0, spiky.images) == math.inf  # the last validation is below: never for good
-    frontier = algos.frontier_of(curves, "slow", {"spiky": 10.0, "slow": 20.0})
+    frontier = held_out.frontier_of(curves, "slow", {"spiky": 10.0, "slow": 20.0})
     assert (frontier.reference_images, frontier.reference_images_staying) == (1920.0, 1920.0)
-    row = algos.held_out_row("spiky", curves[:1], algos.best_final_gain(curves), frontier)
+    row = held_out.held_out_row("spiky", curves[:1], held_out.best_final_gain(curves), frontier)
     assert (row.images_to_target.median, row.fewer_images.median) == (640.0, 3.0)
     assert (row.images_to_stay.median, row.fewer_images_staying.median) == (1920.0, 1.0)
 
@@ -187,11 +189,11 @@ def test_a_reference_that_learnt_nothing_sets_no_target() -> None:
     one and no ratio is given, where an accuracy target would have been met at step 0."""
     curves = [synthetic("flat", 0, [0.40, 0.45, 0.40]), synthetic("flat", 1, [0.30, 0.35, 0.20]),
               synthetic("fast", 0, [0.30, 0.50, 0.60])]  # fmt: skip
-    frontier = algos.frontier_of(curves, "flat", {"fast": 10.0, "flat": 10.0})
+    frontier = held_out.frontier_of(curves, "flat", {"fast": 10.0, "flat": 10.0})
     assert frontier.target == math.inf and frontier.reference_final_gain == pytest.approx(-5.0)
-    fast = algos.held_out_row("fast", curves[2:], algos.best_final_gain(curves), frontier)
+    fast = held_out.held_out_row("fast", curves[2:], held_out.best_final_gain(curves), frontier)
     assert fast.images_to_target.median == math.inf and math.isnan(fast.fewer_images.median)
-    assert algos.fewer_cell(fast.fewer_images) == "n/a (n/a-n/a)"
+    assert held_out.fewer_cell(fast.fewer_images) == "n/a (n/a-n/a)"
 
 
 def test_a_failed_run_ends_no_other_and_all_failures_are_named(
@@ -224,6 +226,6 @@ def test_a_gain_equal_to_the_target_in_whole_prompts_reaches_it() -> None:
     n = 114
     reference = synthetic("ref", 0, [25 / n, 41 / n])
     other = synthetic("other", 0, [32 / n, 40 / n, 48 / n])
-    frontier = algos.frontier_of([reference, other], "ref", {"ref": 9.0, "other": 9.0})
+    frontier = held_out.frontier_of([reference, other], "ref", {"ref": 9.0, "other": 9.0})
     assert other.gain[2] < frontier.target  # the bits differ ...
     assert other.reach(frontier.target, other.images) == 1280.0  # ... the prompts do not
