@@ -17,11 +17,16 @@
 #   bf16 rollouts and with FP8 rollouts, back to back: images/s end to end, each part's MFU and
 #   peak memory; LAYERS (28: the whole 7B), STEPS (4, the first a warm-up), VARIANTS ("bf16 fp8";
 #   at 28 layers one variant fits a 10-minute call: VARIANTS=bf16, then VARIANTS=fp8 on the same
-#   machine, STEPS=3).
+#   machine, STEPS=3). Arguments after `system` go to `flowgrpo bench system` as overrides of
+#   both variants: at 16 images a step (`data.prompts_per_step=2`, as the 0.814 images/s of
+#   docs/performance.md) both variants fit one call. The recipe peaked at 74.4 GiB in bf16 (the
+#   FP8 gen path is 6.1 GiB): where FP8 does not fit an 80 GB H100, add
+#   `trainer.loss.micro_batch_size=2` to both, or take an H200.
 # Writes $OUT/fp8.json, $OUT/fp8.log or $OUT/system.json, $OUT/system.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: bash bench/fp8_gpu.sh rollout|system}
+part=${1:?usage: bash bench/fp8_gpu.sh rollout|system [KEY=VALUE ...]}
+shift
 OUT=${OUT:-/tmp/fp8-bench}
 mkdir -p "$OUT"
 source bench/gpu_env.sh
@@ -43,7 +48,7 @@ case $part in
                 *) echo "VARIANTS: bf16 and/or fp8, not $v" >&2; exit 2 ;;
             esac
         done
-        OUT=$OUT LAYERS=${LAYERS:-28} bash bench/system_gpu.sh --steps "${STEPS:-4}" "${variants[@]}"
+        OUT=$OUT LAYERS=${LAYERS:-28} bash bench/system_gpu.sh --steps "${STEPS:-4}" "${variants[@]}" "$@"
         ;;
     *) echo "part $part: rollout or system" >&2; exit 2 ;;
 esac
