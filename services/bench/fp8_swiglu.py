@@ -108,6 +108,8 @@ def _fused_forward(mlp: SwiGLU) -> Callable[[Tensor], Tensor]:
 
     def forward(x: Tensor) -> Tensor:
         gate, up = gate_proj(x), up_proj(x)
+        if gate.numel() == 0:  # no gen-path token in this forward (a prompt's prefill)
+            return gate.new_empty(*x.shape[:-1], down.out_features)
         values, scales = swiglu_quantize_rowwise(gate.flatten(0, -2), up.flatten(0, -2))
         y = torch._scaled_mm(
             values,
