@@ -3,10 +3,11 @@
 # A change that touches a GPU path (CUDA IPC, the shared base, compile, attention backends, FSDP
 # on CUDA, precision) is done only when this passed on its final commit (docs/ARCHITECTURE.md,
 # "The GPU check"); its last line is the summary to quote.
-#   run(command="COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_check.sh", carry=[".whl"],
+#   run(command="COMMIT=<the hash, written out> bash bench/gpu_check.sh", carry=[".whl"],
 #       kind="nvidia-h200", timeout_s=600)
-# (.whl: bench/fetch_gpu_wheels.sh; COMMIT: the device's copy of the tree has no .git, so the
-# caller names the commit it sent.) Stages, each timed:
+# (.whl: bench/fetch_gpu_wheels.sh; COMMIT: the caller names the commit whose tree it sent, as a
+# literal: a `$(git rev-parse HEAD)` in the command runs on the device, whose copy of the tree is
+# not the caller's git: on 2026-12-06 it named a commit three older than the tree.) Stages, each timed:
 #   1. layout: what this torch's `_share_cuda_()` returns, field by field ($OUT/cuda_ipc_layout.json;
 #      the gpu tests compare it with tests/bus/cuda_ipc_layouts.json, which the CPU tests build from);
 #   2. tests: every `gpu`-marked test but the vLLM-Omni ones (their own venv): among them a LoRA
