@@ -27,15 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from flowgrpo.models.bagel.fp8 import AMAX_FLOOR, E4M3, E4M3_MAX, INV_E4M3_MAX, Fp8Linear, rowwise_scales
+from flowgrpo.models.bagel.fp8 import AMAX_FLOOR, E4M3, E4M3_MAX, INV_E4M3_MAX, Fp8Linear, quantize_rowwise
 from flowgrpo.models.bagel.model import SwiGLU
 
 
 def reference(gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
     """(e4m3 values [R, H], fp32 scales [R, 1]) of ``silu(gate) * up`` in fp32, row-wise."""
-    product = F.silu(gate.float()) * up.float()
-    scales = rowwise_scales(product)
-    return (product / scales).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scales
+    return quantize_rowwise(F.silu(gate.float()) * up.float())
 
 
 @functools.cache

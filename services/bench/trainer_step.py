@@ -21,6 +21,7 @@ from flowgrpo.models.bagel.config import BagelConfig, SpecialTokens
 from flowgrpo.models.bagel.model import BagelModel
 from flowgrpo.models.bagel.parallelize import (
     checkpoint_query_layers,
+    checkpointed_layers,
     compile_query_layers,
     uncheckpoint_query_layers,
     uncompile_query_layers,
@@ -205,13 +206,12 @@ def measure_variant(variant: Variant, bench: StepBench) -> dict[str, Any]:
     row: dict[str, Any] = {"variant": variant.name, "micro_batch": variant.micro,
                            "algorithm": variant.algorithm, "nft": variant.nft,
                            "checkpointing": variant.checkpointing, "autocast": variant.autocast}  # fmt: skip
-    layers = len(bench.policy.model.decoder.layers)  # checkpoint_query_layers takes 0, N, 2N, ...
-    checkpointed = -(-layers // variant.checkpoint_every) if variant.checkpointing else 0
-    row["checkpointed_share"] = checkpointed / layers
     skipped = _skip_reason(variant, bench)
     if skipped:
         return row | {"error": skipped}
     configure_variant(variant, bench)
+    model = bench.policy.model
+    row["checkpointed_share"] = len(checkpointed_layers(model)) / len(model.decoder.layers)
     row["compiled"] = variant.compile
     try:
         runs, profiled, count = _timed_steps(variant, bench)

@@ -137,6 +137,15 @@ def checkpoint_query_layers(model: BagelModel, every: int = 1) -> None:
     _wrap_query_methods(model, "checkpoint", _checkpointed, layers)
 
 
+def checkpointed_layers(model: BagelModel) -> list[int]:
+    """The indices of the decoder layers :func:`checkpoint_query_layers` wrapped."""
+    return [
+        i
+        for i, layer in enumerate(model.decoder.layers)
+        if any(w.kind == "checkpoint" for w in vars(layer).get(_WRAPPINGS, []))
+    ]
+
+
 def uncheckpoint_query_layers(model: BagelModel) -> None:
     """Undo :func:`checkpoint_query_layers` (a no-op when not checkpointed)."""
     _unwrap_query_methods(model, "checkpoint")
