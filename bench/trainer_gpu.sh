@@ -18,9 +18,11 @@
 # Each LoRA variant also profiles one step (bench.kernels: GEMMs, attention, compiled, optimizer,
 # the rest; the kernels' share of the step's time); PROFILE=0 skips it.
 # Each algorithm's LoRA step at the 7B geometry (issue #33: trainer MFU and peak memory per method;
-# FLOPs from the forwards each step runs, so every algorithm's MFU counts its own work), ~6 min:
-#   PROFILE=0 FULL=0 LORA_DEADLINE=480 bash bench/trainer_gpu.sh --no-publish \
-#       --variants ac8-compile,ac8-compile-guard,ac8-compile-nft,ac8-compile-awm,ac8-compile-dgpo
+# FLOPs from the forwards each step runs, so every algorithm's MFU counts its own work). On an H100
+# (2026-12-06) the -nft row took 181 s (its warm-up step alone 106 s), -awm and -dgpo ~50 s each,
+# the setup before them ~60 s: five rows do not fit one call. Two calls:
+#   PROFILE=0 FULL=0 LORA_DEADLINE=300 bash bench/trainer_gpu.sh --no-publish --variants ac8-compile-nft,ac8-compile-awm,ac8-compile-dgpo
+#   PROFILE=0 FULL=0 LORA_DEADLINE=300 bash bench/trainer_gpu.sh --no-publish --variants ac8-compile,ac8-compile-guard
 # LORA=0 or FULL=0 skips a part (one part per device call keeps each call under 10 minutes);
 # LORA_DEADLINE / FULL_DEADLINE (s): what would start later is skipped.
 # CKPT_EVERY_STEP=DIR: also what a checkpoint every step costs, synchronous and in the background

@@ -15,9 +15,7 @@ run on one model (the 7B geometry, random bf16 weights, as ``bench rollout``):
    with ``--torchao``, a third row per shape between the two: torchao's row-wise float8 on the
    same layers (``fp8_torchao``), and ours over it in images/s; with ``--fast-accum``, a row
    after ours: the same FP8 layers with Hopper's fast accumulation (``fp8_fast``,
-   ``rollout.fp8_fast_accum``), and its log-prob gap beside ours; with ``--fused-swiglu`` (an
-   experiment, CUDA only) a last row whose SwiGLUs quantize the down projection's input in one
-   pass over each row (``fp8_swiglu``);
+   ``rollout.fp8_fast_accum``), and its log-prob gap beside ours;
 3. the log-prob gap: ``--gap-samples`` FP8 rollouts of the first shape with every step an SDE step
    (``--noise-level``), scored under the bf16 weights by the trainer's own recompute
    (``Forwards.window_log_probs``): |logp_bf16 - logp_fp8| per window step, its median, p90, p99
@@ -214,8 +212,6 @@ def measure_precisions(
     rows: dict[str, list[Row]] = {args.dtype: [], **({"fp8_torchao": []} if args.torchao else {}), "fp8": []}
     if args.fast_accum:
         rows["fp8_fast"] = []
-    if args.fused_swiglu:
-        rows["fp8_swiglu"] = []
     report["rows"] = rows
     originals: dict[str, torch.Tensor] = {}
     for precision, found in rows.items():
@@ -234,17 +230,6 @@ def measure_precisions(
             ) * E4M3.itemsize / 2**30  # fmt: skip
         if precision == "fp8_fast":  # the same FP8 weights, Hopper's fast accumulation
             set_fast_accum(setup.model, True)
-        if precision == "fp8_swiglu":  # the experiment, over the FP8 layers as they are now
-            from flowgrpo.services.bench import fp8_swiglu  # imports Triton: a GPU's
-
-            undo = fp8_swiglu.fuse(setup.model)
-            try:
-                _measure_shapes(args, setup, shapes, report, precision, found)
-            finally:
-                if args.compile and device.type == "cuda":
-                    uncompile_query_layers(setup.model)
-                undo()
-            continue
         _measure_shapes(args, setup, shapes, report, precision, found)
     return rows, originals
 
@@ -333,11 +318,6 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             f"{a.resolution}x{a.batch}": ratio(b.images_per_s, a.images_per_s)
             for a, b in zip(rows[args.dtype], rows["fp8_fast"], strict=True)
         }
-    if args.fused_swiglu:  # each shape: the one-pass SwiGLU quantization over bf16's images/s
-        report["fp8_swiglu_images_per_s_ratio"] = {
-            f"{a.resolution}x{a.batch}": ratio(b.images_per_s, a.images_per_s)
-            for a, b in zip(rows[args.dtype], rows["fp8_swiglu"], strict=True)
-        }
     if args.torchao and rows["fp8_torchao"]:  # each shape: ours over torchao's images/s (> 1: ours faster)
         report["fp8_over_torchao_images_per_s"] = {
             f"{a.resolution}x{a.batch}": ratio(b.images_per_s, a.images_per_s)
@@ -380,9 +360,6 @@ def _print(report: dict[str, Any]) -> None:
         if "fp8_fast_images_per_s_ratio" in report:
             print(f"  with fast accumulation: FP8 / {report['args']['dtype']} images/s "
                   f"{report['fp8_fast_images_per_s_ratio'][shape]:.3f}")  # fmt: skip
-        if "fp8_swiglu_images_per_s_ratio" in report:
-            print(f"  with the one-pass SwiGLU quantization: FP8 / {report['args']['dtype']} images/s "
-                  f"{report['fp8_swiglu_images_per_s_ratio'][shape]:.3f}")  # fmt: skip
         if "fp8_over_torchao_images_per_s" in report:
             print(f"  ours / torchao {report['torchao_version']} images/s "
                   f"{report['fp8_over_torchao_images_per_s'][shape]:.3f}")  # fmt: skip
@@ -416,12 +393,6 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also our FP8 with Hopper's fast accumulation (rollout.fp8_fast_accum): its rows and its gap",
     )
-    p.add_argument(
-        "--fused-swiglu",
-        action="store_true",
-        help="EXPERIMENT (CUDA, Triton): also a row with the SwiGLU's quantization in one pass over each "
-        "row (services/bench/fp8_swiglu.py), after the others, with their accumulation",
-    )
     p.add_argument("--gap-samples", type=int, default=16, help="FP8 rollouts scored under bf16 (0: none)")
     p.add_argument(
         "--gap-resolution", type=int, default=0, help="the gap's image size (0: the first shape's)"
@@ -436,11 +407,6 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     device = open_device(args.device, "fp8")
     if device is None:
-        return 2
-    if args.fused_swiglu and device.type != "cuda":
-        print(
-            f"bench fp8 --fused-swiglu: a Triton kernel, needs a CUDA device, not {device}", file=sys.stderr
-        )
         return 2
     if args.torchao and (refused := fp8_torchao.refusal(device, args.dtype)):
         print(f"bench fp8 --torchao: {refused}", file=sys.stderr)

@@ -44,7 +44,7 @@ import torch
 
 from flowgrpo.configs.trainer import DEFAULT_LORA_TARGETS, NftConfig, PolicyConfig
 from flowgrpo.models.bagel.checkpoint import EMA_FILE, save_bagel_checkpoint, tiny_tokenizer
-from flowgrpo.models.bagel.config import bagel_7b, flux_vae, tiny, tiny_vae
+from flowgrpo.models.bagel.config import BagelConfig, bagel_7b, flux_vae, tiny, tiny_vae
 from flowgrpo.models.bagel.parallelize import parallelize_bagel, uncheckpoint_query_layers
 from flowgrpo.models.bagel.vae import AutoEncoder
 from flowgrpo.sampler_params import SamplerParams
@@ -122,15 +122,8 @@ def run(args: argparse.Namespace, dist: Dist, device: torch.device, started: flo
         )
     peak.measure_after(device)
     say(f"{peak.line()}; MFU against {peak.used:.4g} TFLOP/s (the larger)", flush=True)
-    targets = list(DEFAULT_LORA_TARGETS)
     for row in report["rows"]:
-        if "error" not in row:
-            counted = {(phase, grad, context): n for phase, grad, context, n in row["forwards"]["rows"]}
-            tokens = row["forwards"]["latent_tokens"]
-            flops = counted_flops(
-                cfg, counted, tokens, kind=args.policy, rank=args.lora_rank, targets=targets
-            )
-            add_mfu(row, flops, peak.used)
+        _add_row_mfu(args, cfg, row, peak.used)
     if not dist.enabled:
         uncheckpoint_query_layers(policy.model)
     if args.publish and time.perf_counter() - started < args.deadline_s:
@@ -255,12 +248,31 @@ def _measure_variants(
             torch.distributed.all_gather_object(peaks, row["peak_gib"])
             row["peak_gib_per_rank"] = peaks
         report["rows"].append(row)
+        # against the peak measured before: a call cut off later keeps every measured row's MFU
+        # (rewritten against the larger of before and after once the run ends)
+        _add_row_mfu(args, bench.policy.model.config, row, report["matmul_peak"].used)
         say(_row_line(row), flush=True)
         if "kernels" in row and bench.dist.rank == 0:
             busy = row["kernels"]["busy_share"]
             print_profile(f"{variant.name}: one step's kernels ({busy:.0%} of its time)", row["kernels"])
         if bench.dist.rank == 0:
             write_json(args.json, report)
+
+
+def _add_row_mfu(args: argparse.Namespace, cfg: BagelConfig, row: dict[str, Any], peak_tflops: float) -> None:
+    """The row's MFU and HFU from the forwards its warm-up step ran (``counted_flops``)."""
+    if "error" in row:
+        return
+    counted = {(phase, grad, context): n for phase, grad, context, n in row["forwards"]["rows"]}
+    flops = counted_flops(
+        cfg,
+        counted,
+        row["forwards"]["latent_tokens"],
+        kind=args.policy,
+        rank=args.lora_rank,
+        targets=list(DEFAULT_LORA_TARGETS),
+    )
+    add_mfu(row, flops, peak_tflops)
 
 
 def _load_figures(dist: Dist, device: torch.device, seconds: float) -> tuple[float, dict[str, Any]]:
@@ -372,6 +384,7 @@ def _row_line(row: dict[str, Any]) -> str:
         f"{row['variant']}: {row['traj_per_s_per_gpu']:.2f}, step {row['step_s']:.2f} "
         f"(logp_old {row['old_log_prob_s']:.2f}, update {row['update_s']:.2f}), "
         f"peak {row.get('peak_gib', math.nan):.1f} GiB, sync gap {row['sync_logp_gap_max']:.2e}"
+        + (f", MFU step {row['mfu_step']:.1%} (update {row['mfu_update']:.1%})" if "mfu_step" in row else "")
     )
 
 

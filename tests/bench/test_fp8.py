@@ -123,10 +123,3 @@ def test_the_kernel_profile_runs_without_autograd(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(fp8, "kernel_profile", record)
     fp8.profile_step(setup(), 32, 2)
     assert seen == [False]
-
-
-def test_the_fused_swiglu_experiment_is_refused_on_a_cpu(capsys: pytest.CaptureFixture[str]) -> None:
-    """A Triton kernel: refused in one line before anything is built (it is checked on a GPU by
-    tests/bench/test_fp8_swiglu_gpu.py)."""
-    assert fp8.main(["--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--fused-swiglu"]) == 2
-    assert "--fused-swiglu: a Triton kernel, needs a CUDA device, not cpu" in capsys.readouterr().err

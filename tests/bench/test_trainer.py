@@ -221,4 +221,8 @@ def test_the_profile_finds_each_step_s_matmuls_and_its_optimizer(tmp_path: Path)
     # AdamW's aten::_foreach_* ops (on a GPU its multi_tensor_apply kernels) land in "optimizer"
     assert kernels["kinds"]["gemm"]["ms_per_call"] > 0 and kernels["kinds"]["optimizer"]["ms_per_call"] > 0
     assert kernels["busy_share"] == pytest.approx(kernels["ms_per_call"] / (1e3 * median(row["step_s"])))
-    assert 0 < kernels["busy_share"] < 1.5  # the profiled step's ATen time against an unprofiled step's
+    # one thread: the ops' self times lie inside the profiled step's own wall time (counting a
+    # nested op's time in its parent too would exceed it); against an unprofiled step's time the
+    # share is only > 0 on a CPU, where recording each op costs microseconds of a 40 ms step
+    assert 0 < kernels["ms_per_call"] <= kernels["wall_ms_per_call"]
+    assert kernels["busy_share"] > 0
