@@ -23,6 +23,9 @@
 # the setup before them ~60 s: five rows do not fit one call. Two calls:
 #   PROFILE=0 FULL=0 LORA_DEADLINE=300 bash bench/trainer_gpu.sh --no-publish --variants ac8-compile-nft,ac8-compile-awm,ac8-compile-dgpo
 #   PROFILE=0 FULL=0 LORA_DEADLINE=300 bash bench/trainer_gpu.sh --no-publish --variants ac8-compile,ac8-compile-guard
+# The step's one prefill against a prefill per micro-batch (the trainer before StepPrompts), at
+# the one-GPU recipe's micro-batch 4 and at 2, each profiled (the GPU's busy share), ~5 min:
+#   FULL=0 LORA_DEADLINE=400 bash bench/trainer_gpu.sh --no-publish --variants ac4-compile,ac4-compile-microprefill,none2-compile,none2-compile-microprefill
 # LORA=0 or FULL=0 skips a part (one part per device call keeps each call under 10 minutes);
 # LORA_DEADLINE / FULL_DEADLINE (s): what would start later is skipped.
 # CKPT_EVERY_STEP=DIR: also what a checkpoint every step costs, synchronous and in the background

@@ -105,6 +105,8 @@ class Variant:
     # the step's algorithm (ALGORITHM_FLAGS), as its recipe runs it: algorithm_setup
     algorithm: str = "flow_grpo"
     checkpoint_every: int = 1  # checkpoint every this many decoder layers (with checkpointing)
+    # for comparison: every micro-batch prefills its own rows (the trainer before StepPrompts)
+    micro_prefill: bool = False
 
     @property
     def nft(self) -> bool:
@@ -121,7 +123,8 @@ def parse_variants(text: str) -> list[Variant]:
     '-addmm': the experiment of :func:`addmm_lora`, '-compile': the query path compiled,
     '-everyN': checkpoint every N-th decoder layer only (trainer.activation_checkpointing_every;
     'ac8-every2'); '-nft', '-awm', '-dgpo', '-guard': another algorithm's step than FlowGRPO's
-    (:data:`ALGORITHM_FLAGS`, :func:`algorithm_setup`)."""
+    (:data:`ALGORITHM_FLAGS`, :func:`algorithm_setup`); '-microprefill': every micro-batch
+    prefills its own rows, not the step's one prefill (``Forwards.begin_step``), to compare."""
     out = []
     for item in filter(None, text.split(",")):
         head, *flags = item.split("-")
@@ -143,6 +146,7 @@ def parse_variants(text: str) -> list[Variant]:
                 compile="compile" in flags,
                 algorithm=algorithms[0] if algorithms else "flow_grpo",
                 checkpoint_every=every[0] if every else 1,
+                micro_prefill="microprefill" in flags,
             )
         )
     return out
@@ -224,7 +228,11 @@ def measure_variant(variant: Variant, bench: StepBench) -> dict[str, Any]:
         return row
     row |= _figures(runs, bench)
     (tokens,) = count.latent_tokens  # one resolution a step
-    row["forwards"] = {"latent_tokens": tokens, "rows": [[*key, n] for key, n in sorted(count.rows.items())]}
+    row["forwards"] = {
+        "latent_tokens": tokens,
+        "rows": [[*key, n] for key, n in sorted(count.rows.items())],
+        "prefill_rows": count.prefills,
+    }
     if profiled is not None:  # the kernels' time over the step's: how busy the GPU was
         row["kernels"] = profiled | {"busy_share": profiled["ms_per_call"] / (1e3 * runs.seconds.median)}
     return row
@@ -260,6 +268,8 @@ def _timed_steps(
     cfg, params = algorithm_setup(variant, bench)
     trainer = TrainStep(bench.policy, bench.special, cfg, bench.dist)
     trainer.forwards.mixed_precision = variant.autocast
+    if variant.micro_prefill:
+        vars(trainer.forwards)["begin_step"] = lambda batch: None  # no step prefill: each micro-batch's
     patched = addmm_lora(bench.policy.model) if variant.addmm else []
     counted: list[ForwardCount] = []
 
@@ -313,6 +323,7 @@ class ForwardCount:
 
     rows: Counter[tuple[str, bool, int]] = field(default_factory=Counter)
     latent_tokens: set[int] = field(default_factory=set)
+    prefills: list[int] = field(default_factory=list)  # the rows of each prompt prefill, in order
 
 
 @contextlib.contextmanager
@@ -320,11 +331,16 @@ def counting_forwards(trainer: TrainStep) -> Iterator[ForwardCount]:
     """Count the rows of every velocity forward the trainer runs inside (``predict_velocity``,
     through which every objective's forwards go): by pass ("old" inside the objective's ``begin``,
     "update" after it), grad mode and each row's context length (read from the device: the
-    counted step is not a timed one)."""
+    counted step is not a timed one); and the rows of every prompt prefill (not in the FLOPs)."""
     model, objective = trainer.policy.model, trainer.objective
     count, phase = ForwardCount(), ["update"]
     velocity, begin = model.predict_velocity, objective.begin  # FSDP's registered wrapper, if any
-    shadowed = vars(model).get("predict_velocity")
+    prefill = model.prefill
+    shadowed = {name: vars(model).get(name) for name in ("predict_velocity", "prefill")}
+
+    def counted_prefill(input_ids: Tensor, *args: Any, **kwargs: Any) -> KVCache:
+        count.prefills.append(int(input_ids.shape[0]))
+        return prefill(input_ids, *args, **kwargs)
 
     def counted_velocity(cache: KVCache, x_t: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         for length in cache.lengths.tolist():
@@ -340,15 +356,17 @@ def counting_forwards(trainer: TrainStep) -> Iterator[ForwardCount]:
             phase[0] = "update"
 
     vars(model)["predict_velocity"] = counted_velocity
+    vars(model)["prefill"] = counted_prefill
     vars(objective)["begin"] = counted_begin
     try:
         yield count
     finally:
         del vars(objective)["begin"]
-        if shadowed is None:
-            del vars(model)["predict_velocity"]
-        else:
-            vars(model)["predict_velocity"] = shadowed
+        for name, method in shadowed.items():
+            if method is None:
+                del vars(model)[name]
+            else:
+                vars(model)[name] = method
 
 
 def _step(trainer: TrainStep, bench: StepBench, params: SamplerParams) -> dict[str, float]:

@@ -101,10 +101,12 @@ class TrainStep:
         if not batch:
             raise ValueError("a training step needs at least one trajectory")
         self._set_may_stop(may_stop or stop_nothing)
+        self.forwards.begin_step(batch)
         try:
             with self.compute_settings():
                 return self._run(batch, params, seed, step)
         finally:
+            self.forwards.end_step()
             self._set_may_stop(stop_nothing)
 
     def sampling_policy(self) -> contextlib.AbstractContextManager[None]:

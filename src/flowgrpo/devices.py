@@ -17,3 +17,14 @@ def release_cached_memory(device: str) -> float:
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     return time.perf_counter() - started
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``; a host tensor goes to a GPU from page-locked memory, without the
+    host waiting: a copy from pageable memory makes the host wait until the stream has run
+    everything queued before it, and the GPU then idles while the host launches what follows
+    (a training micro-batch made several such copies). The page-locked copy is PyTorch's
+    caching host allocator's, kept until the transfer is done."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -52,7 +52,8 @@ def test_the_trainer_benchmark_reports_consistent_figures(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "trainer.json"
-    assert trainer.main([*TINY, "--variants", "none2,ac4,ac4-every2,none2-nft", "--json", str(out)]) == 0
+    variants = "none2,ac4,ac4-every2,none2-nft,none2-microprefill"
+    assert trainer.main([*TINY, "--variants", variants, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     check_figures(report)
     peak = report["matmul_peak"]
@@ -64,9 +65,20 @@ def test_the_trainer_benchmark_reports_consistent_figures(
         pytest.approx(expected["old"]),
         pytest.approx(expected["update"]),
     )
-    assert [r["variant"] for r in report["rows"]] == ["none2", "ac4", "ac4-every2", "none2-nft"]
+    assert [r["variant"] for r in report["rows"]] == [
+        "none2",
+        "ac4",
+        "ac4-every2",
+        "none2-nft",
+        "none2-microprefill",
+    ]
+    # the step prefills its 2 prompts once (4 trajectories of 2 prompts); '-microprefill' each of
+    # its 4 micro-batches of 2 rows (the logp_old pass 2, the 2 optimizer steps 1 each)
+    prefills = [r["forwards"]["prefill_rows"] for r in report["rows"]]
+    assert prefills[:4] == [[2]] * 4 and prefills[4] == [2] * 4
+    assert report["rows"][4]["loss"] == pytest.approx(report["rows"][0]["loss"], rel=1e-4)
     # the tiny model's 2 layers: every2 checkpoints layer 0 alone, so recomputes half of ac4's
-    assert [r["checkpointed_share"] for r in report["rows"]] == [0.0, 1.0, 0.5, 0.0]
+    assert [r["checkpointed_share"] for r in report["rows"]] == [0.0, 1.0, 0.5, 0.0, 0.0]
     _check_nft_row(report["rows"][3], report["flops_nft"], report["nft_times_per_sample"], world, used)
     for row in report["rows"][:3]:
         assert "error" not in row, row

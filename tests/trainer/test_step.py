@@ -169,6 +169,63 @@ def test_mini_batches_and_micro_batches_accumulate_to_the_same_first_gradient(ti
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-8)  # masks, not duplicates
 
 
+def counted_prefills(step: TrainStep) -> list[int]:
+    """The rows of every prefill the step's model runs from now on."""
+    model = step.policy.model
+    prefill, rows = model.prefill, []
+
+    def counting(ids: torch.Tensor, mask: torch.Tensor) -> object:
+        rows.append(ids.shape[0])
+        return prefill(ids, mask)
+
+    vars(model)["prefill"] = counting
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("mode", "params", "prefills"),
+    [
+        ("deterministic", PARAMS, [1, 1]),  # each prompt alone, as the sampler prefills it
+        ("batch_invariant", replace(PARAMS, deterministic=False, batch_invariant=True), [1, 1]),
+        ("batched", replace(PARAMS, deterministic=False), [2]),  # both prompts in one prefill
+    ],
+)
+def test_a_step_prefills_each_distinct_prompt_once_and_trains_as_a_prefill_per_micro_batch(
+    tiny: Path, mode: str, params: SamplerParams, prefills: list[int]
+) -> None:
+    """Inside a step the prompts' prefill is the step's one prefill of its distinct prompts,
+    shared by the logp_old pass and every micro-batch. A trainer prefilling every micro-batch's
+    rows (as before) computes the same step: bitwise where the sampler's results do not depend
+    on the batch (and both then score the rollout's samples exactly), else within rounding."""
+    batch = rollout(sampler_for(tiny), [1.5, -0.5, 0.25, 2.0])
+    shared, per_micro = trainer(tiny, mini_batches=2), trainer(tiny, mini_batches=2)
+    per_micro.forwards.begin_step = lambda batch: None  # type: ignore[method-assign]  # no step cache
+    shared_rows, per_micro_rows = counted_prefills(shared), counted_prefills(per_micro)
+    metrics = [shared.run(batch, params), per_micro.run(batch, params)]
+    assert shared_rows == prefills  # 2 prompts of 4 samples: each once
+    assert per_micro_rows == [1] * 8  # 4 micro-batches of 1 sample: the logp_old pass and the update
+    figures = [{k: v for k, v in m.items() if not k.startswith("timing_s/")} for m in metrics]
+    weights = [list(step.policy.trainable().values()) for step in (shared, per_micro)]
+    if mode == "batched":
+        assert figures[0] == pytest.approx(figures[1], rel=1e-4, abs=1e-6)
+        for a, b in zip(*weights, strict=True):
+            torch.testing.assert_close(a, b)
+        return
+    assert figures[0] == figures[1] and figures[0]["actor/rollout_logp_gap/max"] == 0.0
+    for a, b in zip(*weights, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_trainable_language_half_is_prefilled_every_micro_batch(tiny: Path) -> None:
+    """The prefill reads the language half: while any of it trains, a step's updates would make
+    a step-long prefill stale, so every micro-batch prefills its own rows."""
+    step = trainer(tiny, mini_batches=2)
+    step.policy.model.language_model.model.embed_tokens.weight.requires_grad_(True)
+    rows = counted_prefills(step)
+    step.run(rollout(sampler_for(tiny), [1.5, -0.5, 0.25, 2.0]), PARAMS)
+    assert rows == [1] * 8
+
+
 class Stop(Exception):
     pass
 

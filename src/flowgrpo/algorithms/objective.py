@@ -17,6 +17,8 @@ sums in the order of ``metric_names``; the loop turns them into per-entry means.
 
 :class:`Forwards` are the policy's forwards as the rollout's sampler computes them, shared by every
 objective: the prompts' prefill with the CFG branch, the guided velocity, the window's log-probs.
+Inside a step (``begin_step``) the prefill is the step's, of its distinct prompts once
+(:class:`StepPrompts`): a micro-batch takes its rows from it and reads nothing back from the device.
 """
 
 from __future__ import annotations
@@ -29,13 +31,16 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from flowgrpo.devices import to_device
 from flowgrpo.models.bagel.attention import KVCache
 from flowgrpo.models.bagel.config import SpecialTokens, is_text_path
 from flowgrpo.models.bagel.model import BagelModel, latent_position_ids
 from flowgrpo.models.bagel.sampling import (
     compute_autocast,
+    context_rows,
     deterministic_kernels,
     guided_velocity,
+    needs_uncond,
     prefill_prompts,
     token_grid,
     window_step,
@@ -97,6 +102,43 @@ def stop_nothing() -> None:
     """The stop check outside a step, and once a step's first update is applied."""
 
 
+class StepPrompts:
+    """A training step's distinct prompts (by their tokens, in order of first appearance, as the
+    sampler orders a request's) and their prefill, made on first use and shared by every
+    micro-batch, pass and optimizer step of the step. The rows of a micro-batch are a selection
+    of it; each row layout's index is copied to the device once and its context kept, so a
+    micro-batch reads nothing back from the device (the query runs come from host lengths)."""
+
+    def __init__(self, prompts: Sequence[Tensor]) -> None:
+        self._row_of: dict[tuple[int, ...], int] = {}
+        self._prompts: list[Tensor] = []
+        for ids in prompts:
+            key = tuple(ids.tolist())
+            if key not in self._row_of:
+                self._row_of[key] = len(self._prompts)
+                self._prompts.append(ids)
+        self._lengths = [int(p.numel()) for p in self._prompts]
+        self._caches: dict[bool, KVCache] = {}  # by whether each prompt was prefilled alone
+        self._contexts: dict[tuple[tuple[int, ...], bool, bool], KVCache] = {}
+
+    def context(self, model: BagelModel, part: Sequence[Tensor], params: SamplerParams) -> KVCache:
+        """The CFG context of the rows whose prompts are ``part`` (each one of the step's), inside
+        the caller's no-grad, autocast and determinism settings."""
+        layout = tuple(self._row_of[tuple(ids.tolist())] for ids in part)
+        # each prompt prefilled alone where the sampler's results must not depend on the batch:
+        # batch-invariant forwards, and deterministic mode (where it samples each alone)
+        alone = params.batch_invariant or params.deterministic
+        key = (layout, alone, needs_uncond(params))
+        if key not in self._contexts:
+            if alone not in self._caches:
+                self._caches[alone] = prefill_prompts(model, self._prompts, invariant=alone)
+            cache = self._caches[alone]
+            index = torch.tensor(layout, device=cache.key_mask.device)
+            lengths = [self._lengths[row] for row in layout]
+            self._contexts[key] = context_rows(model, cache, index, lengths, params)
+        return self._contexts[key]
+
+
 class Forwards:
     """The policy's forwards as the sampler computes them; ``may_stop`` is the running step's
     stop check (the loop sets it), called between the micro-batches of a pass without gradients."""
@@ -108,6 +150,19 @@ class Forwards:
         self.micro_batch_size = micro_batch_size
         self.mixed_precision = True  # bf16 autocast on a GPU with bf16 frozen weights (compute_autocast)
         self.may_stop: Callable[[], None] = stop_nothing
+        self._step: StepPrompts | None = None  # the running step's prompts (begin_step)
+
+    def begin_step(self, batch: Sequence[Trajectory]) -> None:
+        """From here to :meth:`end_step`, :meth:`context` takes its rows from one prefill of the
+        batch's distinct prompts (``StepPrompts``) instead of prefilling every micro-batch's
+        rows: a step of G samples a prompt prefills each prompt once, not once per micro-batch
+        and pass, and reads no mask back from the device. Only while the language half is
+        frozen: the prefill reads it, and an update of it would make the cache stale."""
+        frozen = not any(is_text_path(n) for n in self.policy.trainable())
+        self._step = StepPrompts([t.prompt_ids for t in batch]) if frozen else None
+
+    def end_step(self) -> None:
+        self._step = None
 
     def chunks(self, rows: Rows) -> list[Rows]:
         size = self.micro_batch_size
@@ -118,9 +173,12 @@ class Forwards:
 
     def context(self, part: Sequence[Trajectory], params: SamplerParams) -> KVCache:
         """The rows' prompts prefilled without gradients (the und path is frozen), with the CFG
-        branch's rows when the settings ask for it, as the sampler builds them."""
+        branch's rows when the settings ask for it, as the sampler builds them: inside a step
+        (:meth:`begin_step`) rows of the step's one prefill, else a prefill of these rows."""
         model = self.policy.model
         with deterministic_or_not(params), torch.no_grad(), self.autocast():
+            if self._step is not None:
+                return self._step.context(model, [t.prompt_ids for t in part], params)
             prompts = prefill_prompts(model, [t.prompt_ids for t in part], invariant=params.batch_invariant)
             return with_cfg_branches(model, prompts, params)
 
@@ -133,7 +191,13 @@ class Forwards:
         pos_ids = latent_position_ids(rows, cols, model.config.max_latent_size, device)
         with deterministic_or_not(params), self.autocast():
             return guided_velocity(
-                model, context, x.to(device), t.to(device), pos_ids, params=params, special=self.special
+                model,
+                context,
+                to_device(x, device),
+                to_device(t, device),
+                pos_ids,
+                params=params,
+                special=self.special,
             )
 
     def window_log_probs(self, part: Sequence[Trajectory], params: SamplerParams) -> StepResult:
@@ -146,8 +210,8 @@ class Forwards:
         context = self.context(part, params)
         device = context.key_mask.device
         after_first = float(shifted_schedule(params.num_points, params.timestep_shift)[1])
-        latents = torch.stack([t.latents for t in part]).to(device)
-        sigmas = torch.stack([t.sigmas for t in part]).to(device)
+        latents = to_device(torch.stack([t.latents for t in part]), device)
+        sigmas = to_device(torch.stack([t.sigmas for t in part]), device)
         steps = []
         for k in range(latents.shape[1] - 1):
             x, x_next, sigma, sigma_next = latents[:, k], latents[:, k + 1], sigmas[:, k], sigmas[:, k + 1]

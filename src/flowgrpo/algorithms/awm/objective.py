@@ -42,6 +42,7 @@ from flowgrpo.algorithms.objective import (
     draw_noises,
 )
 from flowgrpo.configs.trainer import AwmConfig, LossConfig
+from flowgrpo.devices import to_device
 from flowgrpo.models.bagel.attention import KVCache
 from flowgrpo.sampler_math import coordinate_seed, shifted_schedule
 from flowgrpo.sampler_params import SamplerParams
@@ -93,7 +94,7 @@ class AWMObjective(ForwardProcessObjective):
         device = v.device
         weights = torch.tensor([batch[r].advantage for r, _ in rows]).clamp(-1.0, 1.0)  # as the reference
         mask = torch.tensor([float(valid) for _, valid in rows])
-        targets = AwmTargets(*(x.to(device) for x in (x0, eps, t, weights, mask)))
+        targets = AwmTargets(*(to_device(x, device) for x in (x0, eps, t, weights, mask)))
         terms = awm_terms(
             v,
             targets,

@@ -48,6 +48,7 @@ from flowgrpo.algorithms.dgpo.loss import (
 from flowgrpo.algorithms.diffusion_nft.loss import velocity_kl
 from flowgrpo.algorithms.objective import Forwards, Rows, Trajectory
 from flowgrpo.configs.trainer import DgpoConfig, LossConfig
+from flowgrpo.devices import to_device
 from flowgrpo.models.bagel.attention import KVCache
 from flowgrpo.models.bagel.config import is_text_path
 from flowgrpo.models.bagel.sampling import with_cfg_branches
@@ -272,9 +273,9 @@ class DGPOObjective:
         """(x0, eps, x_t, t) of the rows at the k-th time, on the forwards' device."""
         seed, step = self._coords
         device = self.forwards.policy.model.vae2llm.weight.device
-        x0 = torch.stack([self._batch[r].final_latents for r, _ in rows]).to(device)  # type: ignore[misc]
-        eps = torch.stack([self.noise(self._batch[r], k, seed, step) for r, _ in rows]).to(device)
-        t = self._times[k].expand(len(rows)).to(device)
+        x0 = to_device(torch.stack([self._batch[r].final_latents for r, _ in rows]), device)  # type: ignore[misc]
+        eps = to_device(torch.stack([self.noise(self._batch[r], k, seed, step) for r, _ in rows]), device)
+        t = to_device(self._times[k].expand(len(rows)), device)
         x_t = (1.0 - t.view(-1, 1, 1)) * x0 + t.view(-1, 1, 1) * eps
         return x0, eps, x_t, t
 

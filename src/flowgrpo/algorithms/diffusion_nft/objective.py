@@ -34,6 +34,7 @@ from flowgrpo.algorithms.objective import (
     draw_noises,
 )
 from flowgrpo.configs.trainer import LossConfig, NftConfig
+from flowgrpo.devices import to_device
 from flowgrpo.models.bagel.attention import KVCache
 from flowgrpo.sampler_math import coordinate_seed, shifted_schedule
 from flowgrpo.sampler_params import SamplerParams
@@ -85,9 +86,7 @@ class DiffusionNFTObjective(ForwardProcessObjective):
         v = forwards.velocity(context, x_t, t, params)
         device = v.device
         optimality = torch.tensor([batch[r].advantage for r, _ in rows]).clamp(0.0, 1.0)  # as the reference
-        targets = NftTargets(
-            v_old, x0.to(device), x_t.to(device), t.to(device), optimality.to(device), mask.to(device)
-        )
+        targets = NftTargets(v_old, *(to_device(x, device) for x in (x0, x_t, t, optimality, mask)))
         kl = velocity_kl(v, v_ref) if v_ref is not None else None
         terms = diffusion_nft_terms(
             v, targets, beta=self.nft.beta, scale=self.nft.adv_clip, kl=kl, kl_beta=self.loss.kl_beta

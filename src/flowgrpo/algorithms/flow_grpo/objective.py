@@ -33,6 +33,7 @@ from flowgrpo.algorithms.flow_grpo.loss import (
 )
 from flowgrpo.algorithms.objective import Forwards, Rows, Trajectory
 from flowgrpo.configs.trainer import LossConfig
+from flowgrpo.devices import to_device
 from flowgrpo.runtime.errors import ServiceError
 from flowgrpo.sampler_math import StepResult
 from flowgrpo.sampler_params import SamplerParams
@@ -136,12 +137,12 @@ class FlowGRPOObjective:
             rows,
             result,
             logp=result.log_prob.flatten(),
-            logp_old=self._logp_old[index].flatten().to(device),
-            advantages=torch.tensor([batch[r].advantage for r, _ in rows])
-            .repeat_interleave(window)
-            .to(device),
-            mask=torch.tensor([valid for _, valid in rows]).repeat_interleave(window).to(device),
-            weights=self._weights[index].flatten().to(device),
+            logp_old=to_device(self._logp_old[index].flatten(), device),
+            advantages=to_device(
+                torch.tensor([batch[r].advantage for r, _ in rows]).repeat_interleave(window), device
+            ),
+            mask=to_device(torch.tensor([valid for _, valid in rows]).repeat_interleave(window), device),
+            weights=to_device(self._weights[index].flatten(), device),
             kl=kl,
         )
         torch.autograd.backward(terms.loss_sum * scale)

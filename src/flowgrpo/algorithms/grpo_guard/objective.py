@@ -17,6 +17,7 @@ from flowgrpo.algorithms.flow_grpo.objective import FlowGRPOObjective
 from flowgrpo.algorithms.grpo_guard.loss import GuardStep, grpo_guard_terms
 from flowgrpo.algorithms.objective import Forwards, Rows, Trajectory
 from flowgrpo.configs.trainer import LossConfig
+from flowgrpo.devices import to_device
 from flowgrpo.sampler_math import StepResult
 from flowgrpo.sampler_params import SamplerParams
 
@@ -88,5 +89,5 @@ class GRPOGuardObjective(FlowGRPOObjective):
                 means.append(result.mean[i].detach())
         mean_old = torch.stack(means)
         drift = ((result.mean - mean_old) ** 2).flatten(2).mean(dim=2)  # [B, W]
-        sigmas = torch.stack([self._batch[r].sigmas for r, _ in rows]).to(device)  # [B, W + 1]
+        sigmas = to_device(torch.stack([self._batch[r].sigmas for r, _ in rows]), device)  # [B, W + 1]
         return GuardStep(drift.flatten(), result.std.flatten(), (sigmas[:, :-1] - sigmas[:, 1:]).flatten())

@@ -557,13 +557,23 @@ class _Contexts:
     def __getitem__(self, rows: tuple[int, ...]) -> KVCache:
         if self.built is None or self.built[0] != rows:
             batch = self.batch
-            cond = batch.cache.select(self.index[rows])
-            context = with_cfg_branches(batch.sampler.model, cond, batch.params)
             lengths = [batch.prompt_lengths[p] for p in rows]
-            lengths += [0] * (context.key_mask.shape[0] - len(rows))  # the empty rows, if any
-            host_mask = torch.arange(context.key_mask.shape[1]) < torch.tensor(lengths)[:, None]
-            self.built = (rows, context.with_host_mask(host_mask))
+            context = context_rows(batch.sampler.model, batch.cache, self.index[rows], lengths, batch.params)
+            self.built = (rows, context)
         return self.built[1]
+
+
+def context_rows(
+    model: BagelModel, cache: KVCache, index: Tensor, lengths: list[int], params: SamplerSettings
+) -> KVCache:
+    """The context of one CFG forward over a prompt cache: its rows ``index`` (repeats allowed),
+    whose real lengths ``lengths`` the caller knows on the host, then the empty
+    text-unconditional rows when CFG asks for them (:func:`with_cfg_branches`). Its query runs
+    come from those lengths: nothing is read back from the device."""
+    context = with_cfg_branches(model, cache.select(index), params)
+    lengths = lengths + [0] * (context.key_mask.shape[0] - len(lengths))  # the empty rows, if any
+    host_mask = torch.arange(context.key_mask.shape[1]) < torch.tensor(lengths)[:, None]
+    return context.with_host_mask(host_mask)
 
 
 def concat_trajectories(parts: list[Trajectories]) -> Trajectories:
