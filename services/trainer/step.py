@@ -159,7 +159,8 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         total = float(len(mini) * self.objective.entries_per_sample())  # every entry counts once
         scale = self.dist.world / total  # FSDP averages gradients over ranks: the mini-batch mean
-        sums = torch.zeros(len(self.objective.metric_names), dtype=torch.float64)
+        # on the device: a micro-batch's sums read back would make the host wait for its backward
+        sums = torch.zeros(len(self.objective.metric_names), dtype=torch.float64, device=self.forwards.device)
         for part in self.forwards.chunks(self.dist.share(mini)):
             self._may_stop()
             self.objective.micro_batch(part, scale, sums, first=first)

@@ -164,6 +164,11 @@ class Forwards:
     def end_step(self) -> None:
         self._step = None
 
+    @property
+    def device(self) -> torch.device:
+        """Where the forwards run (the model's gen-path input projection's device)."""
+        return self.policy.model.vae2llm.weight.device
+
     def chunks(self, rows: Rows) -> list[Rows]:
         size = self.micro_batch_size
         return [rows[i : i + size] for i in range(0, len(rows), size)]
@@ -348,7 +353,8 @@ class Objective(Protocol):
 
     def micro_batch(self, rows: Rows, scale: float, sums: Tensor, *, first: bool) -> None:
         """Forward and backward (of the loss sum times ``scale``) of ``rows``; add the detached
-        sums of ``metric_names`` to ``sums`` (float64). ``first``: of the first mini-batch."""
+        sums of ``metric_names`` to ``sums`` (float64, on :attr:`Forwards.device`: the loop
+        reads them once an optimizer step). ``first``: of the first mini-batch."""
         ...
 
     def before_update(self, first: bool) -> dict[str, float]:

@@ -108,7 +108,7 @@ class AWMObjective(ForwardProcessObjective):
         parts = [terms.policy_loss_sum, terms.matching_sum]
         parts += [terms.kl_sum] if v_ref is not None else []
         parts += [terms.ema_kl_sum] if v_ema is not None else []
-        return torch.stack([p.double().cpu() for p in parts])
+        return torch.stack([p.double() for p in parts])
 
     def end(self, *, steps_done: int, optimizer_steps: int) -> dict[str, float]:
         """The average one decay toward the current policy (the decay after ``optimizer_steps``)."""

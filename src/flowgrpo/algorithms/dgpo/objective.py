@@ -147,7 +147,7 @@ class DGPOObjective:
             self._prepare(mini)
         context = self.forwards.context([self._batch[r] for r, _ in rows], self._conditional())
         for k in range(self.entries_per_sample()):
-            sums += self._time_backward(rows, context, k, scale)
+            sums += to_device(self._time_backward(rows, context, k, scale), sums.device)
 
     def before_update(self, first: bool) -> dict[str, float]:
         self._updated = True  # folded into the old policy before the next forward (or at the end)
@@ -250,16 +250,22 @@ class DGPOObjective:
         x0, eps, x_t, t = self._inputs(rows, k)
         v = self.forwards.velocity(context, x_t, t, self._conditional())
         error = denoising_error(v, x0, eps)
-        mask = torch.tensor([float(valid) for _, valid in rows], device=v.device)
-        coefficients = torch.stack(
-            [self._coefficients[r][k] if valid else torch.zeros((), dtype=torch.float64) for r, valid in rows]
-        ).to(v.device)
+        mask = to_device(torch.tensor([float(valid) for _, valid in rows]), v.device)
+        coefficients = to_device(
+            torch.stack(
+                [
+                    self._coefficients[r][k] if valid else torch.zeros((), dtype=torch.float64)
+                    for r, valid in rows
+                ]
+            ),
+            v.device,
+        )
         kl = self._kl(rows, k, v) if self.loss.kl_beta > 0 else None
         torch.autograd.backward(surrogate_sum(error, coefficients, mask, kl, self.loss.kl_beta) * scale)
         own = [self._values[r][k] for r, valid in rows if valid]
         parts = torch.stack(own).sum(dim=0) if own else torch.zeros(len(VALUES), dtype=torch.float64)
         if kl is not None:
-            parts = torch.cat([parts, (kl.detach() * mask).sum().double().cpu().view(1)])
+            parts = torch.cat([to_device(parts, mask.device), (kl.detach() * mask).sum().double().view(1)])
         return parts
 
     def _kl(self, rows: Rows, k: int, v: Tensor) -> Tensor:
@@ -272,7 +278,7 @@ class DGPOObjective:
     def _inputs(self, rows: Rows, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(x0, eps, x_t, t) of the rows at the k-th time, on the forwards' device."""
         seed, step = self._coords
-        device = self.forwards.policy.model.vae2llm.weight.device
+        device = self.forwards.device
         x0 = to_device(torch.stack([self._batch[r].final_latents for r, _ in rows]), device)  # type: ignore[misc]
         eps = to_device(torch.stack([self.noise(self._batch[r], k, seed, step) for r, _ in rows]), device)
         t = to_device(self._times[k].expand(len(rows)), device)

@@ -95,7 +95,7 @@ class DiffusionNFTObjective(ForwardProcessObjective):
         parts = [terms.policy_loss_sum, terms.positive_sum, terms.negative_sum, terms.old_deviation_sum]
         if kl is not None:
             parts.append((kl.detach() * mask.to(device)).sum())
-        return torch.stack([p.double().cpu() for p in parts])
+        return torch.stack([p.double() for p in parts])
 
     def end(self, *, steps_done: int, optimizer_steps: int) -> dict[str, float]:
         """The old policy one decay toward the current one (the decay after ``optimizer_steps``)."""

@@ -149,7 +149,7 @@ class FlowGRPOObjective:
         parts = [terms.pg_loss_sum, terms.clipped, terms.ratio_sum, terms.approx_kl_sum]
         if kl is not None:
             parts.append(kl.detach().sum())
-        sums += torch.stack([p.double().cpu() for p in parts])
+        sums += torch.stack([p.double() for p in parts])  # on the device: no wait for the backward
 
     def _terms(
         self,

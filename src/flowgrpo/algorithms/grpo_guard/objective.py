@@ -84,7 +84,7 @@ class GRPOGuardObjective(FlowGRPOObjective):
         means = []
         for i, (row, valid) in enumerate(rows):
             if valid:
-                means.append(self._mean_old[row].to(device))
+                means.append(to_device(self._mean_old[row], device))
             else:
                 means.append(result.mean[i].detach())
         mean_old = torch.stack(means)
