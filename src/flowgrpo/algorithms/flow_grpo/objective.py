@@ -82,8 +82,9 @@ class FlowGRPOObjective:
         self._off_policy = torch.zeros(0, dtype=torch.bool)  # [B]: drawn by another policy
         self._fp8 = torch.zeros(0, dtype=torch.bool)  # [B]: drawn by an FP8 rollout
         # max on-policy gap of this rank's first mini-batch rows, [rollout in the trainer's
-        # precision, FP8 rollout]; -1: none
-        self._gap, self._gap_rows = [-1.0, -1.0], [0, 0]
+        # precision, FP8 rollout]; -1: none. On the forwards' device, read once before the
+        # update: a read each micro-batch would make the host wait for its forward
+        self._gap, self._gap_rows = torch.full((2,), -1.0, dtype=torch.float64), [0, 0]
 
     # --- the step ---------------------------------------------------------------------------------
 
@@ -109,7 +110,8 @@ class FlowGRPOObjective:
         self._off_policy = (lag > 0) | self._fp8
         off_policy = self._off_policy[:, None].expand_as(self._behaviour)
         self._weights = importance_weights(self._logp_old, self._behaviour, off_policy, self.loss.is_cap)
-        self._gap, self._gap_rows = [-1.0, -1.0], [0, 0]
+        self._gap = torch.full((2,), -1.0, dtype=torch.float64, device=self.forwards.device)
+        self._gap_rows = [0, 0]
         return metrics
 
     def entries_per_sample(self) -> int:
@@ -183,7 +185,7 @@ class FlowGRPOObjective:
             return {}
         dist = self.forwards.dist
         rows = dist.sum(torch.tensor(self._gap_rows, dtype=torch.float64))
-        gaps = dist.max(torch.tensor(self._gap, dtype=torch.float64))
+        gaps = dist.max(self._gap).tolist()
         metrics: dict[str, float] = {ON_POLICY_ROWS: float(rows[0])}
         if int(rows[1]):
             metrics[ON_POLICY_FP8_ROWS] = float(rows[1])
@@ -295,8 +297,10 @@ class FlowGRPOObjective:
             if not keep:
                 continue
             compared = [rows[k][0] for k in keep]
-            gap = (log_prob.detach()[keep].to("cpu", torch.float32) - self._behaviour[compared]).abs()
-            self._gap[kind] = max(self._gap[kind], float(gap.max()))
+            device = log_prob.device
+            ours = log_prob.detach().index_select(0, to_device(torch.tensor(keep), device)).float()
+            gap = (ours - to_device(self._behaviour[compared], device)).abs().max()
+            self._gap[kind] = torch.maximum(self._gap[kind], gap.double())
             self._gap_rows[kind] += len(keep)
 
     def _reference_means(self, part: Sequence[Trajectory], params: SamplerParams) -> Tensor:
