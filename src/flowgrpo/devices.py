@@ -1,4 +1,5 @@
-"""GPU memory shared by several processes (rollout and trainer on one GPU, docs/colocated.md)."""
+"""GPU memory shared by several processes (rollout and trainer on one GPU, docs/colocated.md), and
+host tensors copied to a GPU without making the host wait."""
 
 from __future__ import annotations
 

@@ -94,7 +94,7 @@ class DiffusionNFTObjective(ForwardProcessObjective):
         torch.autograd.backward(terms.loss_sum * scale)
         parts = [terms.policy_loss_sum, terms.positive_sum, terms.negative_sum, terms.old_deviation_sum]
         if kl is not None:
-            parts.append((kl.detach() * mask.to(device)).sum())
+            parts.append((kl.detach() * targets.mask).sum())
         return torch.stack([p.double() for p in parts])
 
     def end(self, *, steps_done: int, optimizer_steps: int) -> dict[str, float]:
