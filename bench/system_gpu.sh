@@ -13,7 +13,7 @@
 # --recipe, KEY=VALUE overrides of every variant). A CPU smoke test of the script (tiny model,
 # the demo recipe, 64 px): DEVICE=cpu bash bench/system_gpu.sh --variant base --variant lr0:trainer.optim.lr=0
 # Writes $OUT/system.json, $OUT/system.log, $OUT/gpu.txt, $OUT/checkpoint.log and the last lines of
-# each service's log ($OUT/<variant>-<service>.log).
+# each service's log ($OUT/logs.tgz: <variant>-<service>.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/system-bench}
@@ -37,7 +37,7 @@ else
     RECIPE=${RECIPE:-examples/tiny_demo.yaml}
     MODEL=(--model tiny --device cpu --dtype fp32)
     SMOKE=(--device cpu --launcher inprocess --steps 4 data.group_size=4 data.prompts_per_step=1 data.val_prompts=0
-           sampling.num_points=4 trainer.loss.micro_batch_size=4 trainer.loss.mini_batches=1)
+           sampling.num_points=4 "sampling.window_range=[0, 3]" trainer.loss.micro_batch_size=4 trainer.loss.mini_batches=1)
 fi
 $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$OUT/gpu.txt"
 [[ -f $CKPT/ema.safetensors ]] || $PY -m flowgrpo.services.bench.trainer "${MODEL[@]}" --write-checkpoint "$CKPT" 2>&1 | tee "$OUT/checkpoint.log"
@@ -45,7 +45,11 @@ rm -rf "$RUNS"
 $PY -m flowgrpo.services.cli bench system --recipe "$RECIPE" --progress --keep "$RUNS" --json "$OUT/system.json" \
     model.checkpoint="$CKPT" "${SMOKE[@]}" "$@" 2>&1 | tee "$OUT/system.log"
 status=$?
-for log in "$RUNS"/*/logs/*.log; do  # the services' logs, for a failed or slow run
-    [[ -f $log ]] && tail -40 "$log" > "$OUT/$(basename "$(dirname "$(dirname "$log")")")-$(basename "$log")"
+# the last lines of the services' logs, for a failed or slow run, in one file: a device call
+# returns 8 files, and one file a log took system.json's place (2026-12-06)
+tails=$(mktemp -d)
+for log in "$RUNS"/*/logs/*.log; do
+    [[ -f $log ]] && tail -40 "$log" > "$tails/$(basename "$(dirname "$(dirname "$log")")")-$(basename "$log")"
 done
+tar czf "$OUT/logs.tgz" -C "$tails" . && rm -rf "$tails"
 exit $status
