@@ -5,8 +5,10 @@
 #   run(command="bash bench/compose_scale_gpu.sh rl", carry=[".whl"], timeout_s=600)
 # sft: the 306M-parameter drawer in BAGEL's layout (make-tiny-bagel --drawer-size 300m: 10 layers of
 #   1024, the cell codec, the task's tokenizer) taught to draw SIZE px pairs by `flowgrpo sft`
-#   (bench/sft_compose_gpu.sh: one variant, evaluated on the held-out combinations every
-#   EVAL_EVERY steps); the step nearest TARGET held-out accuracy is kept in MODEL.
+#   (bench/sft_compose_gpu.sh: two variants at once, batch 64 and 256 at the tiny recipe's lr,
+#   fp32 weights with bf16 autocast on a GPU, evaluated on the held-out combinations every
+#   EVAL_EVERY steps); the step nearest TARGET held-out accuracy is kept in MODEL. RESUME=1 in
+#   a further call on the same warm machine goes on from each variant's last checkpoint.
 # rl: `flowgrpo bench algos` on that model through the real services (launcher local: the
 #   coordinator, rollout, trainer and reward processes; rollout and trainer on the one GPU, the
 #   base shared and the LoRA published by CUDA IPC, as examples/bagel_pickscore_lora_1gpu.yaml),
@@ -14,7 +16,8 @@
 #   each paired with its lr = 0 control: held-out accuracy against images and GPU seconds.
 # Outputs under OUT (/tmp/compose-scale): sft/ (the curve, choice.json), algos.json, algos.png,
 # algos.log; a summary line last. Environment: OUT, MODEL (.ckpt/compose-300m), SIZE (128),
-# STEPS (1500), EVAL_EVERY (250), TARGET (0.4), SFT_LIMIT_S (380), IMAGES (3840: each algorithm's
+# STEPS (3000), EVAL_EVERY (250), TARGET (0.4), SFT_LIMIT_S (400), DTYPE (bfloat16 on a GPU),
+# VARIANTS, RESUME (0), IMAGES (3840: each algorithm's
 # budget), EVAL_IMAGES (640), ALGORITHMS ("flow_grpo_branch awm"), DEVICE (cuda; cpu: a smoke
 # test of the plumbing here with the tiny drawer, 64 px and a few steps).
 set -uo pipefail
@@ -29,9 +32,12 @@ source bench/gpu_env.sh
 started=$SECONDS
 
 if [[ $stage == sft ]]; then
-    OUT="$OUT/sft" MODEL_OUT="$MODEL" GEOMETRY=${GEOMETRY:-300m} SIZE=$SIZE STEPS=${STEPS:-1500} \
-        EVAL_EVERY=${EVAL_EVERY:-250} TARGET=${TARGET:-0.4} LIMIT_S=${SFT_LIMIT_S:-380} \
-        VARIANTS=${VARIANTS:-"lr3e-4:optim.lr=3e-4"} DEVICE=$DEVICE bash bench/sft_compose_gpu.sh
+    # bf16 autocast on a GPU: in fp32 (no TF32) 750 steps of 64 took 280 s (2026-12-06)
+    [[ $DEVICE == cuda* ]] && dtype=bfloat16 || dtype=float32
+    OUT="$OUT/sft" MODEL_OUT="$MODEL" GEOMETRY=${GEOMETRY:-300m} SIZE=$SIZE STEPS=${STEPS:-3000} \
+        EVAL_EVERY=${EVAL_EVERY:-250} TARGET=${TARGET:-0.4} LIMIT_S=${SFT_LIMIT_S:-400} DTYPE=${DTYPE:-$dtype} \
+        VARIANTS=${VARIANTS:-"lr1e-3:optim.lr=1e-3;b256:batch_size=256 micro_batch_size=256 optim.lr=1e-3"} \
+        RESUME=${RESUME:-0} DEVICE=$DEVICE bash bench/sft_compose_gpu.sh
     exit $?
 fi
 [[ $stage == rl ]] || { echo "stage $stage: sft or rl" >&2; exit 2; }

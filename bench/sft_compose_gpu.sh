@@ -14,7 +14,10 @@
 # in px, a multiple of 16), VARIANTS (name:overrides;...; an
 # override unmentioned=S trains on pairs of which the share S hold a blob their prompt does not
 # name: data compose-images --unmentioned S), LIMIT_S (480: each variant's sft is stopped then, its
-# curve kept), DEVICE (cuda; cpu to try the script here with a few STEPS).
+# curve kept), DEVICE (cuda; cpu to try the script here with a few STEPS), DTYPE (float32:
+# fp32 throughout, no TF32, a GPU curve a CPU run repeats; bfloat16: fp32 weights and optimizer,
+# bf16 autocast matmuls on a GPU), RESUME (1: keep the work folder of an earlier call on this
+# machine, so each variant goes on from its last checkpoint: a run longer than one call).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/sft-compose}
@@ -29,12 +32,13 @@ mkdir -p "$OUT"
 source bench/gpu_env.sh
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 WORK=/tmp/sft-compose-work
-rm -rf "$WORK" && mkdir -p "$WORK"
+[[ ${RESUME:-0} == 1 ]] || rm -rf "$WORK"
+mkdir -p "$WORK"
 started=$SECONDS
 $PY -c 'import torch, scipy; print("torch", torch.__version__, torch.cuda.get_device_name(0), "scipy", scipy.__version__)' \
     | tee "$OUT/env.txt"
-$PY -m flowgrpo.services.cli make-tiny-bagel "$WORK/drawer" --drawer examples/data/compose/train.txt \
-    --drawer-size "$GEOMETRY" || exit 1
+[[ -f $WORK/drawer/ema.safetensors ]] || $PY -m flowgrpo.services.cli make-tiny-bagel "$WORK/drawer" \
+    --drawer examples/data/compose/train.txt --drawer-size "$GEOMETRY" || exit 1
 # the pairs of one share of unmentioned blobs (made once, shared by the variants that ask for it)
 pairs_of() {
     local dir="$WORK/pairs-$1"
@@ -50,7 +54,7 @@ variant_args() {
     echo "data.images=$(pairs_of "$share")" "${args[@]}"
 }
 
-common=("device=${DEVICE:-cuda}" dtype=float32 "model=$WORK/drawer" "steps=$STEPS" "data.resolution=$SIZE"
+common=("device=${DEVICE:-cuda}" "dtype=${DTYPE:-float32}" "model=$WORK/drawer" "steps=$STEPS" "data.resolution=$SIZE"
         "eval.every=$EVAL_EVERY" "save_every=$EVAL_EVERY" keep_last=1000 log_every=50)
 declare -A pids
 IFS=';' read -ra specs <<< "$VARIANTS"
