@@ -26,6 +26,11 @@
 # The step's one prefill against a prefill per micro-batch (the trainer before StepPrompts), at
 # the one-GPU recipe's micro-batch 4 and at 2, each profiled (the GPU's busy share), ~5 min:
 #   FULL=0 LORA_DEADLINE=400 bash bench/trainer_gpu.sh --no-publish --variants ac4-compile,ac4-compile-microprefill,none2-compile,none2-compile-microprefill
+# EXPERIMENT '-fp8' (issue #34 item 5): the frozen base's matmuls of the LoRA step in FP8, forward
+# and input gradient (bench.trainer_step.fp8_bases; +2 e4m3 copies of the gen path, ~12 GiB, the
+# bf16 weights kept), against the same settings in bf16 in the same call, at the one-GPU recipe's
+# micro-batch 4 and at 1 without checkpointing (what might fit beside the rollout on an H100):
+#   FULL=0 LORA_DEADLINE=400 bash bench/trainer_gpu.sh --no-publish --variants ac4-compile,ac4-compile-fp8,none1-compile,none1-compile-fp8
 # LORA=0 or FULL=0 skips a part (one part per device call keeps each call under 10 minutes);
 # LORA_DEADLINE / FULL_DEADLINE (s): what would start later is skipped.
 # CKPT_EVERY_STEP=DIR: also what a checkpoint every step costs, synchronous and in the background

@@ -17,7 +17,8 @@ from torch import Tensor
 
 from flowgrpo.configs.trainer import AwmConfig, DgpoConfig, LossConfig, NftConfig, TrainerConfig
 from flowgrpo.models.bagel.attention import KVCache
-from flowgrpo.models.bagel.config import BagelConfig, SpecialTokens
+from flowgrpo.models.bagel.config import GEN_PATH_LINEARS, BagelConfig, SpecialTokens
+from flowgrpo.models.bagel.fp8 import Fp8FrozenLinear, check_fp8_device
 from flowgrpo.models.bagel.model import BagelModel
 from flowgrpo.models.bagel.parallelize import (
     checkpoint_query_layers,
@@ -107,6 +108,8 @@ class Variant:
     checkpoint_every: int = 1  # checkpoint every this many decoder layers (with checkpointing)
     # for comparison: every micro-batch prefills its own rows (the trainer before StepPrompts)
     micro_prefill: bool = False
+    # EXPERIMENT: the frozen gen-path base matmuls in FP8, forward and input gradient (fp8_bases)
+    fp8: bool = False
 
     @property
     def nft(self) -> bool:
@@ -124,7 +127,8 @@ def parse_variants(text: str) -> list[Variant]:
     '-everyN': checkpoint every N-th decoder layer only (trainer.activation_checkpointing_every;
     'ac8-every2'); '-nft', '-awm', '-dgpo', '-guard': another algorithm's step than FlowGRPO's
     (:data:`ALGORITHM_FLAGS`, :func:`algorithm_setup`); '-microprefill': every micro-batch
-    prefills its own rows, not the step's one prefill (``Forwards.begin_step``), to compare."""
+    prefills its own rows, not the step's one prefill (``Forwards.begin_step``), to compare;
+    '-fp8': the experiment of :func:`fp8_bases`."""
     out = []
     for item in filter(None, text.split(",")):
         head, *flags = item.split("-")
@@ -147,6 +151,7 @@ def parse_variants(text: str) -> list[Variant]:
                 algorithm=algorithms[0] if algorithms else "flow_grpo",
                 checkpoint_every=every[0] if every else 1,
                 micro_prefill="microprefill" in flags,
+                fp8="fp8" in flags,
             )
         )
     return out
@@ -181,6 +186,33 @@ def addmm_lora(model: torch.nn.Module) -> list[torch.nn.Module]:
     return patched
 
 
+def fp8_bases(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    """EXPERIMENT (bench only): every frozen gen-path linear layer of the decoder (a LoRA's
+    ``base_layer``, or the layer itself where no adapter targets it) computes in FP8, forward and
+    input gradient (:class:`Fp8FrozenLinear`). Returns the replaced layers by module name;
+    :func:`restore_layers` puts them back."""
+    replaced: dict[str, torch.nn.Linear] = {}
+    for name, module in list(model.named_modules()):
+        if (
+            isinstance(module, torch.nn.Linear)
+            and not module.weight.requires_grad
+            and name.removesuffix(".base_layer").endswith(GEN_PATH_LINEARS)
+        ):
+            replaced[name] = module
+    for name, module in replaced.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, Fp8FrozenLinear(module))
+    if not replaced:
+        raise ValueError("-fp8 found no frozen gen-path linear layer in this model")
+    return replaced
+
+
+def restore_layers(model: torch.nn.Module, layers: dict[str, torch.nn.Linear]) -> None:
+    for name, module in layers.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, module)
+
+
 # --- measuring one ---------------------------------------------------------------------------------
 
 
@@ -199,6 +231,8 @@ class StepBench:
     compiled_before_sharding: bool  # sharded runs: --compile
     nft_fraction: float = 0.99  # DiffusionNFT rows: the share of the schedule's times trained per sample
     profile: bool = False  # each row: one more step under torch.profiler (bench.kernels)
+    # the layers an '-fp8' variant replaced (fp8_bases), put back before the next variant
+    fp8_layers: dict[str, torch.nn.Linear] = field(default_factory=dict)
 
     @property
     def device(self) -> torch.device:
@@ -217,6 +251,7 @@ def measure_variant(variant: Variant, bench: StepBench) -> dict[str, Any]:
     model = bench.policy.model
     row["checkpointed_share"] = len(checkpointed_layers(model)) / len(model.decoder.layers)
     row["compiled"] = variant.compile
+    row["fp8"] = variant.fp8
     try:
         runs, profiled, count = _timed_steps(variant, bench)
     except torch.OutOfMemoryError as e:
@@ -243,6 +278,13 @@ def _skip_reason(variant: Variant, bench: StepBench) -> str:
         return "skipped: sharded runs always use activation checkpointing"
     if bench.dist.enabled and variant.compile != bench.compiled_before_sharding:
         return "skipped: sharded runs compile (--compile) or not, before sharding"
+    if bench.dist.enabled and variant.fp8:
+        return "skipped: -fp8 is measured on one process"
+    if variant.fp8:
+        try:
+            check_fp8_device(bench.device)
+        except RuntimeError as e:
+            return f"skipped: {e}"
     return ""
 
 
@@ -254,6 +296,10 @@ def configure_variant(variant: Variant, bench: StepBench) -> None:
     model = bench.policy.model
     uncheckpoint_query_layers(model)
     uncompile_query_layers(model)
+    restore_layers(model, bench.fp8_layers)
+    bench.fp8_layers = {}
+    if variant.fp8:
+        bench.fp8_layers = fp8_bases(model)
     if variant.compile:
         compile_query_layers(model)
     if variant.checkpointing:

@@ -168,6 +168,22 @@ def test_each_algorithm_is_timed_on_the_forwards_its_step_runs(tmp_path: Path) -
         assert median(row["mfu_step"]) == pytest.approx(row["flops"]["update"] / median(row["step_s"]) / used)
 
 
+def test_the_fp8_experiment_changes_the_numbers_of_its_row_alone(tmp_path: Path) -> None:
+    """'-fp8' (bench.trainer_step.fp8_bases): its row trains through the frozen base's FP8 GEMMs
+    (the CPU's reference kernel), so its log-probs leave the fp32 sampler's by FP8's error and its
+    gradient differs; the variant after it has the fp32 layers back (checkpointing recomputes
+    bitwise, so it trains as the first row)."""
+    out = tmp_path / "trainer.json"
+    assert trainer.main([*TINY, "--variants", "none2,none2-fp8,ac2", "--no-publish", "--json", str(out)]) == 0
+    plain, fp8, after = json.loads(out.read_text())["rows"]
+    assert (plain["fp8"], fp8["fp8"], after["fp8"]) == (False, True, False)
+    assert plain["sync_logp_gap_max"] == after["sync_logp_gap_max"] == 0.0
+    assert 1e-7 < fp8["sync_logp_gap_max"] < 1e-3  # FP8's error on the tiny model, not another function
+    assert after["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-6)
+    assert fp8["grad_norm"] != pytest.approx(plain["grad_norm"], rel=1e-3)
+    assert 0.5 < fp8["grad_norm"] / plain["grad_norm"] < 2.0
+
+
 def test_fewer_than_three_timed_steps_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         trainer.main([*TINY, "--reps", "2"])

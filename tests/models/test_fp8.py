@@ -17,6 +17,7 @@ from torch import nn
 from flowgrpo.models.bagel.config import GEN_PATH_LINEARS, SpecialTokens, tiny
 from flowgrpo.models.bagel.fp8 import (
     E4M3_MAX,
+    Fp8FrozenLinear,
     Fp8Linear,
     check_fp8_device,
     fp8_matmul,
@@ -86,6 +87,38 @@ def test_the_fp8_gemm_is_the_float64_product_of_the_dequantized_operands() -> No
     exact = x.double() @ w.double().t()
     relative = float((y.double() - exact).norm() / exact.norm())
     assert 1e-3 < relative < 0.06, relative
+
+
+def test_a_frozen_fp8_layer_trains_its_input_through_two_fp8_gemms() -> None:
+    """Fp8FrozenLinear (the '-fp8' trainer experiment): the forward is the rollout's FP8 GEMM, the
+    input's gradient the float64 product of the gradient quantized per row and the weight per
+    input channel (the rows of W^T; quantize_rowwise is the rule, tested above), no weight
+    gradient, and the same compiled."""
+    g = torch.Generator().manual_seed(2)
+    linear = nn.Linear(64, 48)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(48, 64, generator=g) * 0.05)
+        linear.bias.copy_(torch.randn(48, generator=g))
+    linear.requires_grad_(False)
+    layer = Fp8FrozenLinear(linear)
+    x = torch.randn(2, 17, 64, generator=g, requires_grad=True)
+    y = layer(x)
+    assert torch.equal(y, Fp8Linear.from_linear(linear)(x))  # the forward is the rollout's, bitwise
+    grad = torch.randn(2, 17, 48, generator=g)
+    y.backward(grad)
+    assert x.grad is not None and linear.weight.grad is None
+    g_values, g_scales = quantize_rowwise(grad.reshape(-1, 48))
+    wt_values, wt_scales = quantize_rowwise(linear.weight.t())  # [64, 48]: one scale per input channel
+    expected = (g_values.double() * g_scales.double()) @ (wt_values.double() * wt_scales.double()).t()
+    torch.testing.assert_close(x.grad.reshape(-1, 64).double(), expected, rtol=1e-5, atol=1e-6)
+    exact = grad.reshape(-1, 48).double() @ linear.weight.double()
+    relative = float((x.grad.reshape(-1, 64).double() - exact).norm() / exact.norm())
+    assert 1e-3 < relative < 0.06, relative  # FP8's error, not another product
+    # compiled (the trainer compiles its query path), bitwise eager's: Inductor once laid out the
+    # saved weight so that _scaled_mm refused it
+    inputs = x.detach().clone().requires_grad_(True)
+    torch.compile(layer, fullgraph=True)(inputs).backward(grad)
+    assert inputs.grad is not None and torch.equal(inputs.grad, x.grad)
 
 
 def test_in_bf16_the_bias_is_added_before_the_one_rounding_of_the_output() -> None:

@@ -11,6 +11,7 @@ import torch
 from flowgrpo.models.bagel.attention import KVCache
 from flowgrpo.models.bagel.config import tiny
 from flowgrpo.models.bagel.fp8 import (
+    Fp8FrozenLinear,
     Fp8Linear,
     check_fp8_device,
     fp8_matmul,
@@ -63,6 +64,34 @@ def test_the_bias_in_the_epilogue_and_the_fast_accumulation_stay_near_the_produc
 
 
 @torch.no_grad()
+def test_a_frozen_fp8_layer_trains_its_input_compiled_as_eager_near_the_float64_product() -> None:
+    """The '-fp8' trainer experiment's layer (Fp8FrozenLinear) on Hopper under bf16 autocast, at a
+    gen-path shape (3584 -> 18944 and back): the input's gradient near the float64 product of
+    the quantized operands, compiled as eager (the trainer compiles its query path)."""
+    g = torch.Generator().manual_seed(4)
+    linear = torch.nn.Linear(3584, 18944, bias=False).requires_grad_(False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(18944, 3584, generator=g) * 0.01)
+    layer = Fp8FrozenLinear(linear.cuda().bfloat16())
+    x = torch.randn(512, 3584, generator=g)
+    grad = torch.randn(512, 18944, generator=g)
+
+    def input_grad(forward: torch.nn.Module) -> torch.Tensor:
+        inputs = x.cuda().bfloat16().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            forward(inputs).backward(grad.cuda().bfloat16())
+        assert inputs.grad is not None
+        return inputs.grad
+
+    eager = input_grad(layer)
+    gq, gs = quantize_rowwise(grad.bfloat16())
+    wq, ws = quantize_rowwise(linear.weight.t().cpu().bfloat16())
+    expected = (gq.double() * gs.double()) @ (wq.double() * ws.double()).t()
+    assert rel_err(eager.cpu(), expected) < 4e-3  # bf16 output rounding over fp32 accumulation
+    compiled = input_grad(torch.compile(layer))
+    assert rel_err(compiled.cpu(), eager.cpu()) < 1e-2
+
+
 def test_an_fp8_model_compiles_and_stays_near_its_bf16_self() -> None:
     torch.manual_seed(1)
     bf16 = BagelModel(tiny()).cuda().to(torch.bfloat16).eval()

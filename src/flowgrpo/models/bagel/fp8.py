@@ -140,6 +140,68 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 row-wise{fast}"
 
 
+class _FrozenFp8Matmul(torch.autograd.Function):
+    """x W^T for a frozen W (a LoRA's base) with both GEMMs in FP8: the forward's as
+    :func:`fp8_matmul` computes it, and the input's gradient g W from g quantized per row and W
+    per input channel (the rows of W^T); no weight gradient and nothing of x kept for one."""
+
+    @staticmethod
+    def forward(  # noqa: PLR0917 (autograd passes what apply is given)
+        ctx: torch.autograd.function.FunctionCtx,
+        x: Tensor,
+        weight_q: Tensor,
+        weight_scale: Tensor,
+        weight_t_q: Tensor,
+        weight_t_scale: Tensor,
+        out_dtype: torch.dtype,
+        fast_accum: bool,
+    ) -> Tensor:
+        ctx.save_for_backward(weight_t_q, weight_t_scale)
+        ctx.x_dtype = x.dtype  # type: ignore[attr-defined]
+        return fp8_matmul(x, weight_q, weight_scale, out_dtype, fast_accum=fast_accum)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        weight_t_q, weight_t_scale = ctx.saved_tensors  # type: ignore[attr-defined]
+        # contiguous(): a no-op in eager; compiled, Inductor otherwise laid the saved weight's
+        # transpose out row-major, which _scaled_mm refuses (seen on a CPU, torch 2.13)
+        grad_x = fp8_matmul(grad, weight_t_q.contiguous(), weight_t_scale, grad.dtype)  # exact accumulation
+        return grad_x.to(ctx.x_dtype), None, None, None, None, None, None  # type: ignore[attr-defined]
+
+
+class Fp8FrozenLinear(nn.Module):
+    """A frozen linear layer that trains what is around it in FP8 (EXPERIMENT, `bench trainer`'s
+    '-fp8' variants: the LoRA trainer's base matmuls on FP8 tensor cores): the forward and the
+    input's gradient each an e4m3 GEMM with row-wise scales (:class:`_FrozenFp8Matmul`), the
+    weight held twice in e4m3 (per output channel for the forward, per input channel for the
+    gradient: 2 bytes a weight against bf16's 2, quantized once: the base never changes), the
+    bias in the layer's dtype."""
+
+    def __init__(self, linear: nn.Linear, fast_accum: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.fast_accum = fast_accum
+        with torch.no_grad():
+            weight_q, weight_scale = quantize_rowwise(linear.weight)
+            weight_t_q, weight_t_scale = quantize_rowwise(linear.weight.t())
+        self.register_buffer("weight_q", weight_q)
+        self.register_buffer("weight_scale", weight_scale)
+        self.register_buffer("weight_t_q", weight_t_q)
+        self.register_buffer("weight_t_scale", weight_t_scale)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: Tensor) -> Tensor:
+        out_dtype = x.dtype
+        if x.is_cuda and torch.is_autocast_enabled("cuda"):
+            out_dtype = torch.get_autocast_dtype("cuda")
+        weights = (self.weight_q, self.weight_scale, self.weight_t_q, self.weight_t_scale)
+        y: Tensor = _FrozenFp8Matmul.apply(x, *weights, out_dtype, self.fast_accum)  # type: ignore[no-untyped-call]
+        return y if self.bias is None else y + self.bias.to(out_dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, frozen, e4m3 GEMMs"
+
+
 def gen_path_linears(model: nn.Module) -> dict[str, nn.Linear]:
     """The decoder layers' gen-path linear layers (``GEN_PATH_LINEARS``) by module name: the
     layers FP8 rollouts quantize (:func:`quantize_gen_path`; torchao's in ``bench fp8 --torchao``)."""
