@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from flowgrpo.algorithms.objective import mini_batch_rows
 from flowgrpo.configs.run import RunConfig, load_run_config
 from flowgrpo.configs.trainer import AwmConfig, DgpoConfig, FlowGrpoConfig, NftConfig
 from flowgrpo.data import load_split
@@ -173,9 +174,11 @@ def unmerged_lora_row_flops(work: Workload) -> float:
 
 
 def training_flops(work: Workload, lengths: list[int], *, recomputed: bool) -> dict[str, float]:
-    """FLOPs of one training step over trajectories with prompts of ``lengths`` tokens: "logp_old"
-    (its recompute, or DiffusionNFT's old-policy forward, timed in update), "reference" (the KL reference's
-    forward: the base, no LoRA), "update" (forward + backward)."""
+    """FLOPs of one training step over trajectories with prompts of ``lengths`` tokens (in the
+    batch's order, the prompts' groups one after the other): "logp_old" (its recompute, of the
+    rows after the first mini-batch, whose own forwards give theirs; or DiffusionNFT's old-policy
+    forward, timed in update), "reference" (the KL reference's forward: the base, no LoRA),
+    "update" (forward + backward)."""
     trainer = work.cfg.trainer
     if isinstance(trainer.algorithm, DgpoConfig):
         return dgpo_flops(work, lengths, trainer.algorithm)
@@ -184,8 +187,12 @@ def training_flops(work: Workload, lengths: list[int], *, recomputed: bool) -> d
     old_forward = isinstance(algorithm, NftConfig) or (
         isinstance(algorithm, AwmConfig) and algorithm.ema_kl_beta > 0
     )
+    later = [
+        lengths[row] for mini in mini_batch_rows(len(lengths), trainer.loss.mini_batches)[1:] for row in mini
+    ]
+    recompute = pass_rows(work, later, work.lora())["old"] if later else 0.0
     return {
-        "logp_old": flops["old"] if recomputed or old_forward else 0.0,
+        "logp_old": flops["old"] if old_forward else recompute if recomputed else 0.0,
         "reference": pass_rows(work, lengths, BASE)["old"] if trainer.loss.kl_beta > 0 else 0.0,
         "update": flops["update"],
     }

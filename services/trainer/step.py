@@ -22,7 +22,6 @@ the bf16 und path at all. On the CPU (fp32 tests) nothing changes: autocast is n
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -35,7 +34,7 @@ from flowgrpo.algorithms.dgpo.objective import DGPOObjective
 from flowgrpo.algorithms.diffusion_nft.objective import DiffusionNFTObjective
 from flowgrpo.algorithms.flow_grpo.objective import ON_POLICY_GAP, FlowGRPOObjective, LogProbGapError
 from flowgrpo.algorithms.grpo_guard.objective import GRPOGuardObjective
-from flowgrpo.algorithms.objective import Forwards, Objective, Trajectory, stop_nothing
+from flowgrpo.algorithms.objective import Forwards, Objective, Trajectory, mini_batch_rows, stop_nothing
 from flowgrpo.configs.trainer import AwmConfig, DgpoConfig, LossConfig, NftConfig, OptimConfig, TrainerConfig
 from flowgrpo.models.bagel.config import SpecialTokens
 from flowgrpo.models.bagel.sampling import lora_inputs_uncast
@@ -120,9 +119,7 @@ class TrainStep:
     def _run(
         self, batch: Sequence[Trajectory], params: SamplerParams, seed: int, step: int
     ) -> dict[str, float]:
-        rows = list(range(len(batch)))
-        size = math.ceil(len(rows) / self.loss.mini_batches)
-        minis = [rows[start : start + size] for start in range(0, len(rows), size)]
+        minis = mini_batch_rows(len(batch), self.loss.mini_batches)
         lag = torch.tensor([self.version - t.policy_version for t in batch], dtype=torch.float32)
         metrics = self.objective.begin(
             batch, params, minis, seed=seed, step=step, version=self.version, steps_done=self.steps_done

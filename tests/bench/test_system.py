@@ -31,12 +31,13 @@ GROUP, POINTS, WINDOW, LATENT_TOKENS = 4, 4, 2, (64 // 16) ** 2  # SHORT_DEMO an
 
 def expected_step_flops(model: Path, length: int) -> dict[str, float]:
     """One step of the shortened demo (one prompt of ``length`` tokens, G = 4, CFG on, full
-    gen-path training), from the formulas: (num_points - 1) denoising steps of G conditional and
-    G empty-context rows, and the training pass over the window."""
+    gen-path training, one mini-batch), from the formulas: (num_points - 1) denoising steps of G
+    conditional and G empty-context rows, and the training pass over the window; no logp_old
+    recompute (one mini-batch: its forwards give every row's)."""
     cfg = read_bagel_config(model)
     rollout = (POINTS - 1) * spec_step_flops(cfg, LATENT_TOKENS, [length] * GROUP + [0] * GROUP)
     train = pass_flops(cfg, LATENT_TOKENS, [length] * GROUP, WINDOW, kind="full", rank=0, targets=[])
-    return {"rollout": rollout, "logp_old": train["old"], "update": train["update"]}
+    return {"rollout": rollout, "logp_old": 0.0, "update": train["update"]}
 
 
 def check_variant(r: dict[str, Any], model: Path, prompt_lengths: list[int], peak_tflops: float) -> None:
@@ -115,6 +116,28 @@ def test_a_variant_keeps_the_commas_inside_a_value() -> None:
     assert system.variant_arg("plain") == system.Variant("plain", ())
     with pytest.raises(argparse.ArgumentTypeError):
         system.variant_arg("bad:no-equals-sign")
+
+
+def test_flowgrpo_recomputes_logp_old_for_the_rows_after_the_first_mini_batch() -> None:
+    """The one-GPU recipe (2 mini-batches): the first mini-batch's rows take logp_old from their
+    own forwards, so the recompute's FLOPs are the second mini-batch's rows' (the second prompt's
+    group), written out per row; none where logp_old was bypassed."""
+    paths = ["model.checkpoint=/ckpt/m", "data.dataset=/data/pickscore"]  # never read
+    cfg = load_run_config(EXAMPLES / "bagel_pickscore_lora_1gpu.yaml", [*paths, "data.prompts_per_step=2"])
+    assert cfg.trainer.loss.mini_batches == 2
+    work = system.Workload(bagel_7b(), cfg.sampling.params(), cfg)
+    policy, group = cfg.trainer.policy, cfg.data.group_size
+    lengths = [12] * group + [30] * group
+    rows = [
+        row_flops(
+            work.model, work.latent_tokens, n, kind="lora", rank=policy.lora_rank, targets=policy.lora_targets
+        )
+        for n in (30, 0)  # the second prompt's conditional row and its empty-context (CFG) row
+    ]
+    flops = system.training_flops(work, lengths, recomputed=True)
+    window = cfg.sampling.params().window_size
+    assert flops["logp_old"] == pytest.approx(group * window * sum(f.forward for f in rows), rel=1e-12)
+    assert system.training_flops(work, lengths, recomputed=False)["logp_old"] == 0.0
 
 
 @pytest.mark.parametrize(

@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from flowgrpo.algorithms.flow_grpo.objective import FlowGRPOObjective
 from flowgrpo.configs.trainer import LossConfig, OptimConfig, PolicyConfig, TrainerConfig
 from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens, make_tiny_bagel
 from flowgrpo.models.bagel.policy import PolicyApplier, PolicyUpdate
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
+from flowgrpo.sampler_math import StepResult
 from flowgrpo.sampler_params import SamplerParams
 from flowgrpo.services.trainer.distributed import Dist
 from flowgrpo.services.trainer.policy import TrainablePolicy
@@ -169,6 +171,34 @@ def test_mini_batches_and_micro_batches_accumulate_to_the_same_first_gradient(ti
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-8)  # masks, not duplicates
 
 
+@pytest.mark.parametrize(("mini_batches", "recomputed"), [(1, 0), (2, 2)])
+def test_the_first_mini_batch_takes_its_logp_old_from_its_own_forward(
+    tiny: Path, mini_batches: int, recomputed: int
+) -> None:
+    """Nothing updates the weights before the first mini-batch's forwards, so they are the
+    proximal policy's: its rows are not recomputed (one mini-batch: no logp_old pass at all), and
+    the logp_old the step ends with is bitwise a recompute of every row (deterministic CPU)."""
+    batch = rollout(sampler_for(tiny), [1.5, -0.5, 0.25, 2.0])
+    step = trainer(tiny, mini_batches=mini_batches)
+    expected = step.objective.recompute(batch, PARAMS).clone()  # every row, before any update
+    window_log_probs, without_grad = step.forwards.window_log_probs, []
+
+    def counting(part: list[Trajectory], params: SamplerParams) -> StepResult:
+        if not torch.is_grad_enabled():
+            without_grad.append(len(part))
+        return window_log_probs(part, params)
+
+    vars(step.forwards)["window_log_probs"] = counting
+    metrics = step.run(batch, PARAMS)
+    assert sum(without_grad) == recomputed  # rows, micro-batches of 1
+    assert isinstance(step.objective, FlowGRPOObjective)
+    assert torch.equal(step.objective._logp_old, expected)
+    gap = (expected - torch.stack([t.log_probs for t in batch])).abs()
+    assert metrics["actor/rollout_logp_gap/max"] == float(gap.max())
+    # the first mini-batch's ratio is exactly 1; the second's moved with the first update
+    assert (metrics["actor/ratio_mean"] == 1.0) == (mini_batches == 1)
+
+
 def counted_prefills(step: TrainStep) -> list[int]:
     """The rows of every prefill the step's model runs from now on."""
     model = step.policy.model
@@ -203,7 +233,8 @@ def test_a_step_prefills_each_distinct_prompt_once_and_trains_as_a_prefill_per_m
     shared_rows, per_micro_rows = counted_prefills(shared), counted_prefills(per_micro)
     metrics = [shared.run(batch, params), per_micro.run(batch, params)]
     assert shared_rows == prefills  # 2 prompts of 4 samples: each once
-    assert per_micro_rows == [1] * 8  # 4 micro-batches of 1 sample: the logp_old pass and the update
+    # micro-batches of 1 sample: the logp_old pass of the second mini-batch's 2, the update's 4
+    assert per_micro_rows == [1] * 6
     figures = [{k: v for k, v in m.items() if not k.startswith("timing_s/")} for m in metrics]
     weights = [list(step.policy.trainable().values()) for step in (shared, per_micro)]
     if mode == "batched":
@@ -223,7 +254,7 @@ def test_a_trainable_language_half_is_prefilled_every_micro_batch(tiny: Path) ->
     step.policy.model.language_model.model.embed_tokens.weight.requires_grad_(True)
     rows = counted_prefills(step)
     step.run(rollout(sampler_for(tiny), [1.5, -0.5, 0.25, 2.0]), PARAMS)
-    assert rows == [1] * 8
+    assert rows == [1] * 6
 
 
 class Stop(Exception):
@@ -238,14 +269,14 @@ def test_a_step_abandoned_before_its_first_update_leaves_the_trainer_as_it_was(t
     before = {k: v.detach().clone() for k, v in step.policy.trainable().items()}
     calls = 0
 
-    def stop_at_the_sixth_check() -> None:  # checks 1-4: logp_old; 5, 6: the first mini-batch's
-        nonlocal calls  # micro-batches: the 6th comes after the first one's backward
+    def stop_at_the_fourth_check() -> None:  # checks 1, 2: logp_old of the second mini-batch;
+        nonlocal calls  # 3, 4: the first mini-batch's micro-batches: the 4th comes after the first's backward
         calls += 1
-        if calls == 6:
+        if calls == 4:
             raise Stop
 
     with pytest.raises(Stop):
-        step.run(batch, PARAMS, may_stop=stop_at_the_sixth_check)
+        step.run(batch, PARAMS, may_stop=stop_at_the_fourth_check)
     assert step.version == 0 and step.steps_done == 0 and not step.optimizer.state
     assert all(torch.equal(v, before[k]) for k, v in step.policy.trainable().items())
     # the abandoned step left nothing behind: the next one is the step a fresh trainer takes
@@ -260,7 +291,7 @@ def test_a_step_abandoned_before_its_first_update_leaves_the_trainer_as_it_was(t
         seen += 1
 
     step.run(batch, PARAMS, may_stop=count)
-    assert seen == 4 + 2 + 1  # 4 logp_old parts, 2 micro-batches, before the update; then never
+    assert seen == 2 + 2 + 1  # 2 logp_old parts, 2 micro-batches, before the update; then never
 
 
 def test_the_on_policy_gap_is_measured_free_and_is_zero_for_exact_numerics(tiny: Path) -> None:

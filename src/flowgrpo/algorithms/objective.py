@@ -24,6 +24,7 @@ Inside a step (``begin_step``) the prefill is the step's, of its distinct prompt
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -48,6 +49,13 @@ from flowgrpo.models.bagel.sampling import (
 )
 from flowgrpo.sampler_math import StepResult, sample_noise, shifted_schedule
 from flowgrpo.sampler_params import SamplerParams
+
+
+def mini_batch_rows(rows: int, mini_batches: int) -> list[list[int]]:
+    """A step's rows 0..rows-1 in ``mini_batches`` consecutive mini-batches (one optimizer step
+    each; the last may be shorter): the split the trainer's step trains and the benchmarks count."""
+    size = math.ceil(rows / mini_batches)
+    return [list(range(start, min(start + size, rows))) for start in range(0, rows, size)]
 
 
 class Ranks(Protocol):

@@ -1,17 +1,22 @@
 """FlowGRPO's objective on the trainer (docs/algorithms.md; the loop is ``TrainStep``'s).
 
-1. ``begin``: logp_old, the proximal policy's log-prob of every stored window step, recomputed
-   without gradients with the weights at the start of the step (or, with ``logp_old=bypass``, the
-   behaviour log-probs the rollout stored, while the measured gap stays below eps / 10), and the
-   truncated importance weights of the samples another policy drew: an older version (async) or
-   an FP8 rollout (``rollout.precision=fp8``; TIS, as FlashRL corrects FP8 LLM rollouts), whose
-   log-prob gap to logp_old is measured too (``actor/fp8_logp_gap/...``);
+1. ``begin``: logp_old, the proximal policy's log-prob of every stored window step: the policy at
+   the start of the step. The rows of the first mini-batch take it from their own forward in
+   (2), detached: nothing has updated the weights before it, so that forward is the proximal
+   policy's (as TRL's GRPO does on-policy; the recompute pass would compute the same function
+   again). The later mini-batches' rows are recomputed here, without gradients. With
+   ``logp_old=bypass`` every row takes the behaviour log-probs the rollout stored, while the
+   measured gap stays below eps / 10. Then the truncated importance weights of the samples
+   another policy drew: an older version (async) or an FP8 rollout (``rollout.precision=fp8``;
+   TIS, as FlashRL corrects FP8 LLM rollouts);
 2. ``micro_batch``: every trained step recomputes the CFG-combined velocity with gradients and
    scores the stored x_{t+1} with ``window_step``: the functions the sampler used, so behaviour and
    training log-probs are the same function; the clipped surrogate (``loss.flow_grpo_terms``);
-3. ``before_update`` of the first mini-batch: the weight-sync alarm (``loss.max_logp_gap``; on FP8
-   samples ``loss.max_fp8_logp_gap``) on the samples of the trainer's own version, measured free on
-   that forward, before any update.
+3. ``before_update`` of the first mini-batch: the first mini-batch's logp_old gathered from the
+   ranks, so the gaps between logp_old and the behaviour log-probs are measured over every row
+   (``actor/rollout_logp_gap/...``, ``actor/fp8_logp_gap/...``); the weight-sync alarm
+   (``loss.max_logp_gap``; on FP8 samples ``loss.max_fp8_logp_gap``) on the samples of the
+   trainer's own version, measured free on that forward, before any update.
 """
 
 from __future__ import annotations
@@ -81,6 +86,10 @@ class FlowGRPOObjective:
         self._behaviour = torch.zeros(0)
         self._off_policy = torch.zeros(0, dtype=torch.bool)  # [B]: drawn by another policy
         self._fp8 = torch.zeros(0, dtype=torch.bool)  # [B]: drawn by an FP8 rollout
+        # [B]: logp_old from the row's first-mini-batch forward; those values land in
+        # _fresh_logp ([B, W], on the forwards' device, this rank's rows) until before_update
+        self._fresh = torch.zeros(0, dtype=torch.bool)
+        self._fresh_logp = torch.zeros(0)
         # max on-policy gap of this rank's first mini-batch rows, [rollout in the trainer's
         # precision, FP8 rollout]; -1: none. On the forwards' device, read once before the
         # update: a read each micro-batch would make the host wait for its forward
@@ -104,12 +113,12 @@ class FlowGRPOObjective:
         self._batch, self._params, self._version = batch, params, version
         self._behaviour = torch.stack([t.log_probs for t in batch])
         self._fp8 = torch.tensor([t.fp8 for t in batch], dtype=torch.bool)
-        self._logp_old = self._logp_old_of(minis, steps_done, metrics)
+        self._logp_old, self._fresh = self._logp_old_of(minis, steps_done, metrics)
         metrics["timing_s/old_log_prob"] = time.perf_counter() - started
         lag = torch.tensor([version - t.policy_version for t in batch])
         self._off_policy = (lag > 0) | self._fp8
-        off_policy = self._off_policy[:, None].expand_as(self._behaviour)
-        self._weights = importance_weights(self._logp_old, self._behaviour, off_policy, self.loss.is_cap)
+        self._weights = self._importance_weights(self._logp_old, torch.arange(len(batch)))
+        self._fresh_logp = torch.zeros(self._behaviour.shape, device=self.forwards.device)
         self._gap = torch.full((2,), -1.0, dtype=torch.float64, device=self.forwards.device)
         self._gap_rows = [0, 0]
         return metrics
@@ -135,16 +144,23 @@ class FlowGRPOObjective:
         )
         window = self._logp_old.shape[1]
         device = result.log_prob.device
+        if bool(self._fresh[index].any()):  # the first mini-batch: this forward is the proximal policy's
+            logp_old = result.log_prob.detach()
+            self._keep_fresh(rows, logp_old)
+            weights = self._importance_weights(logp_old, index)
+        else:
+            logp_old = to_device(self._logp_old[index], device)
+            weights = to_device(self._weights[index], device)
         terms = self._terms(
             rows,
             result,
             logp=result.log_prob.flatten(),
-            logp_old=to_device(self._logp_old[index].flatten(), device),
+            logp_old=logp_old.flatten(),
             advantages=to_device(
                 torch.tensor([batch[r].advantage for r, _ in rows]).repeat_interleave(window), device
             ),
             mask=to_device(torch.tensor([valid for _, valid in rows]).repeat_interleave(window), device),
-            weights=to_device(self._weights[index].flatten(), device),
+            weights=weights.flatten(),
             kl=kl,
         )
         torch.autograd.backward(terms.loss_sum * scale)
@@ -184,9 +200,10 @@ class FlowGRPOObjective:
         if not first:
             return {}
         dist = self.forwards.dist
+        metrics = self._complete_logp_old()
         rows = dist.sum(torch.tensor(self._gap_rows, dtype=torch.float64))
         gaps = dist.max(self._gap).tolist()
-        metrics: dict[str, float] = {ON_POLICY_ROWS: float(rows[0])}
+        metrics[ON_POLICY_ROWS] = float(rows[0])
         if int(rows[1]):
             metrics[ON_POLICY_FP8_ROWS] = float(rows[1])
         checks = (
@@ -249,6 +266,8 @@ class FlowGRPOObjective:
         batch, params = self._batch, self._params
         assert params is not None
         recomputed = torch.zeros(len(batch), batch[0].log_probs.shape[0])
+        if not any(minis):  # one mini-batch: its forwards give every row's logp_old
+            return recomputed
         with torch.no_grad():
             for part in self._recompute_parts(minis):
                 self.forwards.may_stop()
@@ -262,24 +281,57 @@ class FlowGRPOObjective:
     def _keep(self, row: int, result: StepResult, i: int) -> None:
         """What else of the recompute the objective keeps (GRPO-Guard: the step means)."""
 
-    def _logp_old_of(self, minis: list[list[int]], steps_done: int, metrics: dict[str, float]) -> Tensor:
+    def _logp_old_of(
+        self, minis: list[list[int]], steps_done: int, metrics: dict[str, float]
+    ) -> tuple[Tensor, Tensor]:
+        """logp_old [B, W] (the first mini-batch's rows 0 until their forward fills them in) and
+        which rows their forward fills [B]."""
         bypass = (
             self.loss.logp_old == "bypass"
             and steps_done % self.loss.bypass_check_every != 0
             and self.last_gap < self.loss.clip_eps / 10
         )
+        fresh = torch.zeros(len(self._batch), dtype=torch.bool)
+        metrics["actor/logp_old_bypassed"] = float(bypass)
         if bypass:
-            metrics["actor/logp_old_bypassed"] = 1.0
-            return self._behaviour
-        recomputed = self._recompute(minis)
-        gap = (recomputed - self._behaviour).abs()
+            return self._behaviour, fresh
+        fresh[minis[0]] = True
+        return self._recompute(minis[1:]), fresh
+
+    def _keep_fresh(self, rows: Rows, logp_old: Tensor) -> None:
+        """This rank's first-mini-batch rows' logp_old (from their forward), on the device."""
+        valid = [k for k, (_, ok) in enumerate(rows) if ok]
+        if valid:
+            device = logp_old.device
+            at = to_device(torch.tensor([rows[k][0] for k in valid]), device)
+            self._fresh_logp[at] = logp_old.index_select(0, to_device(torch.tensor(valid), device)).float()
+
+    def _complete_logp_old(self) -> dict[str, float]:
+        """After the first mini-batch's forwards: its rows' logp_old from every rank (each row was
+        trained on one), the importance weights of every row, and the gaps between logp_old and
+        the behaviour log-probs over the step (none when logp_old was bypassed)."""
+        if not bool(self._fresh.any()):
+            return {}
+        fresh = self.forwards.dist.sum(self._fresh_logp).cpu()  # one read, before the update
+        self._logp_old[self._fresh] = fresh[self._fresh].to(self._logp_old.dtype)
+        self._weights = self._importance_weights(self._logp_old, torch.arange(len(self._batch)))
+        gap = (self._logp_old - self._behaviour).abs()
         self.last_gap = float(gap.max())
-        metrics["actor/rollout_logp_gap/mean"] = float(gap.mean())
-        metrics["actor/rollout_logp_gap/max"] = float(gap.max())
-        metrics["actor/logp_old_bypassed"] = 0.0
+        metrics = {
+            "actor/rollout_logp_gap/mean": float(gap.mean()),
+            "actor/rollout_logp_gap/max": self.last_gap,
+        }
         if bool(self._fp8.any()):  # what the quantization costs: |logp_old - logp_fp8| per window step
             metrics.update(gap_distribution("actor/fp8_logp_gap", gap[self._fp8].flatten()))
-        return recomputed
+        return metrics
+
+    def _importance_weights(self, logp_old: Tensor, rows: Tensor) -> Tensor:
+        """The truncated importance weights [len(rows), W] of ``rows`` given their logp_old, on
+        logp_old's device."""
+        device = logp_old.device
+        behaviour = to_device(self._behaviour[rows], device)
+        off_policy = to_device(self._off_policy[rows], device)[:, None].expand_as(behaviour)
+        return importance_weights(logp_old, behaviour, off_policy, self.loss.is_cap)
 
     # --- the alarm and the KL ----------------------------------------------------------------------
 

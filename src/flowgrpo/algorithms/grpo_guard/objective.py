@@ -2,7 +2,9 @@
 each step's mean from the proximal policy's (``loss.grpo_guard_terms``; docs/algorithms.md).
 
 The proximal means come from the logp_old recompute, so each rank recomputes exactly the rows it
-trains (each mini-batch shared over the ranks as the update shares it) and keeps their means.
+trains (each mini-batch shared over the ranks as the update shares it) and keeps their means; the
+first mini-batch's rows, whose logp_old is their own forward's, take that forward's means (drift 0,
+ratio 1: the proximal policy is the current one).
 """
 
 from __future__ import annotations
@@ -79,11 +81,12 @@ class GRPOGuardObjective(FlowGRPOObjective):
     def _guard_step(self, rows: Rows, result: StepResult) -> GuardStep:
         """Per (sample, window step): the drift of the mean from the proximal policy's, the step's
         std and -dt, flattened like the log-probs. A padding row takes its own mean as the proximal
-        one (drift 0): it counts for nothing, and must stay finite (inf x mask 0 is NaN)."""
+        one (drift 0): it counts for nothing, and must stay finite (inf x mask 0 is NaN); so does a
+        row of the first mini-batch, whose proximal policy is this forward's."""
         device = result.mean.device
         means = []
         for i, (row, valid) in enumerate(rows):
-            if valid:
+            if valid and not self._fresh[row]:
                 means.append(to_device(self._mean_old[row], device))
             else:
                 means.append(result.mean[i].detach())
