@@ -30,7 +30,9 @@ def expected_pass_flops(layers: int = tiny().layers) -> dict[str, float]:
     tokens + 2 markers, rank-4 LoRA on all seven gen-path linears. Per row: forward = the gen
     matmuls 2 P T + attention 4 T K d H L + LoRA 2 T r S L; the update adds the activation
     gradients (every matmul again but layer 0's q/k/v, whose input needs none; attention twice)
-    and the LoRA weight gradients (the LoRA matmuls again)."""
+    and the LoRA weight gradients (the LoRA matmuls again). The logp_old pass recomputes the
+    second mini-batch's 2 trajectories (the 14-token prompt's) alone: the first mini-batch's come
+    from their own update forwards."""
     cfg = tiny()
     q, kv, h, i = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.hidden, cfg.intermediate
     gen_params = layers * (2 * h * q + 2 * h * kv + 3 * h * i)  # q, o; k, v; gate, up, down
@@ -39,12 +41,15 @@ def expected_pass_flops(layers: int = tiny().layers) -> dict[str, float]:
     tokens, rank, window = 4 + 2, 4, 2
     lora = 2 * tokens * rank * in_plus_out * layers
     old = update = 0.0
-    for context in [6, 0, 6, 0, 14, 0, 14, 0]:
-        attention = 4 * tokens * (context + tokens) * cfg.head_dim * cfg.heads * layers
-        forward = 2 * gen_params * tokens + attention + lora
-        act_grads = 2 * tokens * (gen_params - layer0_qkv) + 2 * attention + lora - 2 * tokens * rank * 3 * h
-        old += window * forward
-        update += window * (forward + act_grads + lora)
+    for trajectory, prompt in enumerate([6, 6, 14, 14]):
+        for context in (prompt, 0):
+            attention = 4 * tokens * (context + tokens) * cfg.head_dim * cfg.heads * layers
+            forward = 2 * gen_params * tokens + attention + lora
+            act_grads = (
+                2 * tokens * (gen_params - layer0_qkv) + 2 * attention + lora - 2 * tokens * rank * 3 * h
+            )
+            old += window * forward if trajectory >= 2 else 0.0
+            update += window * (forward + act_grads + lora)
     return {"old": old, "update": update}
 
 
@@ -73,9 +78,10 @@ def test_the_trainer_benchmark_reports_consistent_figures(
         "none2-microprefill",
     ]
     # the step prefills its 2 prompts once (4 trajectories of 2 prompts); '-microprefill' each of
-    # its 4 micro-batches of 2 rows (the logp_old pass 2, the 2 optimizer steps 1 each)
+    # its 3 micro-batches of 2 rows (the logp_old pass 1: the second mini-batch's; the 2
+    # optimizer steps 1 each)
     prefills = [r["forwards"]["prefill_rows"] for r in report["rows"]]
-    assert prefills[:4] == [[2]] * 4 and prefills[4] == [2] * 4
+    assert prefills[:4] == [[2]] * 4 and prefills[4] == [2] * 3
     assert report["rows"][4]["loss"] == pytest.approx(report["rows"][0]["loss"], rel=1e-4)
     # the tiny model's 2 layers: every2 checkpoints layer 0 alone, so recomputes half of ac4's
     assert [r["checkpointed_share"] for r in report["rows"]] == [0.0, 1.0, 0.5, 0.0, 0.0]

@@ -117,6 +117,8 @@ class FlowGRPOObjective:
         metrics["timing_s/old_log_prob"] = time.perf_counter() - started
         lag = torch.tensor([version - t.policy_version for t in batch])
         self._off_policy = (lag > 0) | self._fp8
+        # the first mini-batch's rows: placeholders until _complete_logp_old (their micro-batches
+        # weigh with their own forward's)
         self._weights = self._importance_weights(self._logp_old, torch.arange(len(batch)))
         self._fresh_logp = torch.zeros(self._behaviour.shape, device=self.forwards.device)
         self._gap = torch.full((2,), -1.0, dtype=torch.float64, device=self.forwards.device)
