@@ -189,8 +189,8 @@ def addmm_lora(model: torch.nn.Module) -> list[torch.nn.Module]:
 def fp8_bases(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
     """EXPERIMENT (bench only): every frozen gen-path linear layer of the decoder (a LoRA's
     ``base_layer``, or the layer itself where no adapter targets it) computes in FP8, forward and
-    input gradient (:class:`Fp8FrozenLinear`). Returns the replaced layers by module name;
-    :func:`restore_layers` puts them back."""
+    input gradient (:class:`Fp8FrozenLinear`; the forward's accumulation fast). Returns the
+    replaced layers by module name; :func:`restore_layers` puts them back."""
     replaced: dict[str, torch.nn.Linear] = {}
     for name, module in list(model.named_modules()):
         if (
@@ -201,7 +201,9 @@ def fp8_bases(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
             replaced[name] = module
     for name, module in replaced.items():
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, Fp8FrozenLinear(module))
+        # the forward with Hopper's fast accumulation, the input gradient exact: torchao's float8
+        # training recipes' choice (Float8LinearConfig's gemm configs)
+        setattr(model.get_submodule(parent), child, Fp8FrozenLinear(module, fast_accum=True))
     if not replaced:
         raise ValueError("-fp8 found no frozen gen-path linear layer in this model")
     return replaced
