@@ -63,7 +63,6 @@ def test_the_bias_in_the_epilogue_and_the_fast_accumulation_stay_near_the_produc
     assert rel_err(fast.cpu(), expected) < 5e-2, rel_err(fast.cpu(), expected)  # DeepSeek-V3: ~14 bits kept
 
 
-@torch.no_grad()
 def test_a_frozen_fp8_layer_trains_its_input_compiled_as_eager_near_the_float64_product() -> None:
     """The '-fp8' trainer experiment's layer (Fp8FrozenLinear) on Hopper under bf16 autocast, at a
     gen-path shape (3584 -> 18944 and back): the input's gradient near the float64 product of
@@ -92,6 +91,7 @@ def test_a_frozen_fp8_layer_trains_its_input_compiled_as_eager_near_the_float64_
     assert rel_err(compiled.cpu(), eager.cpu()) < 1e-2
 
 
+@torch.no_grad()
 def test_an_fp8_model_compiles_and_stays_near_its_bf16_self() -> None:
     torch.manual_seed(1)
     bf16 = BagelModel(tiny()).cuda().to(torch.bfloat16).eval()
