@@ -16,7 +16,8 @@
 #   bf16 rollouts and with FP8 rollouts, back to back: images/s end to end, each part's MFU and
 #   peak memory; LAYERS (28: the whole 7B), STEPS (4, the first a warm-up; the fewest the bench
 #   takes), VARIANTS ("bf16 fp8"; at the recipe's 128 images a step one variant fits a 10-minute
-#   call: VARIANTS=bf16, then VARIANTS=fp8 on the same machine). Arguments after `system` go to
+#   call: VARIANTS=bf16, then VARIANTS=fp8 on the same machine; fp8-mb1: FP8 rollouts and the
+#   trainer at micro-batch 1 without checkpointing). Arguments after `system` go to
 #   `flowgrpo bench system` as overrides of both variants: at 32 images a step
 #   (`data.prompts_per_step=2`: 2 prompts x 16) both variants fit one call and an 80 GB H100
 #   (peaks 75.4 GiB bf16, 70.4 GiB FP8 on 2026-12-06).
@@ -42,7 +43,11 @@ case $part in
             case $v in
                 bf16) variants+=(--variant bf16) ;;
                 fp8) variants+=(--variant fp8:rollout.precision=fp8) ;;
-                *) echo "VARIANTS: bf16 and/or fp8, not $v" >&2; exit 2 ;;
+                # the trainer's fastest setting alone on an H100 (micro-batch 1, no checkpointing:
+                # 5.63 s, 63.7% MFU, 49.5 GiB, against 6.49 s at the recipe's micro-batch 4 with
+                # checkpointing, 45.9 GiB; docs/performance.md), beside the FP8 rollout
+                fp8-mb1) variants+=(--variant "fp8-mb1:rollout.precision=fp8,trainer.loss.micro_batch_size=1,trainer.activation_checkpointing=false") ;;
+                *) echo "VARIANTS: bf16, fp8 and/or fp8-mb1, not $v" >&2; exit 2 ;;
             esac
         done
         OUT=$OUT LAYERS=${LAYERS:-28} bash bench/system_gpu.sh --steps "${STEPS:-4}" "${variants[@]}" "$@"
