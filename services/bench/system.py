@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from flowgrpo.algorithms.objective import mini_batch_rows
+from flowgrpo.algorithms.objective import recomputed_rows
 from flowgrpo.configs.run import RunConfig, load_run_config
 from flowgrpo.configs.trainer import AwmConfig, DgpoConfig, FlowGrpoConfig, NftConfig
 from flowgrpo.data import load_split
@@ -187,9 +187,7 @@ def training_flops(work: Workload, lengths: list[int], *, recomputed: bool) -> d
     old_forward = isinstance(algorithm, NftConfig) or (
         isinstance(algorithm, AwmConfig) and algorithm.ema_kl_beta > 0
     )
-    later = [
-        lengths[row] for mini in mini_batch_rows(len(lengths), trainer.loss.mini_batches)[1:] for row in mini
-    ]
+    later = [lengths[row] for row in recomputed_rows(len(lengths), trainer.loss.mini_batches)]
     recompute = pass_rows(work, later, work.lora())["old"] if later else 0.0
     return {
         "logp_old": flops["old"] if old_forward else recompute if recomputed else 0.0,

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from flowgrpo.algorithms.objective import mini_batch_rows
+from flowgrpo.algorithms.objective import recomputed_rows
 from flowgrpo.configs.trainer import DEFAULT_LORA_TARGETS, NftConfig, PolicyConfig
 from flowgrpo.models.bagel.checkpoint import EMA_FILE, save_bagel_checkpoint, tiny_tokenizer
 from flowgrpo.models.bagel.config import BagelConfig, bagel_7b, flux_vae, tiny, tiny_vae
@@ -212,7 +212,7 @@ def _step_bench(
     lora = {"kind": args.policy, "rank": args.lora_rank, "targets": list(DEFAULT_LORA_TARGETS)}
     report["flops"] = pass_flops(cfg, n_tokens, prompts, args.window, **lora)
     # the logp_old pass recomputes the rows after the first mini-batch (FlowGRPO's objective)
-    later = [prompts[row] for mini in mini_batch_rows(len(batch), args.mini_batches)[1:] for row in mini]
+    later = [prompts[row] for row in recomputed_rows(len(batch), args.mini_batches)]
     report["flops"]["old"] = pass_flops(cfg, n_tokens, later, args.window, **lora)["old"]
     times = NftConfig(timestep_fraction=args.nft_fraction).trained_times(args.num_points - 1)
     report["flops_nft"] = nft_pass_flops(cfg, n_tokens, prompts, times, kind=args.policy, rank=args.lora_rank,

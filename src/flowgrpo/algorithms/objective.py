@@ -58,6 +58,12 @@ def mini_batch_rows(rows: int, mini_batches: int) -> list[list[int]]:
     return [list(range(start, min(start + size, rows))) for start in range(0, rows, size)]
 
 
+def recomputed_rows(rows: int, mini_batches: int) -> list[int]:
+    """The rows whose logp_old FlowGRPO's step recomputes without gradients: those after the first
+    mini-batch (the first's own forwards give theirs); what the benchmarks count for that pass."""
+    return [row for mini in mini_batch_rows(rows, mini_batches)[1:] for row in mini]
+
+
 class Ranks(Protocol):
     """What an objective needs of the trainer's data parallelism (the trainer's ``Dist``)."""
 
