@@ -56,7 +56,7 @@ def alive(pid: int) -> bool:
 def wait_gone(pids: list[int], within_s: float, run_dir: Path | None = None) -> float:
     """Seconds until every one of ``pids`` has exited; past ``within_s`` the failure quotes the
     end of each service log of ``run_dir`` (what a replica still running was doing: a flake of
-    the killed-coordinator test, seen twice in CI, left nothing else) and kills the leftovers."""
+    the killed-coordinator test, seen twice, left nothing else) and kills the leftovers."""
     start_s = time.monotonic()
     while any(alive(p) for p in pids):
         if time.monotonic() - start_s >= within_s:
@@ -72,8 +72,10 @@ def wait_gone(pids: list[int], within_s: float, run_dir: Path | None = None) -> 
 def log_tails(run_dir: Path | None, lines: int = 15) -> str:
     if run_dir is None:
         return ""
-    tails = [f"\n--- {log.name} (last {lines} lines)\n" + "\n".join(log.read_text().splitlines()[-lines:])
-             for log in sorted((run_dir / "logs").glob("*.log"))]  # fmt: skip
+    tails = []
+    for log in sorted((run_dir / "logs").glob("*.log")):
+        last = log.read_text(errors="replace").splitlines()[-lines:]
+        tails.append(f"\n--- {log.name} (last {lines} lines)\n" + "\n".join(last))
     return "".join(tails)
 
 
