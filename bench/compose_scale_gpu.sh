@@ -8,7 +8,8 @@
 #   (bench/sft_compose_gpu.sh: two variants at once, batch 64 and 256 at the tiny recipe's lr,
 #   fp32 weights with bf16 autocast on a GPU, evaluated on the held-out combinations every
 #   EVAL_EVERY steps); the step nearest TARGET held-out accuracy is kept in MODEL. RESUME=1 in
-#   a further call on the same warm machine goes on from each variant's last checkpoint.
+#   a further call on the same warm machine goes on from each variant's last checkpoint (the rl
+#   stage's: keeps the runs that finished).
 # rl: `flowgrpo bench algos` on that model through the real services (launcher local: the
 #   coordinator, rollout, trainer and reward processes; rollout and trainer on the one GPU, the
 #   base shared and the LoRA published by CUDA IPC, as examples/bagel_pickscore_lora_1gpu.yaml),
@@ -42,7 +43,8 @@ if [[ $stage == sft ]]; then
 fi
 [[ $stage == rl ]] || { echo "stage $stage: sft or rl" >&2; exit 2; }
 [[ -f $MODEL/ema.safetensors ]] || { echo "no model at $MODEL: run the sft stage first (same warm machine)" >&2; exit 1; }
-rm -rf /tmp/compose-scale-runs
+# RESUME=1 (a further call on the same warm machine): the finished runs are kept, and run no more
+[[ ${RESUME:-0} == 1 ]] || rm -rf /tmp/compose-scale-runs
 if [[ $DEVICE == cuda* ]]; then
     # the one-GPU system's placement and precision (examples/bagel_pickscore_lora_1gpu.yaml)
     PLACE=(rollout.device=cuda:0 rollout.dtype=bfloat16 rollout.lora_mode=merge rollout.max_batch_samples=64
