@@ -121,6 +121,35 @@ def test_a_frozen_fp8_layer_trains_its_input_through_two_fp8_gemms() -> None:
     assert inputs.grad is not None and torch.equal(inputs.grad, x.grad)
 
 
+def test_two_frozen_fp8_layers_on_one_input_compile_with_dynamic_shapes_as_eager() -> None:
+    """The LoRA trainer's attention reads one input through three frozen layers (q, k, v) and
+    compiles with dynamic shapes: with the input's quantization inside the autograd function,
+    Dynamo failed to trace the second layer ("lift_tracked_freevar_to_input should not be called
+    on root SubgraphTracer", first seen on an H100). Compiled, the output and the input's gradient
+    are eager's within fp32 rounding, at two sequence lengths (dynamic: one graph for both)."""
+    g = torch.Generator().manual_seed(5)
+    first, second = nn.Linear(64, 48, bias=False), nn.Linear(64, 32)
+    for linear in (first, second):
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn_like(linear.weight) * 0.05)
+        linear.requires_grad_(False)
+    layers = (Fp8FrozenLinear(first), Fp8FrozenLinear(second))
+
+    def both(x: torch.Tensor) -> torch.Tensor:
+        return layers[0](x).sum(-1) + layers[1](x).square().sum(-1)
+
+    compiled = torch.compile(both, dynamic=True, fullgraph=True)
+    for tokens in (17, 23):
+        x = torch.randn(2, tokens, 64, generator=g)
+        eager_in, compiled_in = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        eager_out, compiled_out = both(eager_in), compiled(compiled_in)
+        torch.testing.assert_close(compiled_out, eager_out, rtol=1e-6, atol=1e-6)
+        eager_out.sum().backward()
+        compiled_out.sum().backward()
+        assert eager_in.grad is not None and compiled_in.grad is not None
+        torch.testing.assert_close(compiled_in.grad, eager_in.grad, rtol=1e-6, atol=1e-6)
+
+
 def test_in_bf16_the_bias_is_added_before_the_one_rounding_of_the_output() -> None:
     """The GEMM's epilogue (cuBLAS's, the CPU kernel's): the fp32 product plus the bf16 bias, then
     one rounding to bf16; an add after the GEMM would round twice (a quarter of the entries here)."""

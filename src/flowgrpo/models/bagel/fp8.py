@@ -68,6 +68,22 @@ def fp8_matmul(
         return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=out_dtype)
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # row-major, as _scaled_mm takes it (x may be expanded)
     values, scales = quantize_rowwise(rows)
+    y = _scaled_rows_mm(values, scales, weight, weight_scale, out_dtype, bias=bias, fast_accum=fast_accum)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _scaled_rows_mm(
+    values: Tensor,
+    scales: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    out_dtype: torch.dtype,
+    *,
+    bias: Tensor | None,
+    fast_accum: bool,
+) -> Tensor:
+    """The GEMM of :func:`fp8_matmul` on rows already quantized (``values`` [rows, in] e4m3,
+    ``scales`` [rows, 1]) -> [rows, out]."""
     # cuBLAS has no kernel for some shapes of bias and fast accumulation together (an H100 at
     # 256 x 18944 x 384); each alone had one at every shape tried
     fused = bias is not None and out_dtype != torch.float32 and not fast_accum
@@ -82,7 +98,7 @@ def fp8_matmul(
     )
     if bias is not None and not fused:
         y = y + bias.to(out_dtype)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    return y
 
 
 class Fp8Linear(nn.Module):
@@ -141,14 +157,17 @@ class Fp8Linear(nn.Module):
 
 
 class _FrozenFp8Matmul(torch.autograd.Function):
-    """x W^T for a frozen W (a LoRA's base) with both GEMMs in FP8: the forward's as
-    :func:`fp8_matmul` computes it, and the input's gradient g W from g quantized per row and W
-    per input channel (the rows of W^T); no weight gradient and nothing of x kept for one."""
+    """x W^T for a frozen W (a LoRA's base) with both GEMMs in FP8: the forward's on x already
+    quantized per row (``x_values``, ``x_scales``: x itself is here only for the graph, its
+    gradient and its dtype), and the input's gradient g W from g quantized per row and W per
+    input channel (the rows of W^T); no weight gradient and nothing of x kept for one."""
 
     @staticmethod
     def forward(  # noqa: PLR0917 (autograd passes what apply is given)
         ctx: torch.autograd.function.FunctionCtx,
         x: Tensor,
+        x_values: Tensor,
+        x_scales: Tensor,
         weight_q: Tensor,
         weight_scale: Tensor,
         weight_t_q: Tensor,
@@ -158,7 +177,10 @@ class _FrozenFp8Matmul(torch.autograd.Function):
     ) -> Tensor:
         ctx.save_for_backward(weight_t_q, weight_t_scale)
         ctx.x_dtype = x.dtype  # type: ignore[attr-defined]
-        return fp8_matmul(x, weight_q, weight_scale, out_dtype, fast_accum=fast_accum)
+        y = _scaled_rows_mm(
+            x_values, x_scales, weight_q, weight_scale, out_dtype, bias=None, fast_accum=fast_accum
+        )
+        return y.reshape(*x.shape[:-1], weight_q.shape[0])
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -166,7 +188,7 @@ class _FrozenFp8Matmul(torch.autograd.Function):
         # contiguous(): a no-op in eager; compiled, Inductor otherwise laid the saved weight's
         # transpose out row-major, which _scaled_mm refuses (seen on a CPU, torch 2.13)
         grad_x = fp8_matmul(grad, weight_t_q.contiguous(), weight_t_scale, grad.dtype)  # exact accumulation
-        return grad_x.to(ctx.x_dtype), None, None, None, None, None, None  # type: ignore[attr-defined]
+        return (grad_x.to(ctx.x_dtype),) + (None,) * 8  # type: ignore[attr-defined]
 
 
 class Fp8FrozenLinear(nn.Module):
@@ -194,8 +216,17 @@ class Fp8FrozenLinear(nn.Module):
         out_dtype = x.dtype
         if x.is_cuda and torch.is_autocast_enabled("cuda"):
             out_dtype = torch.get_autocast_dtype("cuda")
+        if x.numel() == 0:  # an expert with no token in this forward
+            return x.new_empty(*x.shape[:-1], self.out_features, dtype=out_dtype)
+        # the input quantized here, outside the autograd function: compiled with dynamic shapes,
+        # Dynamo could not trace it inside the function's forward where two frozen layers read one
+        # input (q, k and v; "lift_tracked_freevar_to_input should not be called on root
+        # SubgraphTracer", an H100, torch 2.11)
+        x_values, x_scales = quantize_rowwise(x.detach().reshape(-1, x.shape[-1]).contiguous())
         weights = (self.weight_q, self.weight_scale, self.weight_t_q, self.weight_t_scale)
-        y: Tensor = _FrozenFp8Matmul.apply(x, *weights, out_dtype, self.fast_accum)  # type: ignore[no-untyped-call]
+        y: Tensor = _FrozenFp8Matmul.apply(  # type: ignore[no-untyped-call]
+            x, x_values, x_scales, *weights, out_dtype, self.fast_accum
+        )
         return y if self.bias is None else y + self.bias.to(out_dtype)
 
     def extra_repr(self) -> str:
