@@ -303,6 +303,10 @@ def configure_variant(variant: Variant, bench: StepBench) -> None:
     if variant.fp8:
         bench.fp8_layers = fp8_bases(model)
     if variant.compile:
+        # as a fresh process compiles: every variant's graphs are cached on the same query
+        # methods' code, and four compiled variants in one call passed Dynamo's recompile limit
+        # (8; the fourth failed, an H100 and this CPU, 2026-12-06)
+        torch._dynamo.reset()
         compile_query_layers(model)
     if variant.checkpointing:
         checkpoint_query_layers(model, every=variant.checkpoint_every)
