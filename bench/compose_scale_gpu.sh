@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# The prompt-following task at a size where the GPU matters, in TWO device calls on one warm
-# machine (the model stays in .ckpt/ between them; a machine is warm 30 s after a call):
+# The prompt-following task at a size where the GPU matters, in device calls on one warm machine
+# (the model stays in .ckpt/ between them; a machine is warm 30 s after a call), either each stage
+# in its own call:
 #   run(command="bash bench/compose_scale_gpu.sh sft", carry=[".whl"], timeout_s=600)
 #   run(command="bash bench/compose_scale_gpu.sh rl", carry=[".whl"], timeout_s=600)
+# or both in the background, followed by calls that wait (outputs packed in results.tgz):
+#   run(command="bash bench/compose_scale_gpu.sh start", carry=[".whl"], timeout_s=600)
+#   run(command="bash bench/compose_scale_gpu.sh wait", timeout_s=600)   # until it prints its exit
 # sft: the 306M-parameter drawer in BAGEL's layout (make-tiny-bagel --drawer-size 300m: 10 layers of
 #   1024, the cell codec, the task's tokenizer) taught to draw SIZE px pairs by `flowgrpo sft`
 #   (bench/sft_compose_gpu.sh: two variants at once, batch 64 and 256 at the tiny recipe's lr,
@@ -23,7 +27,7 @@
 # test of the plumbing here with the tiny drawer, 64 px and a few steps).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: bash bench/compose_scale_gpu.sh sft|rl}
+stage=${1:?usage: bash bench/compose_scale_gpu.sh sft|rl|start|wait}
 OUT=${OUT:-/tmp/compose-scale}
 MODEL=${MODEL:-$PWD/.ckpt/compose-300m}
 DEVICE=${DEVICE:-cuda}
@@ -32,6 +36,41 @@ mkdir -p "$OUT"
 source bench/gpu_env.sh
 started=$SECONDS
 
+if [[ $stage == start || $stage == wait ]]; then
+    # start: both stages one after the other in a new process session, which outlives this call (a
+    # lent machine ends what a call leaves running in its own session only), then wait as below.
+    # wait: until that pipeline ends or WAIT_S (540) pass; then its outputs, packed, to OUT. A
+    # further `wait` call on the same warm machine follows it on: no stage is bound to one call's
+    # 10 minutes, and nothing idles between the stages.
+    BG=/tmp/compose-scale-bg
+    if [[ $stage == start ]]; then
+        rm -rf "$BG" && mkdir -p "$BG"
+        setsid env OUT="$BG/out" bash -c 'bash bench/compose_scale_gpu.sh sft && bash bench/compose_scale_gpu.sh rl
+            echo $? > '"$BG/done" > "$BG/pipeline.log" 2>&1 < /dev/null &
+    fi
+    [[ -d $BG ]] || { echo "no pipeline on this machine: call start first" >&2; exit 1; }
+    deadline=$((SECONDS + ${WAIT_S:-540}))
+    while [[ ! -f $BG/done ]] && ((SECONDS < deadline)); do
+        sleep 15
+        ((SECONDS % 120 < 15)) && echo "[$((SECONDS - started)) s] $(tail -n 1 "$BG/pipeline.log")"
+    done
+    tail -n 40 "$BG/pipeline.log"
+    # each variant's validation grids are ~4 MB at 128 px: the last of each travels (16 MiB a file)
+    last_grids=$(cd "$BG" && for d in out/sft/*/eval; do ls "$d"/*.png 2>/dev/null | sort | tail -n 1; done)
+    tar cf /tmp/compose-scale-results.tar -C "$BG" --exclude='*.safetensors' --exclude='*.png' pipeline.log out
+    [[ -z $last_grids ]] || tar rf /tmp/compose-scale-results.tar -C "$BG" $last_grids
+    # the rl runs so far (their metrics and logs: an unfinished rl stage has not packed them yet)
+    runs=$(cd /tmp && find compose-scale-runs \( -name metrics.jsonl -o -name '*.log' \) 2>/dev/null)
+    [[ -z $runs ]] || tar rf /tmp/compose-scale-results.tar -C /tmp $runs
+    gzip -c /tmp/compose-scale-results.tar > "$OUT/results.tgz"
+    cp "$BG"/out/algos.json "$BG"/out/algos.png "$BG"/out/sft/choice.json "$OUT/" 2>/dev/null
+    if [[ -f $BG/done ]]; then
+        echo "COMPOSE SCALE: pipeline exit $(cat "$BG/done") after $((SECONDS - started)) s"
+        exit "$(cat "$BG/done")"
+    fi
+    echo "COMPOSE SCALE: still running after $((SECONDS - started)) s: call wait again on this machine"
+    exit 3
+fi
 if [[ $stage == sft ]]; then
     # bf16 autocast on a GPU: in fp32 (no TF32) 750 steps of 64 took 280 s (2026-12-06)
     [[ $DEVICE == cuda* ]] && dtype=bfloat16 || dtype=float32
@@ -41,7 +80,7 @@ if [[ $stage == sft ]]; then
         RESUME=${RESUME:-0} DEVICE=$DEVICE bash bench/sft_compose_gpu.sh
     exit $?
 fi
-[[ $stage == rl ]] || { echo "stage $stage: sft or rl" >&2; exit 2; }
+[[ $stage == rl ]] || { echo "stage $stage: sft, rl, start or wait" >&2; exit 2; }
 [[ -f $MODEL/ema.safetensors ]] || { echo "no model at $MODEL: run the sft stage first (same warm machine)" >&2; exit 1; }
 # RESUME=1 (a further call on the same warm machine): the finished runs are kept, and run no more
 [[ ${RESUME:-0} == 1 ]] || rm -rf /tmp/compose-scale-runs

@@ -88,6 +88,8 @@ for spec in specs:
             key = (abs(r["eval/compose/accuracy/mean"] - target), -r["step"])
             if best is None or key < best[0]:
                 best = (key, name, spec.partition(":")[2], r)
+if best is None:
+    sys.exit(f"no variant was evaluated after step 0 (see {out}/*/sft.log): EVAL_EVERY too large for LIMIT_S?")
 _, name, extra, row = best
 print(json.dumps({"variant": name, "overrides": extra, "step": row["step"], "eval": row}, indent=1))
 EOF
