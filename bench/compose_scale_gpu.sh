@@ -23,7 +23,8 @@
 # algos.log; a summary line last. Environment: OUT, MODEL (.ckpt/compose-300m), SIZE (128),
 # STEPS (3000), EVAL_EVERY (250), TARGET (0.4), SFT_LIMIT_S (400), DTYPE (bfloat16 on a GPU),
 # VARIANTS, RESUME (0), IMAGES (3840: each algorithm's
-# budget), EVAL_IMAGES (640), ALGORITHMS ("flow_grpo_branch awm"), DEVICE (cuda; cpu: a smoke
+# budget), EVAL_IMAGES (640), ALGORITHMS ("flow_grpo_branch awm"), JOBS (2: runs at once on the GPU, which
+# one 300M run leaves mostly idle), DEVICE (cuda; cpu: a smoke
 # test of the plumbing here with the tiny drawer, 64 px and a few steps).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -95,7 +96,7 @@ fi
 # LoRA as BAGEL-7B is trained (rank 64, alpha 128), each recipe's own lr and loss; every run
 # through the real services
 $PY -m flowgrpo.services.cli bench algos --algorithms ${ALGORITHMS:-flow_grpo_branch awm} --seeds 0 \
-    --images "${IMAGES:-3840}" --eval-images "${EVAL_IMAGES:-640}" --jobs 1 --reference flow_grpo_branch \
+    --images "${IMAGES:-3840}" --eval-images "${EVAL_IMAGES:-640}" --jobs "${JOBS:-2}" --reference flow_grpo_branch \
     --keep /tmp/compose-scale-runs --json "$OUT/algos.json" --plot "$OUT/algos.png" \
     model.checkpoint="$MODEL" sampling.resolution="$SIZE" launch.launcher=local trainer.policy.kind=lora \
     "${PLACE[@]}" 2>&1 | tee "$OUT/algos.log"
