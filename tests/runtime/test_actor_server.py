@@ -115,6 +115,60 @@ def test_a_call_without_deadline_is_refused_but_health_needs_none() -> None:
     asyncio.run(body())
 
 
+async def garbage(
+    channel: grpc.aio.Channel, method: str, payload: bytes, **kwargs: object
+) -> grpc.aio.AioRpcError:
+    """The error of a unary call whose request is ``payload`` as it is, not a serialized message."""
+    identity = lambda b: b  # noqa: E731
+    return await rpc_error(channel.unary_unary(method, identity, identity)(payload, **kwargs))
+
+
+def test_a_request_that_does_not_parse_is_refused_in_one_line_and_logged_once_an_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """grpc's own answer was UNKNOWN with a traceback logged for every such request."""
+
+    async def body() -> None:
+        async with running(ProbeActor()) as server, grpc.aio.insecure_channel(server.address) as raw:
+            for i in range(40):
+                refused = await garbage(
+                    raw, "/flowgrpo.v1.Coordinator/Heartbeat", b"\xff" * (i + 1), timeout=5
+                )
+                assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT, refused
+                details = refused.details()
+                assert "/flowgrpo.v1.Coordinator/Heartbeat: the request does not parse" in details
+                assert "flowgrpo.v1.HeartbeatRequest" in details and "\n" not in details
+            probe = await garbage(raw, "/grpc.health.v1.Health/Check", b"\x0a\x05ab")  # no deadline: a probe
+            assert (
+                probe.code() == grpc.StatusCode.INVALID_ARGUMENT and "HealthCheckRequest" in probe.details()
+            )
+            # the deadline rule still comes first, and a sound request is answered as before
+            undated = await garbage(raw, "/flowgrpo.v1.Coordinator/Heartbeat", b"\xff")
+            assert "without a deadline" in undated.details()
+            assert (
+                await coordinator_pb2_grpc.CoordinatorStub(raw).Heartbeat(heartbeat("ok"), timeout=5)
+            ).known
+            assert await health(raw) == SERVING and server.actor.in_flight == 0
+
+    with caplog.at_level(logging.INFO):
+        asyncio.run(body())
+    refusals = [r for r in caplog.records if "does not parse" in r.getMessage()]
+    assert len(refusals) == 1 and refusals[0].levelno == logging.WARNING  # 42 refused within 10 s
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+def test_a_stranger_s_unparsable_request_is_refused_for_its_token_first() -> None:
+    async def body() -> None:
+        async with (
+            running(ProbeActor(), ServerConfig(token="s3cret")) as server,
+            grpc.aio.insecure_channel(server.address) as raw,
+        ):
+            refused = await garbage(raw, "/flowgrpo.v1.Lifecycle/Handshake", b"\xff\xff", timeout=5)
+        assert refused.code() == grpc.StatusCode.UNAUTHENTICATED and "parse" not in refused.details()
+
+    asyncio.run(body())
+
+
 def test_open_channel_gives_calls_a_default_deadline() -> None:
     async def body() -> None:
         async with running(ProbeActor()) as server, open_channel(server.address) as channel:

@@ -9,12 +9,17 @@ turn what the handler raised into a status. Client side, a policy rewrites the c
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import grpc.aio
+
+log = logging.getLogger(__name__)
 
 Guard = Callable[[grpc.aio.ServicerContext], AbstractAsyncContextManager[None]]
 MethodGuard = Callable[[str, grpc.aio.ServicerContext], AbstractAsyncContextManager[None]]
@@ -74,6 +79,88 @@ def _guard_stream(behavior: Behavior, guard: Guard) -> Behavior:
                 yield response
 
     return guarded
+
+
+@dataclass(frozen=True)
+class Unparsable:
+    """What a request deserializer of :class:`ParseGuard` returns for bytes that do not parse."""
+
+    error: str
+
+
+class ParseGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """A unary request that does not parse is answered INVALID_ARGUMENT in one line naming the
+    method and the parser's message, after the outer interceptors' checks (a caller without the
+    token learns nothing of the protocol), and logged at most once per ``log_every_s`` with the
+    count since the last line. grpc's own answer is UNKNOWN with a traceback logged for each
+    request: a stranger's random bytes would grow the log without bound. Install it last, so
+    its deserializer and check sit next to the handler. A streamed request's parse error is
+    raised by its iterator inside the handler (the reward's Score answers INVALID_ARGUMENT)."""
+
+    def __init__(self, where: str, log_every_s: float = 10.0) -> None:
+        self._where = where
+        self._log_every_s = log_every_s
+        self._last_log = -float("inf")
+        self._unlogged = 0
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Any], details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None or handler.request_streaming:
+            return handler
+        parse, method = _tolerant(handler.request_deserializer), details.method
+        for kind, factory, streams_responses in _HANDLER_KINDS[:2]:  # the unary-request kinds
+            behavior = getattr(handler, kind)
+            if behavior is not None:
+                wrap = _checked_stream if streams_responses else _checked_unary
+                return factory(
+                    wrap(behavior, functools.partial(self._refuse, method)),
+                    request_deserializer=parse,
+                    response_serializer=handler.response_serializer,
+                )
+        return handler
+
+    async def _refuse(self, method: str, request: Unparsable, context: grpc.aio.ServicerContext) -> None:
+        message = f"{self._where}: {method}: the request does not parse: {request.error}"
+        self._unlogged += 1
+        now = time.monotonic()
+        if now - self._last_log >= self._log_every_s:
+            log.warning("%s (%d such request(s) refused since the last line)", message, self._unlogged)
+            self._last_log, self._unlogged = now, 0
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _tolerant(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as error:  # DecodeError, or whatever a parser raises: never a traceback
+            return Unparsable(" ".join(str(error).split())[:300] or type(error).__name__)
+
+    return parse
+
+
+Refuse = Callable[[Unparsable, grpc.aio.ServicerContext], Any]
+
+
+def _checked_unary(behavior: Behavior, refuse: Refuse) -> Behavior:
+    async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, Unparsable):
+            await refuse(request, context)
+        return await behavior(request, context)
+
+    return checked
+
+
+def _checked_stream(behavior: Behavior, refuse: Refuse) -> Behavior:
+    async def checked(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if isinstance(request, Unparsable):
+            await refuse(request, context)
+        async for response in behavior(request, context):
+            yield response
+
+    return checked
 
 
 Rewrite = Callable[[grpc.aio.ClientCallDetails], grpc.aio.ClientCallDetails]

@@ -37,7 +37,7 @@ from flowgrpo.runtime.actor import Actor
 from flowgrpo.runtime.admission import Admission
 from flowgrpo.runtime.config import ServerConfig
 from flowgrpo.runtime.errors import ServiceError, Unavailable
-from flowgrpo.runtime.interceptors import GuardInterceptor, MethodGuard
+from flowgrpo.runtime.interceptors import GuardInterceptor, MethodGuard, ParseGuard
 from flowgrpo.runtime.membership import Membership
 from flowgrpo.runtime.security import (
     UNAUTHENTICATED,
@@ -194,6 +194,7 @@ class ServiceServer:
                 admission,
                 grpc_server_interceptor(),
                 GuardInterceptor(call_policy(where), lambda m: m.startswith(FLOWGRPO_PREFIX)),
+                ParseGuard(where),  # last: next to the handler, after the token and the deadline
             ],
             options=self._options(),
         )
