@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 from opentelemetry import trace
@@ -86,6 +87,33 @@ def setup_logging(
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
+
+
+class Throttled:
+    """A repeated event logged at most once per ``every_s``: the first at once, the next after the
+    interval with how many came since the last line. For what a stranger can cause (a refused
+    request), which must not grow the log without bound."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        level: int = logging.WARNING,
+        every_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._logger, self._level, self._every_s, self._clock = logger, level, every_s, clock
+        self._last = -float("inf")
+        self._since = 0
+
+    def __call__(self, message: str, *args: object) -> bool:
+        """Count the event; log it if the interval has passed. True when it was logged."""
+        self._since += 1
+        now = self._clock()
+        if now - self._last < self._every_s:
+            return False
+        self._logger.log(self._level, message + " (%d such since the last line)", *args, self._since)
+        self._last, self._since = now, 0
+        return True
 
 
 def _iso_time(created: float) -> str:

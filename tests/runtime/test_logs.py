@@ -10,7 +10,7 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from flowgrpo.logs import setup_logging
+from flowgrpo.logs import Throttled, setup_logging
 
 log = logging.getLogger("flowgrpo.test")
 
@@ -62,3 +62,22 @@ def test_text_lines_are_for_humans_and_keep_tracebacks(capsys: pytest.CaptureFix
 def test_an_unknown_format_is_refused() -> None:
     with pytest.raises(ValueError, match="log format 'xml'"):
         setup_logging("x", fmt="xml")  # type: ignore[arg-type]
+
+
+def test_a_throttled_event_is_logged_once_an_interval_with_its_count(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [100.0]
+    throttled = Throttled(log, logging.INFO, every_s=10.0, clock=lambda: now[0])
+    logged = []
+    with caplog.at_level(logging.INFO, logger="flowgrpo.test"):
+        for t in [100.0, 101.0, 105.0, 109.9, 110.0, 110.5, 125.0]:
+            now[0] = t
+            logged.append(throttled("refused %s", t))
+    assert logged == [True, False, False, False, True, False, True]
+    assert [r.getMessage() for r in caplog.records] == [
+        "refused 100.0 (1 such since the last line)",
+        "refused 110.0 (4 such since the last line)",  # 101, 105, 109.9 and itself
+        "refused 125.0 (2 such since the last line)",
+    ]
+    assert all(r.levelno == logging.INFO for r in caplog.records)

@@ -584,7 +584,7 @@ def test_fuzz_a_thousand_random_messages(start_store: Callable[..., Store]) -> N
     store = start_store(secret=SECRET)
     rng = random.Random(20240607)
     sock = _dealer(store.endpoint, auth.derive_keys(SECRET.encode()))  # holds the secret
-    answered = 0
+    answered, started = 0, time.monotonic()
     for i in range(1200):
         sock.send_multipart(_message(rng))
         assert sock.poll(10_000), f"message {i} got no reply: the store stopped answering"
@@ -603,6 +603,8 @@ def test_fuzz_a_thousand_random_messages(start_store: Callable[..., Store]) -> N
     assert answered == 1200 and junk > 0
     log = store.log.read_text()
     assert store.alive() and "Traceback" not in log and "internal error" not in log, log[-2000:]
+    # the refusals are logged in a line per 10 s at most, with their count
+    assert 1 <= log.count("refused a request") <= (time.monotonic() - started) / 10 + 1, log[-2000:]
     assert _fetches(store)
     with BusClient(BusConfig(secret=SECRET)) as client:
         client.ping(store.endpoint, timeout_s=5)  # answered: it raises on a refusal or a timeout

@@ -32,6 +32,7 @@ from flowgrpo.bus.errors import BusError, ErrorCode
 from flowgrpo.bus.guard import ConnectionGuard, frame_wire_bytes
 from flowgrpo.bus.store import StoredTensor, TensorStore
 from flowgrpo.bus.wire import ItemError, ItemMeta, KeyRange, WireError
+from flowgrpo.logs import Throttled
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class BusServer:
         self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         self._zap_domain = auth.serve_curve(self._sock, keys) if keys is not None else None
         self._guard: ConnectionGuard | None = None
+        self._refusals = Throttled(log, logging.INFO)  # what a stranger sends must not grow the log
         self._ipc_dir: str | None = None
         try:
             if self.config.transport == "tcp":
@@ -212,7 +214,7 @@ class BusServer:
     def _refuse(
         self, frames: list[bytes], code: ErrorCode, message: str
     ) -> tuple[wire.Reply, list[memoryview]]:
-        log.info("bus %s refused a request: %s", self.endpoint, message)
+        self._refusals("bus %s refused a request: %s", self.endpoint, message)
         rid = wire.peek_rid(frames[1:2], self.config.max_request_header_bytes)
         return wire.ErrorReply(rid, code, message), []
 

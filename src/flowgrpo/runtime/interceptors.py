@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -18,6 +17,8 @@ from typing import Any
 
 import grpc
 import grpc.aio
+
+from flowgrpo.logs import Throttled
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +100,7 @@ class ParseGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     def __init__(self, where: str, log_every_s: float = 10.0) -> None:
         self._where = where
-        self._log_every_s = log_every_s
-        self._last_log = -float("inf")
-        self._unlogged = 0
+        self._log = Throttled(log, logging.WARNING, log_every_s)
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Any], details: grpc.HandlerCallDetails
@@ -123,11 +122,7 @@ class ParseGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     async def _refuse(self, method: str, request: Unparsable, context: grpc.aio.ServicerContext) -> None:
         message = f"{self._where}: {method}: the request does not parse: {request.error}"
-        self._unlogged += 1
-        now = time.monotonic()
-        if now - self._last_log >= self._log_every_s:
-            log.warning("%s (%d such request(s) refused since the last line)", message, self._unlogged)
-            self._last_log, self._unlogged = now, 0
+        self._log("%s", message)
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
