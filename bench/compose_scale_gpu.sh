@@ -34,7 +34,6 @@ MODEL=${MODEL:-$PWD/.ckpt/compose-300m}
 DEVICE=${DEVICE:-cuda}
 SIZE=${SIZE:-128}
 mkdir -p "$OUT"
-source bench/gpu_env.sh
 started=$SECONDS
 
 if [[ $stage == start || $stage == wait ]]; then
@@ -72,6 +71,9 @@ if [[ $stage == start || $stage == wait ]]; then
     echo "COMPOSE SCALE: still running after $((SECONDS - started)) s: call wait again on this machine"
     exit 3
 fi
+# after start/wait, which import nothing: a wait must not lay out /tmp/fgsrc again under a
+# pipeline that may run from it
+source bench/gpu_env.sh
 if [[ $stage == sft ]]; then
     # bf16 autocast on a GPU: in fp32 (no TF32) 750 steps of 64 took 280 s (2026-12-06)
     [[ $DEVICE == cuda* ]] && dtype=bfloat16 || dtype=float32
