@@ -323,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     schedules = {a: schedule_of(a, algorithms[a], args) for a in chosen}  # a bad budget stops here
     key = held_out_key(args.val_samples)
     validation = [f"data.val_samples={args.val_samples}"] if args.task == "compose" else []
-    cases = [(a, Case(s, "", args.threads, c)) for a in chosen for s in args.seeds for c in (False, True)]
+    # the trained runs first: with --jobs as many as the algorithms they run side by side, and a
+    # budget cut short keeps their curves (a control only repeats its step 0, checked after)
+    cases = [(a, Case(s, "", args.threads, c)) for c in (False, True) for a in chosen for s in args.seeds]
     with tempfile.TemporaryDirectory(prefix="bench-algos-") as tmp:
         folder = Path(args.tabulate or args.keep or tmp)
 

@@ -229,3 +229,20 @@ def test_a_gain_equal_to_the_target_in_whole_prompts_reaches_it() -> None:
     frontier = held_out.frontier_of([reference, other], "ref", {"ref": 9.0, "other": 9.0})
     assert other.gain[2] < frontier.target  # the bits differ ...
     assert other.reach(frontier.target, other.images) == 1280.0  # ... the prompts do not
+
+
+def test_the_trained_runs_come_before_any_control(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device budget cut short keeps every algorithm's trained curve (the controls only repeat step 0)."""
+    ran: list[str] = []
+
+    def fake_run_case(case: Case, options: object, folder: Path, key: object = None) -> None:
+        ran.append(case.label)
+        raise SystemExit("not run")  # nothing to tabulate after
+
+    monkeypatch.setattr(algos, "run_case", fake_run_case)
+    argv = [*SHORT_COMPOSE, "--seeds", "0", "1", "--images", "8", "--eval-images", "4", "--jobs", "1",
+            "--algorithms", "flow_grpo_branch", "diffusion_nft_cfg_free", "--keep",
+            str(tmp_path)]  # fmt: skip
+    with pytest.raises(SystemExit, match="8 of 8 runs failed"):
+        algos.main(argv)
+    assert [label.endswith("-trained") for label in ran] == [True] * 4 + [False] * 4
