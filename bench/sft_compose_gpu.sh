@@ -14,10 +14,10 @@
 # in px, a multiple of 16), VARIANTS (name:overrides;...; an
 # override unmentioned=S trains on pairs of which the share S hold a blob their prompt does not
 # name: data compose-images --unmentioned S), LIMIT_S (480: each variant's sft is stopped then, its
-# curve kept), DEVICE (cuda; cpu to try the script here with a few STEPS), DTYPE (float32:
-# fp32 throughout, no TF32, a GPU curve a CPU run repeats; bfloat16: fp32 weights and optimizer,
-# bf16 autocast matmuls on a GPU), RESUME (1: keep the work folder of an earlier call on this
-# machine, so each variant goes on from its last checkpoint: a run longer than one call).
+# curve kept), DEVICE (cuda; cpu to try the script here with a few STEPS), RESUME (1: keep the
+# work folder of an earlier call on this machine, so each variant goes on from its last
+# checkpoint: a run longer than one call). In fp32 throughout, no TF32 (a GPU curve a CPU run
+# repeats): the recipe trains the heads and the text path too, which sft trains in fp32 only.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/sft-compose}
@@ -54,7 +54,7 @@ variant_args() {
     echo "data.images=$(pairs_of "$share")" "${args[@]}"
 }
 
-common=("device=${DEVICE:-cuda}" "dtype=${DTYPE:-float32}" "model=$WORK/drawer" "steps=$STEPS" "data.resolution=$SIZE"
+common=("device=${DEVICE:-cuda}" dtype=float32 "model=$WORK/drawer" "steps=$STEPS" "data.resolution=$SIZE"
         "eval.every=$EVAL_EVERY" "save_every=$EVAL_EVERY" keep_last=1000 log_every=50)
 declare -A pids
 IFS=';' read -ra specs <<< "$VARIANTS"
@@ -67,7 +67,10 @@ for spec in "${specs[@]}"; do
     pids[$name]=$!
 done
 for name in "${!pids[@]}"; do
-    wait "${pids[$name]}"; echo "$name: exit $? after $((SECONDS - started)) s" | tee -a "$OUT/status.txt"
+    wait "${pids[$name]}"; code=$?
+    echo "$name: exit $code after $((SECONDS - started)) s" | tee -a "$OUT/status.txt"
+    # a refusal or a crash (124: stopped at LIMIT_S, the curve kept): its own last line
+    ((code == 0 || code == 124)) || echo "  $(tail -n 1 "$OUT/$name/sft.log")" | tee -a "$OUT/status.txt"
     cp "$WORK/$name/metrics.jsonl" "$OUT/$name/" 2>/dev/null
     cp -r "$WORK/$name/eval" "$OUT/$name/" 2>/dev/null
 done
