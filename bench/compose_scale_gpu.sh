@@ -11,9 +11,9 @@
 #   1024, the cell codec, the task's tokenizer) taught to draw SIZE px pairs by `flowgrpo sft`
 #   (bench/sft_compose_gpu.sh: two variants at once, batch 64 at lr 1e-3 and 2e-3, in fp32: the
 #   recipe trains the heads and the text path, which sft trains in fp32 only; evaluated on the
-#   held-out combinations every EVAL_EVERY steps); the step nearest TARGET held-out accuracy is kept in MODEL. RESUME=1 in
-#   a further call on the same warm machine goes on from each variant's last checkpoint (the rl
-#   stage's: keeps the runs that finished).
+#   held-out combinations every EVAL_EVERY steps); the step nearest TARGET held-out accuracy is
+#   kept in MODEL. RESUME=1 in a further call on the same warm machine goes on from each
+#   variant's last checkpoint (the rl stage's: keeps the runs that finished).
 # rl: `flowgrpo bench algos` on that model through the real services (launcher local: the
 #   coordinator, rollout, trainer and reward processes; rollout and trainer on the one GPU, the
 #   base shared and the LoRA published by CUDA IPC, as examples/bagel_pickscore_lora_1gpu.yaml),
