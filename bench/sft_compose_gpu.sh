@@ -16,8 +16,9 @@
 # name: data compose-images --unmentioned S), LIMIT_S (480: each variant's sft is stopped then, its
 # curve kept), DEVICE (cuda; cpu to try the script here with a few STEPS), RESUME (1: keep the
 # work folder of an earlier call on this machine, so each variant goes on from its last
-# checkpoint: a run longer than one call). In fp32 throughout, no TF32 (a GPU curve a CPU run
-# repeats): the recipe trains the heads and the text path too, which sft trains in fp32 only.
+# checkpoint: a run longer than one call), BF16 (0: fp32 throughout, no TF32, a GPU curve a CPU
+# run repeats; 1: fp32 weights and optimizer, the forwards and backwards under bf16 autocast,
+# sft's autocast_bf16: the recipe trains every weight, so none may be bf16).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/sft-compose}
@@ -54,7 +55,7 @@ variant_args() {
     echo "data.images=$(pairs_of "$share")" "${args[@]}"
 }
 
-common=("device=${DEVICE:-cuda}" dtype=float32 "model=$WORK/drawer" "steps=$STEPS" "data.resolution=$SIZE"
+common=("device=${DEVICE:-cuda}" dtype=float32 "autocast_bf16=$([[ ${BF16:-0} == 1 ]] && echo true || echo false)" "model=$WORK/drawer" "steps=$STEPS" "data.resolution=$SIZE"
         "eval.every=$EVAL_EVERY" "save_every=$EVAL_EVERY" keep_last=1000 log_every=50)
 declare -A pids
 IFS=';' read -ra specs <<< "$VARIANTS"

@@ -20,6 +20,7 @@ fine-tuned BAGEL folder in the published layout (LoRA merged), ready for ``flowg
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -210,10 +211,10 @@ class FlowMatchingStep:
         noise = torch.stack([draws[i].noise for i in order]).to(device)
         t = torch.tensor([draws[i].t for i in order], dtype=torch.float32, device=device)
         x_t = (1.0 - t[:, None, None]) * x0 + t[:, None, None] * noise
-        autocast = compute_autocast(model)
+        autocast = self._autocast()
         # the prompt cache: without gradients unless the und path trains too (policy.text)
         with torch.set_grad_enabled(self.policy.config.text), autocast:
-            context = self._context(kept, len(rows) - len(kept))
+            context = self._context(kept, len(rows) - len(kept), autocast)
         side = math.isqrt(x0.shape[1])
         pos_ids = latent_position_ids(side, side, model.config.max_latent_size, device)
         with autocast:
@@ -225,12 +226,20 @@ class FlowMatchingStep:
         inverse[torch.tensor(order)] = torch.arange(len(order))
         return losses[inverse.to(losses.device)]
 
-    def _context(self, kept: list[Tensor], dropped: int) -> KVCache:
+    def _autocast(self) -> contextlib.AbstractContextManager[object]:
+        """bf16 autocast of fp32 weights where asked (``autocast_bf16``), else the weights' own."""
+        if self.cfg.autocast_bf16:
+            return torch.autocast(self.policy.model.vae2llm.weight.device.type, dtype=torch.bfloat16)
+        return compute_autocast(self.policy.model)
+
+    def _context(
+        self, kept: list[Tensor], dropped: int, autocast: contextlib.AbstractContextManager[object]
+    ) -> KVCache:
         model = self.policy.model
         parts = [prefill_prompts(model, kept)] if kept else []
         if dropped:
             device = model.vae2llm.weight.device
-            dtype = parts[0].keys[0].dtype if parts else _cache_dtype(model)
+            dtype = parts[0].keys[0].dtype if parts else _cache_dtype(model, autocast)
             parts.append(KVCache.empty(model.config, dropped, dtype, device))
         return parts[0] if len(parts) == 1 else KVCache.cat_rows(parts)
 
@@ -244,9 +253,8 @@ class FlowMatchingStep:
         return PolicyUpdate(self.version + 1, "gen_path", published)
 
 
-def _cache_dtype(model: BagelModel) -> torch.dtype:
-    """The dtype of a prefilled cache: the und path's weights', or the autocast's."""
-    autocast = compute_autocast(model)
+def _cache_dtype(model: BagelModel, autocast: contextlib.AbstractContextManager[object]) -> torch.dtype:
+    """The dtype of a prefilled cache: the autocast's, or the und path's weights'."""
     if isinstance(autocast, torch.autocast):
         return autocast.fast_dtype
     return model.decoder.embed_tokens.weight.dtype

@@ -58,6 +58,10 @@ class SftConfig:
     model: str = ""  # the BAGEL folder to start from (published layout)
     device: str = "cpu"
     dtype: Literal["bfloat16", "float32"] = "float32"  # frozen weights; trained ones are fp32
+    # with dtype=float32: the forwards and backwards under bf16 autocast (mixed precision: the
+    # weights, gradients and optimizer stay fp32), the tensor cores' rate on a GPU; the way to
+    # train in bf16 when every weight trains (policy.heads, policy.text), as the compose base does
+    autocast_bf16: bool = False
     policy: PolicyConfig = field(default_factory=lambda: PolicyConfig(kind="full"))  # heads: see PolicyConfig
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-4, weight_decay=0.0))
     data: SftDataConfig = field(default_factory=SftDataConfig)
@@ -86,4 +90,9 @@ class SftConfig:
             raise ValueError("dtype=bfloat16 is for a GPU (device=cuda); use float32 on the CPU")
         if self.dtype == "bfloat16" and (self.policy.heads or self.policy.text):
             # the frozen vae2llm's and embeddings' dtypes are what tell the sampler and trainer to autocast
-            raise ValueError("policy.heads=true and policy.text=true train in float32: set dtype=float32")
+            raise ValueError(
+                "policy.heads=true and policy.text=true train in float32: set dtype=float32 "
+                "(autocast_bf16=true computes in bf16)"
+            )
+        if self.autocast_bf16 and self.dtype == "bfloat16":
+            raise ValueError("autocast_bf16=true is for dtype=float32 (bf16 frozen weights autocast already)")
