@@ -7,6 +7,8 @@
 # or both in the background, followed by calls that wait (outputs packed in results.tgz):
 #   run(command="bash bench/compose_scale_gpu.sh start", carry=[".whl"], timeout_s=600)
 #   run(command="bash bench/compose_scale_gpu.sh wait", timeout_s=600)   # until it prints its exit
+# (the GPU check can run beside it in the first call, the environment laid out once for both:
+#   "source bench/gpu_env.sh; WAIT_S=1 bash bench/compose_scale_gpu.sh start; COMMIT=... bash bench/gpu_check.sh")
 # sft: the 306M-parameter drawer in BAGEL's layout (make-tiny-bagel --drawer-size 300m: 10 layers of
 #   1024, the cell codec, the task's tokenizer) taught to draw SIZE px pairs by `flowgrpo sft`
 #   (bench/sft_compose_gpu.sh: two variants at once, batch 64 and 256 at lr 1e-3, fp32 weights

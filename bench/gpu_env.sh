@@ -6,8 +6,14 @@
 #    -> ../../services; where the copy of the checkout lost that link, the two are laid out
 #    together in /tmp/fgsrc.
 # Sets PY (the interpreter) and PYTHONPATH; subprocesses (the services, torchrun) inherit both.
+# Sourced again under a shell that already did (FLOWGRPO_GPU_ENV names this checkout) it changes
+# nothing: two scripts in one call, one in the background (`compose_scale_gpu.sh start`, then
+# `gpu_check.sh`), must not lay out /tmp/site and /tmp/fgsrc again under the other's imports.
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
+if [[ ${FLOWGRPO_GPU_ENV:-} == "$PWD" ]]; then
+    return 0
+fi
 _site=""
 if compgen -G ".whl/*.whl" >/dev/null && ! $PY -c "import zmq, opentelemetry" 2>/dev/null; then
     _wheels=(.whl/*.whl)
@@ -25,3 +31,4 @@ if ! PYTHONPATH="$_src" $PY -c "import flowgrpo.services.bench" 2>/dev/null; the
     _src=/tmp/fgsrc
 fi
 export PYTHONPATH="${_site:+$_site:}$_src${PYTHONPATH:+:$PYTHONPATH}"
+export FLOWGRPO_GPU_ENV=$PWD
