@@ -25,9 +25,10 @@
 # algos.log; a summary line last. Environment: OUT, MODEL (.ckpt/compose-300m), SIZE (128),
 # STEPS (3000), EVAL_EVERY (250), TARGET (0.4), SFT_LIMIT_S (330), BF16 (1 on a GPU),
 # VARIANTS, RESUME (0), IMAGES (3840: each algorithm's
-# budget), EVAL_IMAGES (640), ALGORITHMS ("flow_grpo_branch awm"), JOBS (2: runs at once on the GPU, which
-# one 300M run leaves mostly idle), DEVICE (cuda; cpu: a smoke
-# test of the plumbing here with the tiny drawer, 64 px and a few steps).
+# budget), EVAL_IMAGES (640), ALGORITHMS ("flow_grpo_branch awm"), REFERENCE (flow_grpo_branch:
+# whose final gain is the target), SEEDS ("0"; with RESUME=1 a further rl call adds seeds and keeps
+# the finished runs), JOBS (2: runs at once on the GPU, which one 300M run leaves mostly idle),
+# DEVICE (cuda; cpu: a smoke test of the plumbing here with the tiny drawer, 64 px and a few steps).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stage=${1:?usage: bash bench/compose_scale_gpu.sh sft|rl|start|wait}
@@ -78,7 +79,9 @@ fi
 source bench/gpu_env.sh
 if [[ $stage == sft ]]; then
     # in fp32 (no TF32) on an H200, two variants at once: 0.29-0.32 s a step of 64, 800 steps in
-    # 330 s, 0.4-1.8% held out (2026-12-06): bf16 autocast on a GPU (not measured there yet)
+    # 330 s, 0.4-1.8% held out (2026-12-06). Under bf16 autocast on an H100, the GPU check beside
+    # them: a step of 64 0.25 s (median), of 256 0.35 s; 22.8% at step 1,250 of 64, 63.6% at step
+    # 750 of 256 (2026-12-07, docs/algorithms.md)
     [[ $DEVICE == cuda* ]] && bf16=1 || bf16=0
     OUT="$OUT/sft" MODEL_OUT="$MODEL" GEOMETRY=${GEOMETRY:-300m} SIZE=$SIZE STEPS=${STEPS:-3000} \
         EVAL_EVERY=${EVAL_EVERY:-250} TARGET=${TARGET:-0.4} LIMIT_S=${SFT_LIMIT_S:-330} BF16=${BF16:-$bf16} \
@@ -98,10 +101,12 @@ if [[ $DEVICE == cuda* ]]; then
 else
     PLACE=()
 fi
+algorithms=(${ALGORITHMS:-flow_grpo_branch awm})
 # LoRA as BAGEL-7B is trained (rank 64, alpha 128), each recipe's own lr and loss; every run
 # through the real services
-$PY -m flowgrpo.services.cli bench algos --algorithms ${ALGORITHMS:-flow_grpo_branch awm} --seeds 0 \
-    --images "${IMAGES:-3840}" --eval-images "${EVAL_IMAGES:-640}" --jobs "${JOBS:-2}" --reference flow_grpo_branch \
+$PY -m flowgrpo.services.cli bench algos --algorithms "${algorithms[@]}" --seeds ${SEEDS:-0} \
+    --images "${IMAGES:-3840}" --eval-images "${EVAL_IMAGES:-640}" --jobs "${JOBS:-2}" \
+    --reference "${REFERENCE:-flow_grpo_branch}" \
     --keep /tmp/compose-scale-runs --json "$OUT/algos.json" --plot "$OUT/algos.png" \
     model.checkpoint="$MODEL" sampling.resolution="$SIZE" launch.launcher=local trainer.policy.kind=lora \
     "${PLACE[@]}" 2>&1 | tee "$OUT/algos.log"
