@@ -36,7 +36,8 @@ WORK=/tmp/sft-compose-work
 [[ ${RESUME:-0} == 1 ]] || rm -rf "$WORK"
 mkdir -p "$WORK"
 started=$SECONDS
-$PY -c 'import torch, scipy; print("torch", torch.__version__, torch.cuda.get_device_name(0), "scipy", scipy.__version__)' \
+$PY -c 'import torch, scipy; print("torch", torch.__version__,
+    torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "scipy", scipy.__version__)' \
     | tee "$OUT/env.txt"
 [[ -f $WORK/drawer/ema.safetensors ]] || $PY -m flowgrpo.services.cli make-tiny-bagel "$WORK/drawer" \
     --drawer examples/data/compose/train.txt --drawer-size "$GEOMETRY" || exit 1
