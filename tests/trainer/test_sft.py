@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 
 from flowgrpo.config import load_config
 from flowgrpo.configs.trainer import PolicyConfig
@@ -272,8 +273,6 @@ def assert_bf16_autocast_learns_as_fp32(model_dir: Path, root: Path, device: str
 
 
 def dtypes(path: Path) -> dict[str, str]:
-    from safetensors import safe_open
-
     with safe_open(path, "pt") as tensors:
         return {name: tensors.get_slice(name).get_dtype() for name in tensors.keys()}  # noqa: SIM118
 
@@ -288,7 +287,7 @@ def test_bf16_autocast_is_for_fp32_weights() -> None:
 
 
 def test_policy_text_is_for_sft_alone() -> None:
-    from flowgrpo.configs.trainer import PolicyConfig, TrainerConfig
+    from flowgrpo.configs.trainer import TrainerConfig
 
     with pytest.raises(ValueError, match=r"policy\.text=true is for flowgrpo sft"):
         TrainerConfig(policy=PolicyConfig(kind="full", text=True)).validate()
