@@ -11,21 +11,22 @@
 #   "source bench/gpu_env.sh; WAIT_S=1 bash bench/compose_scale_gpu.sh start; COMMIT=... bash bench/gpu_check.sh")
 # sft: the 306M-parameter drawer in BAGEL's layout (make-tiny-bagel --drawer-size 300m: 10 layers of
 #   1024, the cell codec, the task's tokenizer) taught to draw SIZE px pairs by `flowgrpo sft`
-#   (bench/sft_compose_gpu.sh: two variants at once, batch 64 and 256 at lr 1e-3, fp32 weights
-#   under bf16 autocast on a GPU (BF16=1 there); evaluated on the held-out combinations every
-#   EVAL_EVERY steps); the step nearest TARGET held-out accuracy is
+#   (bench/sft_compose_gpu.sh: batch 256 at lr 1e-3, the better of the two variants measured,
+#   fp32 weights under bf16 autocast on a GPU (BF16=1 there); evaluated on the held-out
+#   combinations every EVAL_EVERY steps); the step nearest TARGET held-out accuracy is
 #   kept in MODEL. RESUME=1 in a further call on the same warm machine goes on from each
 #   variant's last checkpoint (the rl stage's: keeps the runs that finished).
 # rl: `flowgrpo bench algos` on that model through the real services (launcher local: the
 #   coordinator, rollout, trainer and reward processes; rollout and trainer on the one GPU, the
 #   base shared and the LoRA published by CUDA IPC, as examples/bagel_pickscore_lora_1gpu.yaml),
-#   FlowGRPO (examples/tiny_compose.yaml's, branched) against AWM (the frontier table's best),
-#   each paired with its lr = 0 control: held-out accuracy against images and GPU seconds.
+#   GRPO-Guard (examples/tiny_compose.yaml's, at the rate a LoRA needs there: grpo_guard_lr5e-4)
+#   against AWM (the frontier table's best), each paired with its lr = 0 control: held-out
+#   accuracy against images and GPU seconds.
 # Outputs under OUT (/tmp/compose-scale): sft/ (the curve, choice.json), algos.json, algos.png,
 # algos.log; a summary line last. Environment: OUT, MODEL (.ckpt/compose-300m), SIZE (128),
-# STEPS (3000), EVAL_EVERY (250), TARGET (0.4), SFT_LIMIT_S (330), BF16 (1 on a GPU),
+# STEPS (3000), EVAL_EVERY (125), TARGET (0.4), SFT_LIMIT_S (330), BF16 (1 on a GPU),
 # VARIANTS, RESUME (0), IMAGES (3840: each algorithm's
-# budget), EVAL_IMAGES (640), ALGORITHMS ("flow_grpo_branch awm"), REFERENCE (flow_grpo_branch:
+# budget), EVAL_IMAGES (640), ALGORITHMS ("grpo_guard_lr5e-4 awm"), REFERENCE (grpo_guard_lr5e-4:
 # whose final gain is the target), SEEDS ("0"; with RESUME=1 a further rl call adds seeds and keeps
 # the finished runs), JOBS (2: runs at once on the GPU, which one 300M run leaves mostly idle),
 # DEVICE (cuda; cpu: a smoke test of the plumbing here with the tiny drawer, 64 px and a few steps).
@@ -84,8 +85,8 @@ if [[ $stage == sft ]]; then
     # 750 of 256 (2026-12-07, docs/algorithms.md)
     [[ $DEVICE == cuda* ]] && bf16=1 || bf16=0
     OUT="$OUT/sft" MODEL_OUT="$MODEL" GEOMETRY=${GEOMETRY:-300m} SIZE=$SIZE STEPS=${STEPS:-3000} \
-        EVAL_EVERY=${EVAL_EVERY:-250} TARGET=${TARGET:-0.4} LIMIT_S=${SFT_LIMIT_S:-330} BF16=${BF16:-$bf16} \
-        VARIANTS=${VARIANTS:-"lr1e-3:optim.lr=1e-3;b256:batch_size=256 micro_batch_size=256 optim.lr=1e-3"} \
+        EVAL_EVERY=${EVAL_EVERY:-125} TARGET=${TARGET:-0.4} LIMIT_S=${SFT_LIMIT_S:-330} BF16=${BF16:-$bf16} \
+        VARIANTS=${VARIANTS:-"b256:batch_size=256 micro_batch_size=256 optim.lr=1e-3"} \
         RESUME=${RESUME:-0} DEVICE=$DEVICE bash bench/sft_compose_gpu.sh
     exit $?
 fi
@@ -101,12 +102,12 @@ if [[ $DEVICE == cuda* ]]; then
 else
     PLACE=()
 fi
-algorithms=(${ALGORITHMS:-flow_grpo_branch awm})
+algorithms=(${ALGORITHMS:-grpo_guard_lr5e-4 awm})
 # LoRA as BAGEL-7B is trained (rank 64, alpha 128), each recipe's own lr and loss; every run
 # through the real services
 $PY -m flowgrpo.services.cli bench algos --algorithms "${algorithms[@]}" --seeds ${SEEDS:-0} \
     --images "${IMAGES:-3840}" --eval-images "${EVAL_IMAGES:-640}" --jobs "${JOBS:-2}" \
-    --reference "${REFERENCE:-flow_grpo_branch}" \
+    --reference "${REFERENCE:-grpo_guard_lr5e-4}" \
     --keep /tmp/compose-scale-runs --json "$OUT/algos.json" --plot "$OUT/algos.png" \
     model.checkpoint="$MODEL" sampling.resolution="$SIZE" launch.launcher=local trainer.policy.kind=lora \
     "${PLACE[@]}" 2>&1 | tee "$OUT/algos.log"
