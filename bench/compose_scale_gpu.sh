@@ -103,8 +103,8 @@ else
     PLACE=()
 fi
 algorithms=(${ALGORITHMS:-grpo_guard_lr5e-4 awm})
-# LoRA as BAGEL-7B is trained (rank 64, alpha 128), each recipe's own lr and loss; every run
-# through the real services
+# LoRA as BAGEL-7B is trained (rank 64, alpha 128), each recipe's own loss and lr (grpo_guard_lr5e-4:
+# the rate measured for a LoRA on the tiny task); every run through the real services
 $PY -m flowgrpo.services.cli bench algos --algorithms "${algorithms[@]}" --seeds ${SEEDS:-0} \
     --images "${IMAGES:-3840}" --eval-images "${EVAL_IMAGES:-640}" --jobs "${JOBS:-2}" \
     --reference "${REFERENCE:-grpo_guard_lr5e-4}" \
