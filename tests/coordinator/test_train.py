@@ -28,6 +28,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from PIL import Image
@@ -42,6 +43,7 @@ from flowgrpo.services.coordinator.status import live_status, status
 from flowgrpo.services.coordinator.trace import step_spans
 from flowgrpo.telemetry import read_spans
 
+K = TypeVar("K")  # a run's key among runs side by side
 CLI = [sys.executable, "-m", "flowgrpo.services.cli"]  # the flowgrpo command of this interpreter
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -369,6 +371,17 @@ def mean_rewards(
     return [r["critic/rewards/mean"] for r in read_metrics(run_dir)], done.stderr
 
 
+def mean_rewards_side_by_side(
+    tiny: Path, runs: dict[K, tuple[Path, list[str]]]
+) -> dict[K, tuple[list[float], str]]:
+    """:func:`mean_rewards` of several runs (their folders and overrides) at once, a thread each:
+    on 2 cores a pair takes the time of one run at 2 threads."""
+    with ThreadPoolExecutor(len(runs)) as pool:
+        futures = {key: pool.submit(mean_rewards, run_dir, tiny, *overrides, threads=1)
+                   for key, (run_dir, overrides) in runs.items()}  # fmt: skip
+        return {key: future.result() for key, future in futures.items()}
+
+
 CONTROL = "trainer.optim.lr=0"  # the same seeds: the same prompts and noise at every step
 
 
@@ -398,11 +411,9 @@ def test_the_demo_learns_against_its_control(tiny: Path, tmp_path: Path) -> None
     """The JPEG demo recipe as it ships (compressibility), against its control (``lr = 0``)
     (measured here, 40 steps, a thread each: the paired gain is positive from step 3 and ends at
     +1.1e-3 on a reward of -4.8e-3, 8.6x the control's spread)."""
-    # the pair side by side, a thread each: the suite's longest test, half its time on 2 cores
-    with ThreadPoolExecutor(2) as pool:
-        trained_run = pool.submit(mean_rewards, tmp_path / "trained", tiny, threads=1)
-        control_run = pool.submit(mean_rewards, tmp_path / "control", tiny, CONTROL, threads=1)
-        (trained, log), (control, _) = trained_run.result(), control_run.result()
+    runs = mean_rewards_side_by_side(tiny, {"trained": (tmp_path / "trained", []),
+                                            "control": (tmp_path / "control", [CONTROL])})  # fmt: skip
+    (trained, log), (control, _) = runs["trained"], runs["control"]
     assert_paired(trained, control)
     assert len(trained) == load_run_config(RECIPE).schedule.steps
     assert_learns(trained, control, min_gain=0.05, spreads=5)
@@ -422,21 +433,11 @@ def brightness_runs(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     """Each direction's mean rewards (weight 1: brighter, -1: darker) and its control, the three
     runs side by side, a thread each. With lr = 0 the images do not depend on the reward, so the
     negated reward's control is the other one negated (exactly): one control run serves both."""
-    runs = {1.0: (brightness_scorer(1.0),), -1.0: (brightness_scorer(-1.0),),
-            0.0: (brightness_scorer(1.0), CONTROL)}  # fmt: skip
-    with ThreadPoolExecutor(len(runs)) as pool:
-        futures = {
-            weight: pool.submit(
-                mean_rewards,
-                tmp_path_factory.mktemp(f"brightness{weight:+}"),
-                tiny,
-                *BRIGHTNESS_RUN,
-                *overrides,
-                threads=1,
-            )
-            for weight, overrides in runs.items()
-        }
-        return {weight: future.result()[0] for weight, future in futures.items()}
+    overrides = {1.0: [brightness_scorer(1.0)], -1.0: [brightness_scorer(-1.0)],
+                 0.0: [brightness_scorer(1.0), CONTROL]}  # fmt: skip
+    runs = {weight: (tmp_path_factory.mktemp(f"brightness{weight:+}"), [*BRIGHTNESS_RUN, *extra])
+            for weight, extra in overrides.items()}  # fmt: skip
+    return {weight: rewards for weight, (rewards, _) in mean_rewards_side_by_side(tiny, runs).items()}
 
 
 @pytest.mark.timeout(900)
