@@ -26,7 +26,7 @@ import threading
 
 import zmq
 
-from flowgrpo.bus import auth, wire
+from flowgrpo.bus import auth, shm, wire
 from flowgrpo.bus.config import BusConfig
 from flowgrpo.bus.errors import BusError, ErrorCode
 from flowgrpo.bus.guard import ConnectionGuard, frame_wire_bytes
@@ -106,8 +106,11 @@ class BusServer:
             sock.setsockopt(zmq.SNDBUF, cfg.socket_buffer_bytes)
             sock.setsockopt(zmq.RCVBUF, cfg.socket_buffer_bytes)
         if cfg.transport == "ipc":  # in a folder of mode 0700: other users cannot connect
-            folder = tempfile.mkdtemp(prefix=f"flowgrpo-bus-{os.getpid()}-", dir=cfg.ipc_dir or None)
-            path = os.path.join(folder, "store.sock")
+            parent = cfg.ipc_dir or tempfile.gettempdir()
+            shm.remove_stale(parent)  # the folders of killed servers
+            folder = os.path.join(parent, shm.new_name())
+            os.mkdir(folder, 0o700)
+            path = os.path.join(folder, shm.IPC_SOCKET)
             try:
                 sock.bind(f"ipc://{path}")
             except zmq.ZMQError:
@@ -296,7 +299,7 @@ class BusServer:
             auth.release_domain(self._zap_domain)
         if self._ipc_dir:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(self._ipc_dir, "store.sock"))
+                os.unlink(os.path.join(self._ipc_dir, shm.IPC_SOCKET))
             with contextlib.suppress(OSError):
                 os.rmdir(self._ipc_dir)
 

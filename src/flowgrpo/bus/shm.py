@@ -11,7 +11,8 @@ the first write die of SIGBUS instead of failing cleanly.
 
 Names are ``flowgrpo-bus-<pid namespace>-<pid>-<random>``, so a new store can remove the files
 of dead processes of its own pid namespace (a crash skips cleanup) without touching files of a
-container that shares /dev/shm but not the pid numbering.
+container that shares /dev/shm but not the pid numbering. A server's ipc socket folder is named
+the same way, for the same reason (a killed server leaves its folder in /tmp).
 
 Same-host detection: a store writes a probe file holding a random token; a client that reads
 the same token from its own shm folder shares the producer's /dev/shm (same host, same IPC
@@ -27,6 +28,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +38,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "flowgrpo-bus-"
 PROBE_SUFFIX = ".probe"
+IPC_SOCKET = "store.sock"  # the one file in a server's ipc folder
 _NAME = re.compile(r"flowgrpo-bus-\d+-\d+-[0-9a-f]+(\.probe)?")
 
 
@@ -119,7 +122,9 @@ def probe_matches(folder: str, name: str, token: str) -> bool:
 
 
 def remove_stale(folder: str) -> int:
-    """Remove segments and probes left by dead processes of this pid namespace; returns how many."""
+    """Remove what dead processes of this pid namespace left in ``folder``: segments, probes and
+    ipc socket folders (only those of this user: a stranger's folder is not ours to empty).
+    Returns how many."""
     mine = f"{PREFIX}{_namespace()}-"
     try:
         names = [n for n in os.listdir(folder) if n.startswith(mine) and valid_name(n)]
@@ -130,11 +135,23 @@ def remove_stale(folder: str) -> int:
         pid = int(name[len(mine) :].split("-", 1)[0])
         if not pid_alive(pid):
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(folder, name))
+                _remove(os.path.join(folder, name))
                 removed += 1
     if removed:
-        log.info("removed %d stale bus segments of dead processes from %s", removed, folder)
+        log.info("removed %d stale bus files of dead processes from %s", removed, folder)
     return removed
+
+
+def _remove(path: str) -> None:
+    found = os.lstat(path)
+    if not stat.S_ISDIR(found.st_mode):
+        os.unlink(path)
+        return
+    if found.st_uid != os.getuid():
+        raise PermissionError(f"{path} belongs to uid {found.st_uid}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(path, IPC_SOCKET))
+    os.rmdir(path)  # fails, leaving it, if anything else lies there
 
 
 def pid_alive(pid: int) -> bool:
