@@ -19,16 +19,18 @@
 # rl: `flowgrpo bench algos` on that model through the real services (launcher local: the
 #   coordinator, rollout, trainer and reward processes; rollout and trainer on the one GPU, the
 #   base shared and the LoRA published by CUDA IPC, as examples/bagel_pickscore_lora_1gpu.yaml),
-#   GRPO-Guard (examples/tiny_compose.yaml's, at the rate a LoRA needs there: grpo_guard_lr5e-4)
-#   against AWM (the frontier table's best), each paired with its lr = 0 control: held-out
-#   accuracy against images and GPU seconds.
+#   FlowGRPO (examples/tiny_compose.yaml's recipe), GRPO-Guard at the recipe's rate and at the
+#   rate a LoRA needed on the tiny task (grpo_guard_lr5e-4), against AWM (the frontier table's
+#   best), 3 seeds, each run paired with its lr = 0 control: held-out accuracy against images
+#   and GPU seconds (docs/algorithms.md, "3 seeds from the batch-256 base").
 # Outputs under OUT (/tmp/compose-scale): sft/ (the curve, choice.json), algos.json, algos.png,
 # algos.log; a summary line last. Environment: OUT, MODEL (.ckpt/compose-300m), SIZE (128),
-# STEPS (3000), EVAL_EVERY (125), TARGET (0.4), SFT_LIMIT_S (330), BF16 (1 on a GPU),
+# STEPS (3000), EVAL_EVERY (125), TARGET (0.4), SFT_LIMIT_S (270), BF16 (1 on a GPU),
 # VARIANTS, RESUME (0), IMAGES (3840: each algorithm's
-# budget), EVAL_IMAGES (640), ALGORITHMS ("grpo_guard_lr5e-4 awm"), REFERENCE (grpo_guard_lr5e-4:
-# whose final gain is the target), SEEDS ("0"; with RESUME=1 a further rl call adds seeds and keeps
-# the finished runs), JOBS (2: runs at once on the GPU, which one 300M run leaves mostly idle),
+# budget), EVAL_IMAGES (640), ALGORITHMS ("flow_grpo_branch grpo_guard grpo_guard_lr5e-4 awm"),
+# REFERENCE (flow_grpo_branch: whose final gain is the target), SEEDS ("0 1 2"; with RESUME=1 a
+# further rl call adds seeds or algorithms and keeps the finished runs), JOBS (12: runs at once on
+# the GPU, which one 300M run leaves mostly idle; 12 took 407 s on an H100 80GB),
 # DEVICE (cuda; cpu: a smoke test of the plumbing here with the tiny drawer, 64 px and a few steps).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -82,10 +84,11 @@ if [[ $stage == sft ]]; then
     # in fp32 (no TF32) on an H200, two variants at once: 0.29-0.32 s a step of 64, 800 steps in
     # 330 s, 0.4-1.8% held out (2026-12-06). Under bf16 autocast on an H100, the GPU check beside
     # them: a step of 64 0.25 s (median), of 256 0.35 s; 22.8% at step 1,250 of 64, 63.6% at step
-    # 750 of 256 (2026-12-07, docs/algorithms.md)
+    # 750 of 256 (2026-12-07, docs/algorithms.md); alone on the GPU, 0.19 s a step of 256: 60.1% at
+    # step 625 and 63.6% at step 750 inside 270 s
     [[ $DEVICE == cuda* ]] && bf16=1 || bf16=0
     OUT="$OUT/sft" MODEL_OUT="$MODEL" GEOMETRY=${GEOMETRY:-300m} SIZE=$SIZE STEPS=${STEPS:-3000} \
-        EVAL_EVERY=${EVAL_EVERY:-125} TARGET=${TARGET:-0.4} LIMIT_S=${SFT_LIMIT_S:-330} BF16=${BF16:-$bf16} \
+        EVAL_EVERY=${EVAL_EVERY:-125} TARGET=${TARGET:-0.4} LIMIT_S=${SFT_LIMIT_S:-270} BF16=${BF16:-$bf16} \
         VARIANTS=${VARIANTS:-"b256:batch_size=256 micro_batch_size=256 optim.lr=1e-3"} \
         RESUME=${RESUME:-0} DEVICE=$DEVICE bash bench/sft_compose_gpu.sh
     exit $?
@@ -102,12 +105,12 @@ if [[ $DEVICE == cuda* ]]; then
 else
     PLACE=()
 fi
-algorithms=(${ALGORITHMS:-grpo_guard_lr5e-4 awm})
+algorithms=(${ALGORITHMS:-flow_grpo_branch grpo_guard grpo_guard_lr5e-4 awm})
 # LoRA as BAGEL-7B is trained (rank 64, alpha 128), each recipe's own loss and lr (grpo_guard_lr5e-4:
 # the rate measured for a LoRA on the tiny task); every run through the real services
-$PY -m flowgrpo.services.cli bench algos --algorithms "${algorithms[@]}" --seeds ${SEEDS:-0} \
-    --images "${IMAGES:-3840}" --eval-images "${EVAL_IMAGES:-640}" --jobs "${JOBS:-2}" \
-    --reference "${REFERENCE:-grpo_guard_lr5e-4}" \
+$PY -m flowgrpo.services.cli bench algos --algorithms "${algorithms[@]}" --seeds ${SEEDS:-0 1 2} \
+    --images "${IMAGES:-3840}" --eval-images "${EVAL_IMAGES:-640}" --jobs "${JOBS:-12}" \
+    --reference "${REFERENCE:-flow_grpo_branch}" \
     --keep /tmp/compose-scale-runs --json "$OUT/algos.json" --plot "$OUT/algos.png" \
     model.checkpoint="$MODEL" sampling.resolution="$SIZE" launch.launcher=local trainer.policy.kind=lora \
     "${PLACE[@]}" 2>&1 | tee "$OUT/algos.log"
