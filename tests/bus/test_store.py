@@ -175,7 +175,7 @@ def test_stale_files_of_dead_processes_are_removed(tmp_path: Path) -> None:
 
 def test_the_ipc_folder_of_a_killed_server_is_removed_by_the_next_one(start_producer: Any) -> None:
     """A SIGKILLed server cannot clean up: the next server in the same folder removes what it
-    left (the socket and its folder), and leaves a live server's and a stranger's alone."""
+    left (the socket and its folder), and leaves a live server's and an unrelated folder alone."""
     with tempfile.TemporaryDirectory() as short:  # pytest's tmp_path is too long for a socket path
         _killed_then_next(Path(short), start_producer)
 
