@@ -177,22 +177,21 @@ def test_the_ipc_folder_of_a_killed_server_is_removed_by_the_next_one(start_prod
     """A SIGKILLed server cannot clean up: the next server in the same folder removes what it
     left (the socket and its folder), and leaves a live server's and an unrelated folder alone."""
     with tempfile.TemporaryDirectory() as short:  # pytest's tmp_path is too long for a socket path
-        _killed_then_next(Path(short), start_producer)
-
-
-def _killed_then_next(tmp_path: Path, start_producer: Any) -> None:
-    killed, live = (start_producer(transport="ipc", shm=False, ipc_dir=str(tmp_path)) for _ in range(2))
-    folder_of = {p: Path(p.endpoint.removeprefix("ipc://")).parent for p in (killed, live)}
-    killed.kill()
-    assert (folder_of[killed] / "store.sock").exists()  # what a killed server leaves
-    unrelated = tmp_path / "flowgrpo-bus-notes"
-    unrelated.mkdir()
-    config = BusConfig(transport="ipc", shm=False, ipc_dir=str(tmp_path))
-    with TensorStore(config) as store, BusServer(store) as server:
-        assert not folder_of[killed].exists() and folder_of[live].exists() and unrelated.exists()
-        own = Path(server.endpoint.removeprefix("ipc://")).parent
-        assert stat.S_IMODE(own.stat().st_mode) == 0o700
-    assert sorted(tmp_path.iterdir()) == sorted([folder_of[live], unrelated])
+        folder = Path(short)
+        killed, live = (start_producer(transport="ipc", shm=False, ipc_dir=short) for _ in range(2))
+        folder_of = {p: Path(p.endpoint.removeprefix("ipc://")).parent for p in (killed, live)}
+        killed.kill()
+        assert (folder_of[killed] / "store.sock").exists()  # what a killed server leaves
+        unrelated = folder / "flowgrpo-bus-notes"
+        unrelated.mkdir()
+        with (
+            TensorStore(BusConfig(transport="ipc", shm=False, ipc_dir=short)) as store,
+            BusServer(store) as server,
+        ):
+            assert not folder_of[killed].exists() and folder_of[live].exists() and unrelated.exists()
+            own = Path(server.endpoint.removeprefix("ipc://")).parent
+            assert stat.S_IMODE(own.stat().st_mode) == 0o700
+        assert sorted(folder.iterdir()) == sorted([folder_of[live], unrelated])
 
 
 def test_store_without_shm_folder_falls_back_to_private_memory(tmp_path: Path) -> None:
