@@ -22,9 +22,14 @@
 #      compiling. Its images/s is a smoke figure, not the recipe's: the full 7B figure of docs/performance.md
 #      is `bash bench/system_gpu.sh` (a call of its own: a step of 128 images takes ~2.5 min).
 # Measured (H200, torch 2.11): the tests 2 min until FP8 added its runs; then 296 s one after the other
-# (c674b7b: 11 passed), which left the system stage's 4 steps (its first 176 s) past the 600 s
-# limit: the tests now run as two processes at once, 155 s (69e8dd5 on an H100; the whole check
-# 424 s). At 28 layers and 128 images a step the first step alone took 210-268 s, which is why the
+# (c674b7b: 11 passed); as two processes at once 155 s (69e8dd5 on an H100; the whole check 424 s),
+# then 316 s (1e39193, H100: 568 s of the 600) and 381 s (H200, 2026-12-07: the FP8 and compile
+# tests, 124 + 64 + 57 + 59 s, one after the other in the second process). Now every stage runs at
+# once, on one GPU: the tests as four processes (the one-GPU service runs; the FP8 tests; the
+# compiled ones; the rest), and the system stage beside them. The tests' models are tiny (a few
+# GiB of the GPU at most) and their time is mostly the CPU's (compiles, 16 cores), so the system
+# stage's 62 GiB fit beside them; its images/s is a smoke figure, taken beside the tests.
+# At 28 layers and 128 images a step the first step alone took 210-268 s, which is why the
 # check cuts both.
 # Environment: OUT (default /tmp/gpu-check), COMMIT, SYSTEM_STEPS (4; 0 skips the system stage,
 # and the verdict then says the tests passed and the system did not run), SYSTEM_LAYERS (2).
@@ -40,50 +45,73 @@ export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 started=$SECONDS
 declare -A status seconds
 
-stage() {  # stage NAME COMMAND...: run it, its output to $OUT/NAME.log, its exit status and time kept
+stage() {  # stage NAME COMMAND...: run it, its output to $OUT/stage-NAME.log, "STATUS SECONDS" to $OUT/NAME.status
     local name=$1 begin=$SECONDS
     shift
-    echo "=== $name: $*" >&2
-    "$@" > >(tee "$OUT/$name.log") 2>&1
-    status[$name]=$?
-    seconds[$name]=$((SECONDS - begin))
-    echo "=== $name: exit ${status[$name]} in ${seconds[$name]} s" >&2
+    echo "=== $name: started at $((SECONDS - started)) s: $*" >&2
+    "$@" >"$OUT/stage-$name.log" 2>&1
+    local rc=$?
+    echo "$rc $((SECONDS - begin))" >"$OUT/$name.status"
+    echo "=== $name: exit $rc in $((SECONDS - begin)) s" >&2
+}
+collect() {  # collect NAME: its status and seconds into the arrays
+    local rc=1 secs=0
+    [[ -f $OUT/$1.status ]] && read -r rc secs <"$OUT/$1.status"
+    status[$1]=$rc seconds[$1]=$secs
 }
 
 $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))' \
     | tee "$OUT/env.txt"
 stage layout $PY tests/bus/cuda_ipc_layouts.py "$OUT/cuda_ipc_layout.json"
+collect layout
 
-# the gpu tests in two pytest processes at once (timing-free tests, small models: the GPU and the
-# 16 cores hold both): the one-GPU service runs (4 runs, ~180 s on an H200) beside all the others
-# (~95 s); one after the other they took 296 s and left the system stage too little of the 600 s
+# the gpu tests in four pytest processes at once, each its report $OUT/gpu-tests-NAME.xml: the
+# one-GPU service runs (~180 s), the FP8 tests (~200 s, compiles), the other compiled ones
+# (~120 s), the rest; a file in no group of its own goes to the rest
 mapfile -t gpu_tests < <(grep -rlE "pytest\.mark\.gpu|mark\.gpu\b" tests --include='test_*.py' | sort)
-LONG_TESTS=tests/services/test_colocated_gpu.py
+declare -A TEST_GROUPS=(
+    [colocated]="tests/services/test_colocated_gpu.py"
+    [fp8]="tests/models/test_fp8_gpu.py tests/bench/test_fp8_torchao.py"
+    [compiled]="tests/models/test_bagel_gpu.py tests/trainer/test_sft_gpu.py"
+)
+grouped=" ${TEST_GROUPS[*]} "
+rest=()
+for f in "${gpu_tests[@]}"; do [[ $grouped == *" $f "* ]] || rest+=("$f"); done
+TEST_GROUPS[rest]="${rest[*]}"
 gpu_pytest() {  # gpu_pytest NAME FILES...: one process, its report $OUT/gpu-tests-NAME.xml
     local name=$1
     shift
     $PY -m pytest -p no:cacheprovider -o addopts="" -m "gpu and not vllm_omni" -q -rfEs \
-        --junitxml="$OUT/gpu-tests-$name.xml" "$@" > "$OUT/tests-$name.log" 2>&1
+        --junitxml="$OUT/gpu-tests-$name.xml" "$@" >"$OUT/tests-$name.log" 2>&1
 }
 run_gpu_tests() {
-    local long_status rest_status
-    gpu_pytest colocated "$LONG_TESTS" &
-    local long_pid=$!
-    gpu_pytest rest $(printf '%s\n' "${gpu_tests[@]}" | grep -vx "$LONG_TESTS")
-    rest_status=$?
-    wait $long_pid
-    long_status=$?
+    local pids=() name rc=0
+    for name in "${!TEST_GROUPS[@]}"; do
+        # shellcheck disable=SC2086  # the group's files, split on spaces
+        stage "tests-$name-run" gpu_pytest "$name" ${TEST_GROUPS[$name]} &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid"; done
+    for name in "${!TEST_GROUPS[@]}"; do
+        collect "tests-$name-run"
+        echo "tests $name: exit ${status[tests-$name-run]} in ${seconds[tests-$name-run]} s"
+        rc=$((rc || status[tests-$name-run]))
+    done
     grep -hvE "^DEBUG " "$OUT"/tests-*.log | grep -E "passed|failed|FAILED|ERROR" || true
-    return $((long_status || rest_status))
+    return $rc
 }
-stage tests run_gpu_tests
-
+stage tests run_gpu_tests &
+tests_pid=$!
 if [ "$SYSTEM_STEPS" = 0 ]; then  # a call with too little device time left for the system stage
-    status[system]=skipped seconds[system]=0
+    echo "skipped 0" >"$OUT/system.status"
 else
     stage system env LAYERS="$SYSTEM_LAYERS" OUT="$OUT" bash bench/system_gpu.sh --steps "$SYSTEM_STEPS" \
-        --variant check data.prompts_per_step=2 data.group_size=8
+        --variant check data.prompts_per_step=2 data.group_size=8 &
 fi
+wait
+collect tests
+collect system
+cat "$OUT/stage-tests.log"
 
 $PY - "$OUT" "$COMMIT" "$((SECONDS - started))" "${status[layout]}" "${status[tests]}" "${status[system]}" \
     "${seconds[tests]}" "${seconds[system]}" "$SYSTEM_LAYERS" <<'EOF'
@@ -93,8 +121,8 @@ out, commit, total, st_layout, st_tests, st_system, s_tests, s_system, layers = 
 parts, ok = [], st_layout == st_tests == "0" and st_system in ("0", "skipped")
 try:
     reports = sorted(Path(out).glob("gpu-tests-*.xml"))
-    if len(reports) != 2:
-        raise OSError(f"{len(reports)} of the 2 reports (gpu-tests-colocated.xml, gpu-tests-rest.xml)")
+    if len(reports) != 4:
+        raise OSError(f"{len(reports)} of the 4 reports (gpu-tests-colocated, -fp8, -compiled, -rest .xml)")
     counts = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0)
     for report in reports:
         suite = ET.parse(report).getroot()

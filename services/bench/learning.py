@@ -137,14 +137,20 @@ def isa_environment(isa: str) -> dict[str, str]:
     return dict(zip(ISA_LIBRARIES, ISA_VALUES[isa], strict=True))
 
 
+def case_environment(case: Case) -> dict[str, str]:
+    """A run's environment: the caller's, with the case's threads and instruction-set caps (its
+    caps alone: "" drops any the caller had, and runs on the CPU's best)."""
+    env = {k: v for k, v in os.environ.items() if k not in ISA_LIBRARIES}
+    return env | {"OMP_NUM_THREADS": str(case.threads), **isa_environment(case.isa)}
+
+
 def run_case(
     case: Case, args: argparse.Namespace, folder: Path, val_key: str | None = None
 ) -> tuple[list[float], float]:
     """The run's per-step mean rewards, or with ``val_key`` that validation figure in step order
     (the recipe's own validations; the control's, ``CONTROL_VALIDATIONS``)."""
     run_dir = folder / case.label
-    env = {k: v for k, v in os.environ.items() if k not in ISA_LIBRARIES}  # "": the CPU's best
-    env.update({"OMP_NUM_THREADS": str(case.threads), **isa_environment(case.isa)})
+    env = case_environment(case)
     schedule = ["schedule.eval_every=0"] if val_key is None else CONTROL_VALIDATIONS if case.control else []
     cmd = [*CLI, "train", args.recipe, f"run_dir={run_dir}", f"schedule.seed={case.seed}",
            "launch.launcher=inprocess", "schedule.save_every=0", *args.overrides, *schedule,

@@ -32,6 +32,7 @@ from typing import TypeVar
 
 import pytest
 from PIL import Image
+from shared_runs import shared_folder
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 from flowgrpo.configs.run import load_run_config
@@ -55,9 +56,14 @@ EXACT = ("critic/rewards/mean", "actor/pg_loss", "actor/grad_norm", "actor/ratio
          "critic/advantages/max")  # fmt: skip
 
 
-@pytest.fixture(scope="module")
+# Each test may run on another xdist worker; the runs that several of them read are made once per
+# test run (tests/shared_runs.py), the others belong to their test.
+pytestmark = pytest.mark.spread
+
+
+@pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_bagel(tmp_path_factory.mktemp("model"), seed=0)
+    return shared_folder(tmp_path_factory, "tiny-bagel-seed0", lambda folder: make_tiny_bagel(folder, seed=0))
 
 
 def command(run_dir: Path, tiny: Path, *overrides: str) -> list[str]:
@@ -101,18 +107,20 @@ def finish(proc: subprocess.Popen[str], expect: int = 0) -> str:
     return stderr
 
 
-@pytest.fixture(scope="module")
-def reference_dir(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run_dir = tmp_path_factory.mktemp("reference")
+def train_reference(run_dir: Path, tiny: Path) -> None:
     os.environ["WANDB_MODE"] = "offline"  # W&B as a user with no network has it: files in the run
     try:
         train(run_dir, tiny, "launch.launcher=inprocess", "logger.wandb=true")
     finally:
         del os.environ["WANDB_MODE"]
-    return run_dir
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
+def reference_dir(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return shared_folder(tmp_path_factory, "train-reference", lambda run_dir: train_reference(run_dir, tiny))
+
+
+@pytest.fixture(scope="session")
 def reference(reference_dir: Path) -> list[dict[str, float]]:
     return read_metrics(reference_dir)
 
@@ -407,6 +415,7 @@ def assert_learns(trained: list[float], control: list[float], min_gain: float, s
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.long
 def test_the_demo_learns_against_its_control(tiny: Path, tmp_path: Path) -> None:
     """The JPEG demo recipe as it ships (compressibility), against its control (``lr = 0``)
     (measured here, 40 steps, a thread each: the paired gain is positive from step 3 and ends at
@@ -441,6 +450,8 @@ def brightness_runs(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.xdist_group("train-brightness")  # the two share their module's three runs
+@pytest.mark.long
 @pytest.mark.parametrize("weight", [1.0, -1.0], ids=["brighter", "darker"])
 def test_a_second_reward_is_learnt_in_both_directions(
     brightness_runs: dict[float, list[float]], weight: float

@@ -32,10 +32,14 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def rollout(
-    sampler: BagelSampler, advantages: list[float], version: int = 0, step: int = 0
+    sampler: BagelSampler,
+    advantages: list[float],
+    version: int = 0,
+    step: int = 0,
+    params: SamplerParams = PARAMS,
 ) -> list[Trajectory]:
     requests = [SampleRequest(uid, i, torch.tensor(ids)) for uid, ids in PROMPTS.items() for i in range(2)]
-    out = sampler.generate(requests, PARAMS, seed=3, step=step)
+    out = sampler.generate(requests, params, seed=3, step=step)
     return [
         Trajectory(
             r.prompt_uid,
@@ -226,8 +230,13 @@ def test_a_step_prefills_each_distinct_prompt_once_and_trains_as_a_prefill_per_m
     """Inside a step the prompts' prefill is the step's one prefill of its distinct prompts,
     shared by the logp_old pass and every micro-batch. A trainer prefilling every micro-batch's
     rows (as before) computes the same step: bitwise where the sampler's results do not depend
-    on the batch (and both then score the rollout's samples exactly), else within rounding."""
-    batch = rollout(sampler_for(tiny), [1.5, -0.5, 0.25, 2.0])
+    on the batch (and both then score the rollout's samples exactly), else within rounding.
+
+    The rollout samples with the mode's own settings: deterministic mode's forwards run on one
+    thread, the others on every thread, and a rollout of the one scored by a trainer of the other
+    compares two thread counts, whose GEMMs split their sums apart on some CPUs (MKL on an AMD
+    EPYC with AVX-512: a gap of 5.96e-08)."""
+    batch = rollout(sampler_for(tiny), [1.5, -0.5, 0.25, 2.0], params=params)
     shared, per_micro = trainer(tiny, mini_batches=2), trainer(tiny, mini_batches=2)
     per_micro.forwards.begin_step = lambda batch: None  # type: ignore[method-assign]  # no step cache
     shared_rows, per_micro_rows = counted_prefills(shared), counted_prefills(per_micro)
