@@ -63,9 +63,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         function = getattr(item, "function", None)
         if function is not None and claims_exactness(item.path, function.__name__):
             item.add_marker(pytest.mark.bitwise)
-        if item.get_closest_marker("xdist_group") is None:
-            alone = item.get_closest_marker("spread") is not None or not shares_a_fixture(item)
-            item.add_marker(pytest.mark.xdist_group(item.nodeid if alone else item.nodeid.split("::")[0]))
+        alone = item.get_closest_marker("spread") is not None or not shares_a_fixture(item)
+        if item.get_closest_marker("xdist_group") is None and not alone:  # alone: no group at all
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
 

@@ -1,5 +1,6 @@
 """The suite's xdist workers share no folder, cache or thread budget they did not agree on
-(tests/conftest.py), and a run made for several tests is made once (tests/shared_runs.py).
+(tests/conftest.py), a group's tests share one worker, and a run made for several tests is made
+once (tests/shared_runs.py).
 
 A child ``pytest -n 2`` runs probe tests under the suite's conftest (loaded as a plugin): each
 probe reports what its worker and a process it starts see."""
@@ -30,6 +31,12 @@ def made_once(folder):
     with open(OUT / "makes", "a") as log:
         log.write("made\\n")
     time.sleep(1.0)  # long enough for the other worker to ask meanwhile
+
+@pytest.mark.xdist_group("pair")
+@pytest.mark.parametrize("n", range(2))
+def test_grouped(n):
+    time.sleep(0.5)
+    (OUT / f"grouped{n}").write_text(os.environ["PYTEST_XDIST_WORKER"])
 
 @pytest.mark.parametrize("n", range(4))
 def test_probe(n, tmp_path, tmp_path_factory):
@@ -76,3 +83,6 @@ def test_two_workers_get_their_own_folders_caches_and_one_thread_each(tmp_path: 
     # the shared folder: one, made once by one worker, read by every probe on both workers
     assert len({r["shared"] for r in reports}) == 1 and len({r["shared_by"] for r in reports}) == 1
     assert (out / "makes").read_text() == "made\n"
+    # a group's tests run on one worker (pytest 9 broke this silently: it ignores the node id
+    # that --dist loadgroup rewrites, and every grouped test went its own way)
+    assert (out / "grouped0").read_text() == (out / "grouped1").read_text()
