@@ -12,7 +12,9 @@ Under pytest-xdist (the README's command runs ``-n 2``), each worker is a proces
   fixtures of a wider scope is a group of its own; the others are grouped by file (its module
   fixtures made once) unless the file is marked ``spread`` (what its tests share is made once
   per test run: tests/shared_runs.py) or a test names its group (``xdist_group``); tests marked
-  ``long`` are handed out first, so none starts last and runs alone.
+  ``long`` are handed out first, so none starts last and runs alone (``--no-loadscope-reorder``:
+  xdist would otherwise hand out the groups of most tests first, and every long test, a group
+  of one, last).
 """
 
 from __future__ import annotations

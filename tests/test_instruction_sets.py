@@ -5,7 +5,8 @@ scheduler's parity test ran their matmuls on different thread counts, which MKL'
 split into different sums. Every test that claims exact equality is ``bitwise`` (by the rule of
 tests/exactness.py) and re-runs here in a subprocess whose libraries are all capped at another
 instruction set (``flowgrpo.services.bench.learning.isa_environment``: ATen, oneDNN and MKL):
-``default`` (no AVX at all) and ``avx2`` (a CPU without AVX-512). The subprocess runs on every
+``default`` (no AVX at all) and ``avx2`` (a CPU without AVX-512), but for the end-to-end runs
+(``END_TO_END``, below). The subprocess runs on every
 core (torch's default thread count, the one a user's process has), whatever the thread count of
 the run that started it. Before running, a child reports what ATen and oneDNN run on, so a cap
 a library ignored cannot pass for one that held (MKL reports nothing on AMD: tests/exactness.py).
@@ -24,6 +25,12 @@ from exactness import ONEDNN_ISA, files_with_exact_claims, isa_report
 from flowgrpo.services.bench import learning
 
 ROOT = Path(__file__).resolve().parents[1]
+# Not re-run: the end-to-end runs through the services. Their exact claims compare launchers and
+# faults (in process against local processes, killed and resumed, attacked) in deterministic
+# mode, one thread and deterministic kernels on both sides; the arithmetic they run is the
+# sampler's and the trainer's, whose exact claims the re-run covers in process. Re-running them
+# under two caps would cost more than the rest of the suite (a run of minutes each).
+END_TO_END = ("tests/coordinator/", "tests/security/")
 
 
 def capped(isa: str) -> dict[str, str]:
@@ -33,13 +40,14 @@ def capped(isa: str) -> dict[str, str]:
     return plain | learning.isa_environment(isa)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("isa", ["default", "avx2"])
 def test_bitwise_claims_hold_on_a_restricted_instruction_set(isa: str) -> None:
     env = capped(isa)
     assert isa_report(env, sys.executable) == {"aten": isa.upper(), "onednn": ONEDNN_ISA[isa]}
     files = [str(p.relative_to(ROOT)) for p in files_with_exact_claims(ROOT / "tests")]
-    files.remove("tests/test_instruction_sets.py")  # not itself
+    files = [f for f in files if not f.startswith(END_TO_END) and f != "tests/test_instruction_sets.py"]
     marks = "bitwise and not gpu and not slow and not vllm_omni"
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-m", marks,

@@ -2,16 +2,19 @@
 flood of 500 unauthenticated streams on 10 connections and 200 idle HTTP/2 connections
 (slowloris), plus a 200 MiB unauthenticated call and a 5,000-message unauthenticated stream, all
 from raw clients in processes of their own, while a legitimate caller with the token measures
-every call it makes."""
+every call it makes, to it and, in the same seconds, to an identical service nobody attacks."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -32,18 +35,25 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def reward(tmp_path: Path) -> Iterator[str]:
+def rewards(tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """Two reward services alike: the one attacked, and a control that only the legitimate caller
+    calls, which feels the machine's load (the attackers' CPU included) and not the attack."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FLOWGRPO_TOKEN", "FLOWGRPO_BUS_SECRET"))}
     env["FLOWGRPO_TOKEN"] = TOKEN
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("FLOWGRPO_TOKEN", TOKEN)  # this process's handshake and drain carry it
         # idle and half-open connections closed within the attack (defaults: 300 s and 10 s)
         limits = ["server.host=127.0.0.1", "server.idle_connection_s=4", "server.handshake_timeout_s=3"]
-        proc, address = spawn_service("reward", limits, tmp_path / "ready.json", env=env)
+        with ThreadPoolExecutor(2) as pool:
+            spawns = [pool.submit(spawn_service, "reward", limits, tmp_path / f"{name}.json", env=env)
+                      for name in ("attacked", "control")]  # fmt: skip
+        started = [spawn.result() for spawn in spawns if spawn.exception() is None]
         try:
-            yield address
+            assert len(started) == 2, [spawn.exception() for spawn in spawns]
+            yield started[0][1], started[1][1]
         finally:
-            stop_service(proc)
+            for proc, _ in started:
+                stop_service(proc)
 
 
 def attacker(*args: str) -> subprocess.Popen[str]:
@@ -59,27 +69,41 @@ def report(proc: subprocess.Popen[str]) -> dict[str, object]:
 
 
 @pytest.mark.timeout(150)
-def test_legitimate_calls_are_answered_under_a_flood_and_a_slowloris(reward: str) -> None:
+def test_legitimate_calls_are_answered_under_a_flood_and_a_slowloris(rewards: tuple[str, str]) -> None:
+    reward, control = rewards
     attackers = [attacker("flood", reward, str(ATTACK_S)), attacker("oversized", reward, "3")]
     try:
 
-        async def measure() -> Legitimate:
+        async def measure() -> list[Legitimate]:
             await asyncio.sleep(3.0)  # the flood and the idle connections are up
-            return await legitimate(reward, TOKEN, ATTACK_S - 5.0)
+            # 2 callers each: the 4 of one service before the control came, so no more load than then
+            calls = (legitimate(a, TOKEN, ATTACK_S - 5.0, workers=2) for a in (reward, control))
+            return await asyncio.gather(*calls)
 
-        legit = asyncio.run(measure())
+        legit, calm = asyncio.run(measure())
         flood, oversized = (report(a) for a in attackers)
     finally:
         for proc in attackers:
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
-    p99 = legit.p99()
-    figures = (f"legit {legit.codes} p99 {p99:.3f}s max {max(legit.latencies_s):.3f}s {legit.failures[:3]}; "
-               f"flood {flood}; oversized {oversized}")  # fmt: skip
+    p99, mean = legit.p99(), statistics.fmean(legit.latencies_s or [math.inf])
+    calm_mean = statistics.fmean(calm.latencies_s or [math.inf])
+    figures = (f"legit {legit.codes} mean {mean:.3f}s p99 {p99:.3f}s max {max(legit.latencies_s):.3f}s "
+               f"{legit.failures[:3]}; control {calm.codes} mean {calm_mean:.3f}s p99 {calm.p99():.3f}s "
+               f"{calm.failures[:3]}; flood {flood}; oversized {oversized}")  # fmt: skip
     print(figures)
-    assert set(legit.codes) == {"OK"} and sum(legit.codes.values()) >= 20, figures
-    assert p99 < 1.0, figures
+    for measured in (legit, calm):
+        assert set(measured.codes) == {"OK"} and sum(measured.codes.values()) >= 20, figures
+    # relative to the control, called by the same client in the same seconds: the machine's load
+    # (the attackers' CPU included) slows both alike, and only one gets the attack's calls. Measured
+    # on the loaded 2-core machine (load 6 to 12, where an absolute bound was load's to decide), in
+    # 30 runs: the attacked mean 0.5 to 2.4 times the control's; its p99 0.1 to 0.45 s, the
+    # control's 0.08 to 0.32 s. A refusal that blocks the event loop 3 ms made the mean 6.4 to 7
+    # times the control's and the p99 up to 1.36 s (1 ms: a mean 3 to 4.2 times). The tail has
+    # 0.5 s more: the p99 of ~350 calls is the 4th slowest, and stalls of 0.1 to 0.7 s hit either.
+    assert mean < 4 * calm_mean, figures
+    assert p99 < 4 * calm.p99() + 0.5, figures
     streams: dict[str, int] = flood["streams"]  # type: ignore[assignment]
     # a stream whose caller finished writing is answered UNAUTHENTICATED, every time; one whose
     # caller still writes may read INTERNAL: grpc-python's client overwrites the status it got

@@ -1,12 +1,16 @@
 """A training run attacked while it trains, by a stranger on the network who knows every address
-(from a leaked RunStatus, say) but holds no credential: every attack fails, and the run trains
-exactly as an undisturbed one does (metrics bitwise equal, deterministic mode)."""
+(from a leaked RunStatus, say) but holds no credential: every attack fails, refused by the service
+it aims at (which answers the operator meanwhile), and the run trains exactly as an undisturbed
+one does (metrics bitwise equal, deterministic mode)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -15,9 +19,9 @@ from pathlib import Path
 import grpc
 import grpc.aio
 import pytest
-import zmq
 
 from flowgrpo import PROTOCOL_VERSION
+from flowgrpo.bus import BusClient, BusConfig, BusError
 from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
 from flowgrpo.runtime import open_channel
 from flowgrpo.services.coordinator.outputs import read_metrics
@@ -35,6 +39,8 @@ from flowgrpo.v1 import (
 CLI = [sys.executable, "-m", "flowgrpo.services.cli"]
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "tiny_jpeg.yaml"
 TOKEN = "operator-token-" + "q" * 28
+BUS_SECRET = "operator-bus-secret-" + "s" * 24
+NULL_GREETING = b"\xff" + b"\0" * 8 + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" * 32  # ZMTP 3.0
 STEPS = ["schedule.steps=5", "schedule.save_every=0", "schedule.eval_every=0"]
 EXACT = (
     "critic/rewards/mean",
@@ -70,7 +76,62 @@ async def leaked_status(coordinator: str) -> coordinator_pb2.RunStatusResponse:
         return response
 
 
-def attack(coordinator: str, status: coordinator_pb2.RunStatusResponse) -> dict[str, str]:
+def bus_endpoints(status: coordinator_pb2.RunStatusResponse) -> dict[str, str]:
+    """The stores of the trainer and the rollout, by role."""
+    return {m.info.role: m.info.bus_endpoint for m in status.members if m.info.role in ("trainer", "rollout")}
+
+
+def operator_pings(endpoint: str) -> str:
+    """The run's own bus client (it holds the secret) pings the store: it listens, and serves."""
+    with BusClient(BusConfig(secret=BUS_SECRET)) as client:
+        try:
+            client.ping(endpoint, timeout_s=10)
+        except BusError as error:
+            return f"{type(error).__name__}: {error}"
+    return "answered"
+
+
+def stranger_on_the_bus(endpoint: str) -> str:
+    """A raw peer with no CURVE keys tries a NULL handshake with the store, in ZMTP 3.0 (RFC 23,
+    on a TCP socket): "refused" when the store itself refuses it (its greeting names the CURVE
+    mechanism, then it closes on the peer's NULL greeting and READY, sending nothing), else what
+    happened: "nothing listens" (the connection was refused), or the store's READY came back."""
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    try:
+        sock = socket.create_connection((host, int(port)), timeout=5)
+    except ConnectionRefusedError:
+        return "nothing listens"
+    with sock:
+        # the signature and major version first: libzmq then sends its whole greeting, before the
+        # peer's mechanism is known (sent at once, the store may close before its own went out)
+        sock.sendall(NULL_GREETING[:11])
+        greeting = receive(sock, 64)
+        if len(greeting) < 64 or greeting[:1] != b"\xff":
+            return f"no ZMTP greeting: {greeting!r}"
+        mechanism = greeting[12:32].rstrip(b"\0").decode(errors="replace")
+        ready = frame(b"\x05READY\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER", 0x04)
+        with contextlib.suppress(ConnectionResetError, BrokenPipeError):
+            sock.sendall(NULL_GREETING[11:] + ready)
+        if reply := receive(sock, 2):  # the store's READY command: the stranger is in
+            return f"handshake done: a {mechanism} store sent {reply!r}"
+    return "refused" if mechanism == "CURVE" else f"closed by a {mechanism} store"
+
+
+def frame(body: bytes, flags: int = 0) -> bytes:
+    """A short ZMTP 3.0 frame: flags (0x01 more, 0x04 a command), a 1-byte size, the body."""
+    return bytes([flags, len(body)]) + body
+
+
+def receive(sock: socket.socket, n: int) -> bytes:
+    """Up to ``n`` bytes, until the peer closes (a 5 s silence fails the test)."""
+    got = b""
+    with contextlib.suppress(ConnectionResetError):
+        while len(got) < n and (chunk := sock.recv(n - len(got))):
+            got += chunk
+    return got
+
+
+def attack(coordinator: str, status: coordinator_pb2.RunStatusResponse, planted: Path) -> dict[str, str]:
     results: dict[str, str] = {}
     by_role = {m.info.role: m.info for m in status.members}
     rollout, trainer = by_role["rollout"], by_role["trainer"]
@@ -80,6 +141,9 @@ def attack(coordinator: str, status: coordinator_pb2.RunStatusResponse) -> dict[
         protocol_version=PROTOCOL_VERSION,
         grpc_address="127.0.0.1:9",
     )
+    # the data bus first: a raw peer (no CURVE keys) trying a handshake with each store
+    for role, endpoint in bus_endpoints(status).items():
+        results[f"handshake with the {role}'s bus"] = stranger_on_the_bus(endpoint)
     calls = {
         "register as rollout-0": (coordinator, "Register", coordinator_pb2.RegisterRequest(info=hijack),
                                   coordinator_pb2_grpc.CoordinatorStub),
@@ -92,26 +156,17 @@ def attack(coordinator: str, status: coordinator_pb2.RunStatusResponse) -> dict[
         "release every tag": (rollout.grpc_address, "Release", rollout_pb2.ReleaseRequest(tags=["step1"]),
                               rollout_pb2_grpc.RolloutStub),
         "save a checkpoint elsewhere": (trainer.grpc_address, "SaveCheckpoint",
-                                        trainer_pb2.SaveCheckpointRequest(step=99999999, path="/tmp/planted"),
+                                        trainer_pb2.SaveCheckpointRequest(step=99999999, path=str(planted)),
                                         trainer_pb2_grpc.TrainerStub),
         "read the weight refs": (trainer.grpc_address, "State", trainer_pb2.TrainerStateRequest(),
                                  trainer_pb2_grpc.TrainerStub),
     }  # fmt: skip
     for name, (address, method, request, stub) in calls.items():
         results[name] = asyncio.run(stranger(address, method, request, stub)).name
-    # the data bus: a raw peer (no CURVE keys) asking the stores for anything
-    for name, endpoint in (("fetch from the trainer's bus", trainer.bus_endpoint),
-                           ("fetch from the rollout's bus", rollout.bus_endpoint)):  # fmt: skip
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
-        sock.send_multipart([b"\x01", b"\x81\xa4keys\x90"])
-        results[name] = "answered" if sock.poll(2000) else "no answer"
-        sock.close()
     return results
 
 
+@pytest.mark.long  # handed out first under xdist (tests/conftest.py)
 @pytest.mark.timeout(600)
 def test_a_run_under_attack_trains_as_an_undisturbed_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -120,7 +175,10 @@ def test_a_run_under_attack_trains_as_an_undisturbed_one(
     reference = subprocess.run(run_command(tmp_path / "reference", tiny, "inprocess"),
                                capture_output=True, text=True, timeout=300)  # fmt: skip
     assert reference.returncode == 0, reference.stderr[-3000:]
-    monkeypatch.setenv("FLOWGRPO_TOKEN", TOKEN)  # the operator's own token: this test reads RunStatus
+    # the operator's own credentials: this test reads RunStatus and pings the stores with them
+    monkeypatch.setenv("FLOWGRPO_TOKEN", TOKEN)
+    monkeypatch.setenv("FLOWGRPO_BUS_SECRET", BUS_SECRET)
+    monkeypatch.delenv("FLOWGRPO_BUS_SECRET_FILE", raising=False)  # one source of the secret at a time
     attacked = tmp_path / "attacked"
     proc = subprocess.Popen(run_command(attacked, tiny, "local"), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
@@ -132,8 +190,11 @@ def test_a_run_under_attack_trains_as_an_undisturbed_one(
         ready = attacked / "services" / "coordinator.ready.json"
         coordinator = json.loads(ready.read_text())["grpc_address"]
         leaked = asyncio.run(leaked_status(coordinator))  # read with the operator's token
+        operator = {role: operator_pings(endpoint) for role, endpoint in bus_endpoints(leaked).items()}
         monkeypatch.delenv("FLOWGRPO_TOKEN")  # from here on: a stranger
-        results = attack(coordinator, leaked)
+        monkeypatch.delenv("FLOWGRPO_BUS_SECRET")
+        planted = tmp_path / "planted"
+        results = attack(coordinator, leaked, planted)
         _, stderr = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
@@ -141,8 +202,11 @@ def test_a_run_under_attack_trains_as_an_undisturbed_one(
     assert proc.returncode == 0, stderr[-3000:]
     grpc_attacks = {k: v for k, v in results.items() if "bus" not in k}
     assert set(grpc_attacks.values()) == {"UNAUTHENTICATED"}, results
-    assert results["fetch from the trainer's bus"] == results["fetch from the rollout's bus"] == "no answer"
-    assert not Path("/tmp/planted").exists()
+    # the stores listen and answer the operator; the stranger is refused by them, at the handshake
+    assert operator == {"trainer": "answered", "rollout": "answered"}, operator
+    bus_attacks = {k: v for k, v in results.items() if "bus" in k}
+    assert len(bus_attacks) == 2 and set(bus_attacks.values()) == {"refused"}, results
+    assert not planted.exists()
     ours, theirs = read_metrics(attacked), read_metrics(tmp_path / "reference")
     assert len(ours) == len(theirs) == 5
     for a, b in zip(ours, theirs, strict=True):

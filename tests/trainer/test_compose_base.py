@@ -43,6 +43,7 @@ def test_the_committed_files_are_those_its_provenance_names() -> None:
     assert {"ema.safetensors", "ae.safetensors"} <= set(PROVENANCE["files_sha256"])
 
 
+@pytest.mark.long  # handed out first under xdist (tests/conftest.py)
 def test_a_short_run_of_its_command_reproduces_the_start_of_its_curve(tmp_path: Path) -> None:
     cli("make-tiny-bagel", str(tmp_path / "drawer"), "--drawer", "examples/data/compose/train.txt")
     assert sha256(tmp_path / "drawer" / "ema.safetensors") == PROVENANCE["untrained_ema_sha256"]
@@ -63,6 +64,7 @@ def test_a_short_run_of_its_command_reproduces_the_start_of_its_curve(tmp_path: 
         assert ours[step] == pytest.approx(loss, rel=1e-3), step
 
 
+@pytest.mark.long  # handed out first under xdist (tests/conftest.py)
 def test_the_base_draws_the_held_out_combinations_as_recorded() -> None:
     from flowgrpo.services.trainer.sft import Evaluator
 

@@ -83,6 +83,7 @@ def losses(records: list[dict[str, float]]) -> list[float]:
     return [r["sft/loss"] for r in records if "sft/loss" in r]
 
 
+@pytest.mark.long  # handed out first under xdist (tests/conftest.py)
 def test_the_loss_is_flow_matching_written_out_independently(setup: tuple[Path, Path]) -> None:
     """Step 0's loss (lr = 0: nothing changes it) recomputed here with the one-pass forward
     (``BagelModel.forward``: another code path than the run's prefill + query), from the same
