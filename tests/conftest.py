@@ -59,12 +59,12 @@ def shares_a_fixture(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by marks and xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test that claims exact equality is ``bitwise`` (tests/exactness.py: the rule); every
+    """Every test that claims exact equality is ``exact`` (tests/exactness.py: the rule); every
     test without a group of its own is in its file's; ``long`` tests first (stable otherwise)."""
     for item in items:
         function = getattr(item, "function", None)
         if function is not None and claims_exactness(item.path, function.__name__):
-            item.add_marker(pytest.mark.bitwise)
+            item.add_marker(pytest.mark.exact)
         alone = item.get_closest_marker("spread") is not None or not shares_a_fixture(item)
         if item.get_closest_marker("xdist_group") is None and not alone:  # alone: no group at all
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))

@@ -2,14 +2,14 @@
 
 A claim that held on AVX-512 machines once failed on an AMD EPYC (AVX2): two paths of the
 scheduler's parity test ran their matmuls on different thread counts, which MKL's kernels there
-split into different sums. Every test that claims exact equality is ``bitwise`` (by the rule of
-tests/exactness.py) and re-runs here in a subprocess whose libraries are all capped at another
-instruction set (``flowgrpo.services.bench.learning.isa_environment``: ATen, oneDNN and MKL):
-``default`` (no AVX at all) and ``avx2`` (a CPU without AVX-512), but for the end-to-end runs
-(``END_TO_END``, below). The subprocess runs on every
-core (torch's default thread count, the one a user's process has), whatever the thread count of
-the run that started it. Before running, a child reports what ATen and oneDNN run on, so a cap
-a library ignored cannot pass for one that held (MKL reports nothing on AMD: tests/exactness.py).
+split into different sums. Every test that claims exact equality is marked ``exact`` by the rule
+of tests/exactness.py; those marked ``bitwise`` by hand re-run here in a subprocess whose
+libraries are all capped at another instruction set
+(``flowgrpo.services.bench.learning.isa_environment``: ATen, oneDNN and MKL): ``default`` (no
+AVX at all) and ``avx2`` (a CPU without AVX-512). The subprocess runs on every core (torch's
+default thread count, the one a user's process has), whatever the thread count of the run that
+started it. Before running, a child reports what ATen and oneDNN run on, so a cap a library
+ignored cannot pass for one that held (MKL reports nothing on AMD: tests/exactness.py).
 """
 
 from __future__ import annotations
