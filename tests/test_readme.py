@@ -35,7 +35,7 @@ def test_the_readme_starts_with_its_two_commands() -> None:
     first = code_blocks(README)[0].splitlines()
     assert len(first) == 2, first
     assert first[0].endswith(".venv/bin/flowgrpo train examples/tiny_demo.yaml")
-    assert first[1].endswith(".venv/bin/python -m pytest -n 2")  # what .ci/run extracts and runs
+    assert first[1].endswith(".venv/bin/python -m pytest")  # what .ci/run extracts and runs
 
 
 def test_the_bench_list_is_the_clis() -> None:
