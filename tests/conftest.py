@@ -68,7 +68,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         alone = item.get_closest_marker("spread") is not None or not shares_a_fixture(item)
         if item.get_closest_marker("xdist_group") is None and not alone:  # alone: no group at all
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+    if WORKER:  # a serial run keeps the files' order: its module fixtures are made once each
+        items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
 
 @pytest.fixture(autouse=True)
