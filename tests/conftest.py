@@ -1,6 +1,7 @@
 """Suite-wide hooks and fixtures.
 
-Under pytest-xdist (the README's command runs ``-n 2``), each worker is a process of its own:
+Under pytest-xdist (``python -m pytest -n 2``, opt-in: CI runs the suite serially until its
+2-core time is measured on a quiet machine), each worker is a process of its own:
 - one intra-op thread each (``OMP_NUM_THREADS=1``, inherited by every process a test starts):
   two workers of two spinning OpenMP threads on 2 cores slow the tiny models' steps by an order
   of magnitude. The exact claims at every core's threads are re-run by

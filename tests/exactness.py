@@ -2,9 +2,11 @@
 
 A test that asserts two results equal to the last bit holds only where both sides ran the same
 operations in the same order, which a CPU's instruction set and thread count can change. Such a
-test gets the ``bitwise`` mark, and tests/test_instruction_sets.py re-runs every ``bitwise`` test
-with each library capped at another instruction set. The rule: the test's own code, or a
-function of its module that the test calls by name (helpers one level deep), contains
+test gets the ``exact`` mark (tests/conftest.py); tests/test_instruction_sets.py re-runs those
+also marked ``bitwise`` by hand with each library capped at another instruction set (not every
+``exact`` claim holds under the caps yet: docs/ARCHITECTURE.md, "Testing tiers"). The rule: the
+test's own code, or a function of its module that the test calls by name (helpers one level
+deep), contains
 
 - an exact comparison of arrays: ``torch.equal(``, ``array_equal(``, ``.tobytes() ==``, or
   ``assert_close`` with both ``rtol=0`` and ``atol=0``;
