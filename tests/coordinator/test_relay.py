@@ -274,17 +274,25 @@ def test_a_relay_killed_mid_transfer_only_moves_its_children_to_the_next_holder(
     update, truth = publish(fleet, 4)
     publication = PublicationConfig(relay_fanout=FANOUT, relay_stall_s=1.0)
     killed_after: list[int] = []
+    errors: list[BaseException] = []
+    r0 = fleet.procs[0].pid
 
-    def kill_r0_mid_transfer(source: rollout_pb2.WeightSource) -> None:
-        tag = version_tag(4)
-        with BusClient(CHECK, local_stores=False) as client:
-            deadline = time.monotonic() + 30
+    def kill_r0_mid_transfer(source: rollout_pb2.WeightSource, client: BusClient) -> None:
+        # r0 was stopped before its children were told to fetch from it, and this client was made
+        # then: from SIGCONT on, nothing but r0's serving stands between a poll and the kill
+        try:
+            tag, deadline = version_tag(4), time.monotonic() + 30
+            os.killpg(r0, signal.SIGCONT)
             while time.monotonic() < deadline:
                 served = client.stat(source.endpoint, timeout_s=5).served.get(tag, 0)
                 if served > 0:
-                    os.killpg(fleet.procs[0].pid, signal.SIGKILL)
+                    os.killpg(r0, signal.SIGKILL)
                     killed_after.append(served)
                     return
+        except BaseException as e:  # noqa: BLE001 - reported by the test, not lost with the thread
+            errors.append(e)
+        finally:
+            client.close()
 
     async def body(pool: ReplicaPool) -> tuple[dict[str, float], dict[str, rollout_pb2.WeightSource]]:
         load_into = pool._load_into
@@ -294,19 +302,22 @@ def test_a_relay_killed_mid_transfer_only_moves_its_children_to_the_next_holder(
         ) -> rollout_pb2.LoadWeightsResponse:
             response = await load_into(replica, *args, **kwargs)  # type: ignore[arg-type]
             if replica.replica_id == "r0":  # its children start now: kill it while they fetch
-                threading.Thread(target=kill_r0_mid_transfer, args=(response.relay,), daemon=True).start()
+                os.killpg(r0, signal.SIGSTOP)
+                client = BusClient(CHECK, local_stores=False)
+                threading.Thread(target=kill_r0_mid_transfer, args=(response.relay, client), daemon=True).start()
             return response
 
         pool._load_into = watched  # type: ignore[method-assign]
         reported = await load_and_report(pool, update)
+        assert not errors, f"the kill thread failed: {errors[0]!r}"
+        assert killed_after and 0 < killed_after[0] < FANOUT * total_bytes(truth), (
+            f"r0 was not killed mid-transfer (it had served {killed_after})"
+        )
         assert pool._failed_relays == {"r0"}  # named (a warning) and a leaf in later plans
         return reported
 
     metrics, holders = run_with_pool(fleet, publication, body)
     fleet.procs[0].wait()
-    assert killed_after and 0 < killed_after[0] < FANOUT * total_bytes(truth), (
-        "r0 was not killed mid-transfer"
-    )
     assert metrics["publication/fallbacks"] >= 1 and metrics["publication/failed_replicas"] == 0
     for rid in [f"r{i}" for i in range(1, REPLICAS)]:  # every survivor on v4, bitwise the trainer's
         assert held_bytes(update, holders[rid]) == truth, rid
