@@ -24,8 +24,6 @@ import math
 from collections.abc import Iterator
 
 import torch
-from peft import LoraConfig, inject_adapter_in_model
-from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import Tensor, nn
 
 from flowgrpo.bus.cuda_ipc import BucketWriter
@@ -130,6 +128,8 @@ class TrainablePolicy:
     def reference(self) -> Iterator[None]:
         """Forwards inside run the reference policy (no gradient flows to it)."""
         if self.kind == "lora":
+            from peft.tuners.tuners_utils import BaseTunerLayer  # a LoRA policy imported peft already
+
             layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
             for layer in layers:
                 layer.enable_adapters(False)
@@ -203,6 +203,9 @@ def lora_published_name(param_name: str) -> str:
 
 
 def _add_lora(model: BagelModel, config: PolicyConfig) -> BagelModel:
+    # peft (and the transformers it imports) only for LoRA: ~4 s of every full-policy trainer's start
+    from peft import LoraConfig, inject_adapter_in_model
+
     names = [n for n, _ in model.named_modules()]
     unmatched = [t for t in config.lora_targets if not any(n == t or n.endswith("." + t) for n in names)]
     if unmatched:

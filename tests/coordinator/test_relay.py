@@ -289,7 +289,7 @@ def test_a_relay_killed_mid_transfer_only_moves_its_children_to_the_next_holder(
                     os.killpg(r0, signal.SIGKILL)
                     killed_after.append(served)
                     return
-        except BaseException as e:  # noqa: BLE001 - reported by the test, not lost with the thread
+        except BaseException as e:  # reported by the test, not lost with the thread
             errors.append(e)
         finally:
             client.close()
@@ -304,7 +304,8 @@ def test_a_relay_killed_mid_transfer_only_moves_its_children_to_the_next_holder(
             if replica.replica_id == "r0":  # its children start now: kill it while they fetch
                 os.killpg(r0, signal.SIGSTOP)
                 client = BusClient(CHECK, local_stores=False)
-                threading.Thread(target=kill_r0_mid_transfer, args=(response.relay, client), daemon=True).start()
+                args = (response.relay, client)
+                threading.Thread(target=kill_r0_mid_transfer, args=args, daemon=True).start()
             return response
 
         pool._load_into = watched  # type: ignore[method-assign]
