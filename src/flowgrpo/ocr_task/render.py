@@ -58,6 +58,8 @@ def render(text: str, rng: np.random.Generator, config: RenderConfig | None = No
     config.validate()
     if not text.strip():
         raise ValueError("render: the text is empty")
+    for font_name in config.fonts:  # every font, not only the one drawn: a missing one fails at once
+        font_path(config.font_dir, font_name)
     name = config.fonts[int(rng.integers(len(config.fonts)))]
     px = fitting_size(text, name, round(float(rng.uniform(*config.font_size)) * config.height), config)
     font = load_font(config.font_dir, name, px)
@@ -96,10 +98,15 @@ def colours(rng: np.random.Generator, min_contrast: float) -> tuple[tuple[int, i
 
 
 @cache
-def load_font(font_dir: str, name: str, px: int) -> ImageFont.FreeTypeFont:
+def font_path(font_dir: str, name: str) -> Path:
     path = Path(font_dir) / name
     if not path.is_file():
         raise FontMissing(
             f"font {path} is missing: install Debian's fonts-dejavu-core or set render.font_dir/fonts"
         )
-    return ImageFont.truetype(str(path), px)
+    return path
+
+
+@cache
+def load_font(font_dir: str, name: str, px: int) -> ImageFont.FreeTypeFont:
+    return ImageFont.truetype(str(font_path(font_dir, name)), px)
