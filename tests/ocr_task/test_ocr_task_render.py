@@ -62,3 +62,14 @@ def test_a_missing_font_and_bad_settings_are_one_line_errors() -> None:
         render("gold", np.random.default_rng(0), RenderConfig(font_size=(0.4, 0.3)))
     with pytest.raises(ValueError, match="the text is empty"):
         render("  ", np.random.default_rng(0))
+
+
+def test_every_target_of_the_split_fits_every_font_at_the_minimum_size() -> None:
+    from flowgrpo.ocr_task.render import FONTS
+    from flowgrpo.ocr_task.split import split
+
+    config = RenderConfig()
+    for targets in split().values():
+        for target in targets:
+            for font in FONTS:
+                assert fitting_size(target.text, font, config.min_font_px, config) == config.min_font_px

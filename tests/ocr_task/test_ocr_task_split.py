@@ -100,6 +100,6 @@ def test_pairs_skip_excluded_and_repeated_combinations() -> None:
         ("ab", "cd", "ef"), 2, np.random.default_rng(0), exclude=frozenset({frozenset(("ab", "cd"))})
     )
     assert {frozenset(p.split()) for p in pairs} == {frozenset(("ab", "ef")), frozenset(("cd", "ef"))}
-    # a ten-letter word with any other makes 13 or more characters, over MAX_LINE: one pair fits
+    # a ten-letter word with any other makes 13 or more characters, over MAX_LINE (10): one pair fits
     long = _pairs(("abcdefghij", "klmnopqrst", "ab", "cd"), 1, np.random.default_rng(0), exclude=frozenset())
     assert long in (["ab cd"], ["cd ab"])

@@ -6,7 +6,8 @@ For each target and seed, the transcriber reads:
 - ``rendered``: the target's own image (:func:`flowgrpo.ocr_task.render.render`): should read
   exactly;
 - ``noise``: uniform noise of the same size: should read as nothing;
-- ``mismatched``: the image of another target of the same list: should score near 0.
+- ``mismatched``: the image of another target of the same list: should score near 0 (the
+  target ``shift`` places on, so never its own: the lists hold each target once).
 
 Each figure is the share read exactly (normalised transcription == normalised target), the mean
 reward under the substring rule (flow_grpo's) and under the strict one.
@@ -41,27 +42,29 @@ class Cell:
 def images(
     targets: Sequence[Target], seed: int, config: RenderConfig | None = None
 ) -> dict[str, list[Image]]:
-    """Per condition, one image per target (module doc), all from ``seed``."""
+    """``rendered`` and ``noise``: one image per target (module doc), all from ``seed``."""
     config = config or RenderConfig()
     rng = np.random.default_rng(seed)
     rendered = [render(t.text, rng, config) for t in targets]
     noise = [rng.integers(0, 256, (config.height, config.width, 3), dtype=np.uint8) for _ in targets]
-    # the image of the target `shift` places on: another target, never the same one
-    shift = 1 + int(rng.integers(max(len(targets) - 1, 1)))
-    mismatched = [rendered[(i + shift) % len(targets)] for i in range(len(targets))]
-    return {"rendered": rendered, "noise": noise, "mismatched": mismatched}
+    return {"rendered": rendered, "noise": noise}
 
 
 def measure(
     transcriber: Transcriber, targets: Sequence[Target], seeds: int = 1, config: RenderConfig | None = None
 ) -> dict[str, dict[str, Cell]]:
-    """tier (and "all") -> condition -> figures, over ``seeds`` seeds."""
+    """tier (and "all") -> condition -> figures, over ``seeds`` seeds. ``mismatched`` pairs each
+    target with the reading of the image of the target ``shift`` places on (never its own), so the
+    rendered images are read once."""
+    if len(targets) < 2:
+        raise ValueError("measure needs at least two targets (mismatched reads another's image)")
     scores: dict[tuple[str, str], list[tuple[bool, float, float]]] = {}
     for seed in range(seeds):
-        for condition, batch in images(targets, seed, config).items():
-            for target, text in zip(targets, transcriber.transcribe(batch), strict=True):
-                if isinstance(text, SampleError):
-                    raise RuntimeError(f"{transcriber.name} failed on {target.text!r}: {text.message}")
+        read = {name: _read(transcriber, batch) for name, batch in images(targets, seed, config).items()}
+        shift = 1 + seed % (len(targets) - 1)
+        read["mismatched"] = [read["rendered"][(i + shift) % len(targets)] for i in range(len(targets))]
+        for condition in CONDITIONS:
+            for target, text in zip(targets, read[condition], strict=True):
                 figures = (
                     normalize(text) == normalize(target.text),
                     ocr_reward(target.text, text),
@@ -76,6 +79,14 @@ def measure(
             sum(v[0] for v in values) / n, sum(v[1] for v in values) / n, sum(v[2] for v in values) / n, n
         )
     return table
+
+
+def _read(transcriber: Transcriber, batch: Sequence[Image]) -> list[str]:
+    texts = transcriber.transcribe(batch)
+    for text in texts:
+        if isinstance(text, SampleError):
+            raise RuntimeError(f"{transcriber.name} failed: {text.message}")
+    return [str(t) for t in texts]
 
 
 def format_table(table: dict[str, dict[str, Cell]]) -> str:

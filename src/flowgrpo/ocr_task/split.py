@@ -38,7 +38,7 @@ from flowgrpo.ocr_task.words import digit_strings, letter_words
 TRAIN_TIERS = ("word", "pair", "number")
 TEST_TIERS = ("new_pair", "unseen_word", "pseudo_word", "digits")
 HOLD_OUT = 1 / 8  # share of the file's words held out as unseen
-MAX_LINE = 11  # characters of a two-word line, the space included: fits 128 px at 16 px or more
+MAX_LINE = 10  # characters of a two-word line, the space included (11 needed 15 px in DejaVu Sans Bold)
 TRAIN_PAIRS = 800
 TEST_PAIRS = 100
 PSEUDO_WORDS = 100
