@@ -143,7 +143,7 @@ def test_the_pool_reads_what_one_thread_reads_and_its_time_per_image() -> None:
 
 
 def test_the_settings_are_checked() -> None:
-    with pytest.raises(ValueError, match="offline.workers 0 must be >= 1"):
+    with pytest.raises(ValueError, match=r"offline\.workers 0 must be >= 1"):
         OfflineOcrConfig(workers=0).validate()
     assert OfflineOcrConfig().intra_op_threads() == 0  # one worker: onnxruntime's default
     assert OfflineOcrConfig(workers=2, threads=3).intra_op_threads() == 3

@@ -87,13 +87,17 @@ def fitting_size(text: str, name: str, px: int, config: RenderConfig) -> int:
     )
 
 
-def colours(rng: np.random.Generator, min_contrast: float) -> tuple[tuple[int, int, int], ...]:
+RGB = tuple[int, int, int]
+
+
+def colours(rng: np.random.Generator, min_contrast: float) -> tuple[RGB, RGB]:
     """A (background, text) pair of RGB colours whose luminances differ by ``min_contrast``."""
     weights = np.array([0.299, 0.587, 0.114])
     for _ in range(COLOUR_TRIES):
         pair = rng.integers(0, 256, (2, 3))
         if abs(float((pair[0] - pair[1]) @ weights)) >= min_contrast * 255:
-            return tuple(tuple(int(c) for c in colour) for colour in pair)
+            bg, ink = pair.tolist()
+            return (bg[0], bg[1], bg[2]), (ink[0], ink[1], ink[2])
     raise RuntimeError(f"render: no colour pair with contrast {min_contrast} in {COLOUR_TRIES} draws")
 
 
