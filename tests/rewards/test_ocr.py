@@ -85,3 +85,62 @@ def test_scorer_uses_the_ground_truth_else_the_prompt_and_passes_errors_through(
     assert isinstance(outcomes[2], SampleError) and "no OCR target" in outcomes[2].message
     assert outcomes[3] is failure
     assert transcriber.seen == 3, "a sample without target is not transcribed"
+
+
+@pytest.mark.parametrize(
+    ("target", "transcription", "reward"),
+    [
+        # 1 - Levenshtein(t, s) / max(len(t), len(s)), each distance counted by hand
+        ("hello", "hello", 1.0),
+        ("hello", "Say HELLO", 1 - 3 / 8),  # "sayhello": three insertions, extra text costs
+        ("hello", "hallo", 1 - 1 / 5),
+        ("hello", "hell", 1 - 1 / 5),  # one deletion, the target the longer
+        ("kitten", "sitting", 1 - 3 / 7),  # k->s, e->i, +g
+        ("ab", "abab", 1 - 2 / 4),  # the target twice: the second copy is two extra characters
+        ("hello", "", 0.0),
+        ("abc", "xyzxyzxyzxyz", 0.0),  # 12 edits over 12 characters
+        ("", "", 1.0),
+        ("", "x", 0.0),
+    ],
+)
+def test_the_strict_rule_is_edit_distance_over_the_longer_text(
+    target: str, transcription: str, reward: float
+) -> None:
+    assert ocr_reward(target, transcription, rule="strict") == pytest.approx(reward)
+
+
+def test_the_substring_rule_stays_the_default_and_ignores_extra_text() -> None:
+    assert ocr_reward("hello", "Say HELLO") == 1.0
+    assert ocr_reward("hello", "Say HELLO", rule="substring") == 1.0
+    with pytest.raises(ValueError, match="OCR rule 'loose'"):
+        ocr_reward("a", "a", rule="loose")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("target", "transcription", "folded", "unfolded"),
+    [
+        # "illinois" / "lllinois": i -> l makes both "llllnols"; unfolded one substitution in 8
+        ("Illinois", "lllinois", 1.0, 1 - 1 / 8),
+        ("OPEN 24", "0pen 24", 1.0, 1 - 1 / 6),  # O read as zero
+        ("room 101", "rOOm lOl", 1.0, 1 - 3 / 7),  # 1 -> l, 0 -> o, 1 -> l: three substitutions in 7
+        ("cold", "c0ld", 1.0, 1 - 1 / 4),
+        ("cat", "cut", 1 - 1 / 3, 1 - 1 / 3),  # not look-alikes: folding changes nothing
+    ],
+)
+def test_the_fold_maps_lookalikes_on_both_sides(
+    target: str, transcription: str, folded: float, unfolded: float
+) -> None:
+    assert ocr_reward(target, transcription, fold=True) == pytest.approx(folded)
+    assert ocr_reward(target, transcription) == pytest.approx(unfolded)
+    assert ocr_reward(target, transcription, rule="strict", fold=True) == pytest.approx(folded)
+
+
+def test_the_scorer_applies_its_rule_and_fold() -> None:
+    image = np.zeros((8, 8, 3), np.uint8)
+    samples = [Sample(image, prompt='a sign "OPEN"'), Sample(image, prompt='a sign "gold"')]
+    texts: list[str | SampleError] = ["0PEN", "gold and more"]
+    assert OcrScorer(FakeTranscriber(texts)).score(samples) == [SampleScore(0.75), SampleScore(1.0)]
+    strict = OcrScorer(FakeTranscriber(texts), rule="strict", fold=True).score(samples)
+    assert strict == [SampleScore(1.0), SampleScore(1 - 7 / 11)]  # "goldandmore": 7 extra of 11
+    with pytest.raises(ValueError, match="OCR rule"):
+        OcrScorer(FakeTranscriber(texts), rule="fuzzy")  # type: ignore[arg-type]

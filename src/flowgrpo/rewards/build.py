@@ -38,7 +38,9 @@ def build_scorer(spec: ScorerSpec, config: RewardConfig) -> Scorer:
     if spec.name == "synthetic":
         return SyntheticScorer(config.synthetic_delay_s)
     if spec.name == "ocr":
-        return OcrScorer(build_transcriber(config.ocr), name=spec.name)
+        return OcrScorer(
+            build_transcriber(config.ocr), name=spec.name, rule=config.ocr.rule, fold=config.ocr.fold
+        )
     if spec.name == "pickscore":
         return _pickscore(config.pickscore)
     if spec.name == "compose":

@@ -69,6 +69,17 @@ class OcrConfig:
     engine: Literal["judge", "offline"] = "judge"  # judge: a VLM server (the recipes); offline: rapidocr
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     offline: OfflineOcrConfig = field(default_factory=OfflineOcrConfig)
+    # substring: flow_grpo's rule (text beyond the target is free); strict: edit distance against
+    # the whole transcription (flowgrpo.rewards.ocr)
+    rule: Literal["substring", "strict"] = "substring"
+    fold: bool = False  # fold look-alikes (0/o; 1/i/l/|) in target and transcription alike
+
+    def validate(self) -> None:
+        if self.engine not in ("judge", "offline"):
+            raise ValueError(f"reward.ocr.engine {self.engine!r} is not 'judge' or 'offline'")
+        if self.rule not in ("substring", "strict"):
+            raise ValueError(f"reward.ocr.rule {self.rule!r} is not 'substring' or 'strict'")
+        self.offline.validate()
 
 
 @dataclass
@@ -98,6 +109,8 @@ class RewardConfig:
             raise ValueError(f"reward.scorers: names must be unique, got {names}")
         for spec in self.scorers:
             spec.validate()
+        if "ocr" in names:
+            self.ocr.validate()
         if "pickscore" in names and not self.pickscore.model:
             raise ValueError("scorer pickscore needs reward.pickscore.model (a PickScore_v1 folder)")
         if not 1 <= self.jpeg_quality <= 100:

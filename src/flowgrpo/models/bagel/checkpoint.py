@@ -582,3 +582,38 @@ def _zero(conv: nn.Conv2d) -> None:
     conv.weight.zero_()
     if conv.bias is not None:
         conv.bias.zero_()
+
+
+def byte_symbols() -> list[str]:
+    """The byte-level alphabet in byte order: symbol ``i`` stands for byte ``i`` (GPT-2's and
+    Qwen2's map: printable Latin-1 bytes are themselves, the others 256 + k in order; the space,
+    byte 32, is ``Ġ``)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    symbols, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            symbols[byte] = chr(byte)
+        else:
+            symbols[byte] = chr(256 + extra)
+            extra += 1
+    return [symbols[b] for b in range(256)]
+
+
+def build_character_tokenizer() -> Tokenizer:
+    """A byte-level BPE with no merges: token id ``b`` is byte ``b`` (``byte_symbols``), then
+    ``<|endoftext|>`` (256) and the four markers under their Qwen names (257-260). Every text
+    encodes (no unknown tokens) and an ASCII character is exactly one token, so a word the model
+    never saw is a new sequence of tokens it saw: the tiny models' way to spell unseen words.
+    Written like any byte-level BPE (``tokenizer.json`` + ``vocab.json`` + an empty ``merges.txt``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {symbol: i for i, symbol in enumerate(byte_symbols())}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<|endoftext|>", *SPECIAL_TOKEN_NAMES.values()])
+    return tokenizer
