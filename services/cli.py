@@ -593,7 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
         "relay: weight publication, star against relay, at N replicas each behind a capped link; "
         "learning: the demo against its lr=0 control per seed, CPU capability and thread count; "
         "algos: FlowGRPO (windows, branching), GRPO-Guard and DiffusionNFT on the compose task: held-out "
-        "accuracy over lr = 0 controls, images and trainer seconds to 50%/90% of the best gain; "
+        "accuracy over lr = 0 controls, images and trainer seconds to 50%%/90%% of the best gain; "
         "system: a recipe's images/s against its FLOP limit, each step's time split and MFU, per variant; "
         "consistency: the rollout/trainer log-prob gap per window step, batched vs batch-invariant",
     )

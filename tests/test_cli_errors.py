@@ -128,3 +128,14 @@ def test_a_missing_prompt_folder_names_the_key(tiny: Path, tmp_path: Path) -> No
         f"flowgrpo train: data.prompts={tmp_path / 'none'}: no train.txt and no test.txt there; the "
         "folder needs train.txt and test.txt, one prompt per line"
     )
+
+
+def test_every_command_prints_its_help() -> None:
+    """argparse formats help text with %: a bare percent sign in one (`50%/90%`) made
+    `flowgrpo bench --help` a traceback."""
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert "bench" in commands.choices
+    for name, command in commands.choices.items():
+        assert name in command.format_help(), name
+    parser.format_help()
