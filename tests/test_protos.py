@@ -5,6 +5,8 @@ from __future__ import annotations
 import filecmp
 from pathlib import Path
 
+import pytest
+
 from flowgrpo import protogen
 from flowgrpo.v1 import common_pb2, rollout_pb2, trainer_pb2
 
@@ -48,3 +50,17 @@ def test_bus_error_codes_mirror_the_proto_enum() -> None:
 
     proto = {n.removeprefix("ERROR_CODE_"): v for n, v in common_pb2.ErrorCode.items()}
     assert {c.name: c.value for c in ErrorCode} == proto
+
+
+def test_help_prints_and_regenerates_nothing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`python -m flowgrpo.protogen --help` rewrote src/flowgrpo/v1 instead of printing help."""
+
+    def refuse(out: Path) -> list[Path]:
+        raise AssertionError(f"--help generated code into {out}")
+
+    monkeypatch.setattr(protogen, "generate", refuse)
+    with pytest.raises(SystemExit) as done:
+        protogen.main(["--help"])
+    assert done.value.code == 0 and "Regenerate" in capsys.readouterr().out

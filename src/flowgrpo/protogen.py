@@ -8,6 +8,7 @@ into a temporary folder and fails when the committed files are stale.
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import sys
 import tempfile
@@ -57,7 +58,14 @@ def generate(out_dir: Path) -> list[Path]:
     return sorted(p for p in (out_dir / PACKAGE_DIR).iterdir() if p.name.endswith(GENERATED_SUFFIXES))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    # an argument parser, so that `--help` prints this and writes nothing (it used to regenerate)
+    parser = argparse.ArgumentParser(
+        prog="python -m flowgrpo.protogen",
+        description=f"Regenerate {SOURCE_ROOT / PACKAGE_DIR}/*_pb2*.py(i) from "
+        f"{PROTO_ROOT / PACKAGE_DIR}/*.proto (needs the dev extra's grpcio-tools and mypy-protobuf).",
+    )
+    parser.parse_args(argv)
     target = SOURCE_ROOT / PACKAGE_DIR
     with tempfile.TemporaryDirectory() as tmp:
         written = generate(Path(tmp))
