@@ -225,3 +225,19 @@ def test_a_tagged_union_round_trips_through_its_recipe_file(tmp_path: Path) -> N
         "scale": 4.0,
     }
     assert load_config(Job, tmp_path / "job.yaml") == job
+
+
+def test_a_key_of_a_deeper_section_is_named_by_its_path() -> None:
+    with pytest.raises(ConfigError, match=r"unknown key 'lr'; did you mean trainer\.optim\.lr\?"):
+        apply_overrides(Run(), ["lr=1e-4"])
+    with pytest.raises(ConfigError, match=r"unknown key 'trainer\.eps'; did you mean trainer\.optim\.eps\?"):
+        apply_overrides(Run(), ["trainer.eps=1e-8"])
+
+
+def test_a_missing_recipe_names_the_closest_ones_beside_it(tmp_path: Path) -> None:
+    (tmp_path / "tiny_demo.yaml").write_text("rollout:\n  batch_size: 8\n")
+    (tmp_path / "other.yaml").write_text("{}\n")
+    with pytest.raises(ConfigError, match=r"no recipe at .*tiny_dmeo.yaml; did you mean .*tiny_demo.yaml\?$"):
+        load_config(Run, tmp_path / "tiny_dmeo.yaml")
+    with pytest.raises(ConfigError, match=r"no recipe at .*: the folder .*nowhere does not exist"):
+        load_config(Run, tmp_path / "nowhere" / "recipe.yaml")

@@ -114,6 +114,8 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequenc
     within the bounds of :mod:`flowgrpo.yamlfile` (size, aliases, depth)."""
     data: Mapping[str, Any] = {}
     if path is not None:
+        if not Path(path).is_file():
+            raise ConfigError(_no_recipe(Path(path)))
         try:
             data = read_yaml_file(path) or {}
         except YamlError as exc:
@@ -125,6 +127,17 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequenc
             raise
         raise ConfigError(f"{path}: {exc}") from None
     return apply_overrides(cfg, overrides)  # validates the result, with or without overrides
+
+
+def _no_recipe(path: Path) -> str:
+    """What a missing recipe file's error says: the path, and the closest recipes beside it."""
+    folder = path.parent
+    if not folder.is_dir():
+        return f"no recipe at {path}: the folder {folder} does not exist"
+    names = sorted(p.name for p in folder.iterdir() if p.suffix in (".yaml", ".yml"))
+    close = difflib.get_close_matches(path.name, names, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(str(folder / c) for c in close)}?" if close else ""
+    return f"no recipe at {path}{hint}"
 
 
 def validate(cfg: T, path: str = "") -> T:
@@ -187,10 +200,32 @@ def _unknown_key(cls: type, key: str, path: str) -> str:
     if moved:
         return f"{_join(path, key)!r} is gone: {moved}"
     names = list(_fields(cls))
-    close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
-    hint = f"; did you mean {' or '.join(_join(path, c) for c in close)}?" if close else ""
+    # a key that is a field deeper down (`lr` for trainer.optim.lr) is named by its whole path;
+    # else the closest names at this level
+    deeper = [_join(path, p) for p in _nested_paths(cls, key)][:3]
+    close = deeper or [_join(path, c) for c in difflib.get_close_matches(key, names, n=3, cutoff=0.5)]
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
     where = f"under {path!r}" if path else "at the top level"
     return f"unknown key {_join(path, key)!r}{hint} (valid keys {where}: {', '.join(names)})"
+
+
+def _nested_paths(cls: type, key: str, depth: int = 0) -> list[str]:
+    """Dotted paths, below ``cls``, of the fields named ``key`` in its nested sections (the
+    variants of a tagged section included), shallowest first."""
+    if depth > 8:  # configs nest a few levels; a cycle must not recurse for ever
+        return []
+    found: list[str] = []
+    hints = typing.get_type_hints(cls)
+    for name in _fields(cls):
+        sub = _strip_optional(hints[name])
+        sections = list(_tagged_variants(sub).values()) or (
+            [sub] if isinstance(sub, type) and dataclasses.is_dataclass(sub) else []
+        )
+        for section in sections:
+            if key in _fields(section):
+                found.append(f"{name}.{key}")
+            found += [f"{name}.{p}" for p in _nested_paths(section, key, depth + 1)]
+    return sorted(dict.fromkeys(found), key=lambda p: p.count("."))
 
 
 def bounded_message(message: str, most: int = 1000) -> str:
