@@ -114,7 +114,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequenc
     within the bounds of :mod:`flowgrpo.yamlfile` (size, aliases, depth)."""
     data: Mapping[str, Any] = {}
     if path is not None:
-        if not Path(path).is_file():
+        if not Path(path).exists():  # not is_file: /dev/null or a pipe is a recipe too
             raise ConfigError(_no_recipe(Path(path)))
         try:
             data = read_yaml_file(path) or {}

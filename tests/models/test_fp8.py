@@ -143,11 +143,13 @@ def test_two_frozen_fp8_layers_on_one_input_compile_with_dynamic_shapes_as_eager
         x = torch.randn(2, tokens, 64, generator=g)
         eager_in, compiled_in = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
         eager_out, compiled_out = both(eager_in), compiled(compiled_in)
-        torch.testing.assert_close(compiled_out, eager_out, rtol=1e-6, atol=1e-6)
+        # a compiled reduction splits its sums by thread: 1.9e-6 on an output of ~0.1 at two
+        # threads (an FP8 grid step that flipped would cost ~6% of an element, thousands of times more)
+        torch.testing.assert_close(compiled_out, eager_out, rtol=1e-5, atol=1e-5)
         eager_out.sum().backward()
         compiled_out.sum().backward()
         assert eager_in.grad is not None and compiled_in.grad is not None
-        torch.testing.assert_close(compiled_in.grad, eager_in.grad, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(compiled_in.grad, eager_in.grad, rtol=1e-5, atol=1e-5)
 
 
 def test_in_bf16_the_bias_is_added_before_the_one_rounding_of_the_output() -> None:
