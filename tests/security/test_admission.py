@@ -105,11 +105,15 @@ def test_legitimate_calls_are_answered_under_a_flood_and_a_slowloris(rewards: tu
     assert mean < 4 * calm_mean, figures
     assert p99 < 4 * calm.p99() + 0.5, figures
     streams: dict[str, int] = flood["streams"]  # type: ignore[assignment]
-    # a stream whose caller finished writing is answered UNAUTHENTICATED, every time; one whose
-    # caller still writes may read INTERNAL: grpc-python's client overwrites the status it got
-    # with its own failed write (docs/security.md, "Admission")
+    # every stream is answered UNAUTHENTICATED; one whose caller was still writing when the answer
+    # came may read INTERNAL with the client's own failed send in its details: grpc-python's client
+    # overwrites the status it got with its own failed write (docs/security.md, "Admission"). The
+    # trickling streams always write; those of 3 messages did so in 69 of 3,908 streams on CI
     assert streams.get("three UNAUTHENTICATED", 0) >= 250, figures
-    assert set(streams) <= {"three UNAUTHENTICATED", "trickle UNAUTHENTICATED", "trickle INTERNAL"}, figures
+    own_write = "INTERNAL (own write)"
+    assert streams.get("three UNAUTHENTICATED", 0) > 10 * streams.get(f"three {own_write}", 0), figures
+    kinds = {f"{stream} {code}" for stream in ("three", "trickle") for code in ("UNAUTHENTICATED", own_write)}
+    assert set(streams) <= kinds, figures
     assert (oversized["big_call"], oversized["long_stream"]) == ("UNAUTHENTICATED",) * 2, figures
     assert flood["slowloris_opened"] == 200 and flood["slowloris_closed_by_server"] == 200, figures
 
