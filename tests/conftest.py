@@ -25,6 +25,11 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
+# Before anything loads OpenMP (read once, when it starts), in this process and every process a
+# test starts: idle OpenMP threads sleep instead of spinning, as the local launcher's services do
+# (services/coordinator/processes.py); a test's services beside its own process share 2 cores
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 from exactness import claims_exactness
 

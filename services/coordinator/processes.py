@@ -67,6 +67,11 @@ def spawn(rid: str, config: Any, run_dir: Path, nproc: int, lifeline: Lifeline) 
         cmd = [sys.executable, *serve]
     logfile = open(run_dir / "logs" / f"{rid}.log", "ab")  # noqa: SIM115 (the child holds it)
     env = dict(os.environ)
+    # OpenMP threads that finish a parallel region sleep at once instead of spinning for the next
+    # one: the services share the machine's cores, and on a CPU run a spinning idle thread of one
+    # takes the core another computes on (a 4-step tiny_jpeg run on 2 loaded cores: 50 s of CPU
+    # spinning, 15 s passive, the same bits). The caller's own setting wins.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # a secret set in the config reaches the child through its environment: the file it reads
     # is written with secrets emptied (dump_yaml)
     for name, value in ((TOKEN_ENV, config.server.token), (SECRET_ENV, config.bus.secret)):
