@@ -186,7 +186,10 @@ class MatmulPeak:
 
     @classmethod
     def measure(cls, device: torch.device) -> MatmulPeak:
-        size = 8192 if device.type == "cuda" else 512
+        # a CPU (the smoke runs): 256, whose bf16 products run at 512's rate (0.4-0.5 GFLOP/s
+        # both on a 2-core Xeon, whose bf16 matmul has no native kernel) in an eighth of the time:
+        # 512's 28 products of a run's two peaks took 6-15 s of its CPU
+        size = 8192 if device.type == "cuda" else 256
         return cls(size, matmul_tflops(device, size))
 
     def measure_after(self, device: torch.device) -> None:

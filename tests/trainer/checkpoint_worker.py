@@ -1,14 +1,16 @@
 """Full gen-path checkpoints in every process of a torchrun job (FSDP2 over gloo when WORLD_SIZE > 1).
 
-``save``: train step 1, save the checkpoint of step 1 under CKPT_DIR, train step 2. ``save_async``:
-the same with a background save (``start_checkpoint``) that writes while the state is gathered
-and step 2 trains (its DCP collectives on a group of their own, beside the training's). ``resume``: try
-to load DAMAGED (when given), which must be refused, then resume from the newest checkpoint under
-CKPT_DIR and train step 2. ``load``: resume only. Rank 0 writes the whole weights and AdamW moments
-as saved or loaded, with every rank's next CPU draws (``state.safetensors``), the weights after
-step 2 (``after.safetensors``) and step 2's metrics; every rank writes the error it got for DAMAGED
+Each JOB (``MODE,CKPT_DIR,OUT[,DAMAGED]``) in turn, on a trainer of its own (built afresh from
+CHECKPOINT, as in a process of its own). ``save``: train step 1, save the checkpoint of step 1
+under CKPT_DIR, train step 2. ``save_async``: the same with a background save
+(``start_checkpoint``) that writes while the state is gathered and step 2 trains (its DCP
+collectives on a group of their own, beside the training's). ``resume``: try to load DAMAGED
+(when given), which must be refused, then resume from the newest checkpoint under CKPT_DIR and
+train step 2. ``load``: resume only. Rank 0 writes the whole weights and AdamW moments as saved
+or loaded, with every rank's next CPU draws (``state.safetensors``), the weights after step 2
+(``after.safetensors``) and step 2's metrics; every rank writes the error it got for DAMAGED
 (``refused_<rank>.txt``). Used by test_checkpoint_fsdp.py: ``python -m torch.distributed.run
---nproc_per_node N checkpoint_worker.py CHECKPOINT CKPT_DIR MODE OUT [DAMAGED]``.
+--nproc_per_node N checkpoint_worker.py CHECKPOINT JOB...``.
 """
 
 from __future__ import annotations
@@ -95,9 +97,16 @@ def draws(dist: Dist) -> torch.Tensor:
     return dist.sum(table)
 
 
-def main(checkpoint: Path, ckpt_dir: Path, mode: str, out: Path, damaged: Path | None) -> None:
+def main(checkpoint: Path, jobs: list[str]) -> None:
     torch.set_num_threads(1)
     dist = init_distributed("cpu")
+    for job in jobs:
+        mode, ckpt_dir, out, *damaged = job.split(",")
+        run_job(checkpoint, dist, mode, (Path(ckpt_dir), Path(out), Path(damaged[0]) if damaged else None))
+
+
+def run_job(checkpoint: Path, dist: Dist, mode: str, paths: tuple[Path, Path, Path | None]) -> None:
+    ckpt_dir, out, damaged = paths
     step = build(checkpoint, dist)
     out.mkdir(parents=True, exist_ok=True)
     pending: PendingCheckpoint | None = None
@@ -133,7 +142,6 @@ def main(checkpoint: Path, ckpt_dir: Path, mode: str, out: Path, damaged: Path |
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    main(Path(args[0]), Path(args[1]), args[2], Path(args[3]), Path(args[4]) if len(args) > 4 else None)
+    main(Path(sys.argv[1]), sys.argv[2:])
     close_distributed()
     end_rank()

@@ -1,6 +1,7 @@
-"""One FlowGRPO step in every process of a torchrun job (FSDP2 over gloo when WORLD_SIZE > 1);
-rank 0 writes the published tensors and the metrics. Used by test_fsdp.py: run as
-``python -m torch.distributed.run --nproc_per_node N fsdp_worker.py CHECKPOINT KIND OUT``."""
+"""One FlowGRPO step of each policy KIND in turn (a policy and step of its own each, in the one
+process group) in every process of a torchrun job (FSDP2 over gloo when WORLD_SIZE > 1); rank 0
+writes each KIND's published tensors and metrics into OUT/KIND. Used by test_fsdp.py: run as
+``python -m torch.distributed.run --nproc_per_node N fsdp_worker.py CHECKPOINT OUT KIND...``."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from flowgrpo.configs.trainer import LossConfig, OptimConfig, PolicyConfig, Trai
 from flowgrpo.models.bagel.checkpoint import load_bagel_model, load_special_tokens
 from flowgrpo.models.bagel.sampling import BagelSampler, SampleRequest
 from flowgrpo.sampler_params import SamplerParams
-from flowgrpo.services.trainer.distributed import close_distributed, end_rank, init_distributed
+from flowgrpo.services.trainer.distributed import Dist, close_distributed, end_rank, init_distributed
 from flowgrpo.services.trainer.load import load_policy
 from flowgrpo.services.trainer.step import TrainStep, Trajectory
 
@@ -40,9 +41,14 @@ def trajectories(checkpoint: Path) -> list[Trajectory]:
     ]
 
 
-def main(checkpoint: Path, kind: str, out: Path) -> None:
+def main(checkpoint: Path, out: Path, kinds: list[str]) -> None:
     torch.set_num_threads(1)
     dist = init_distributed("cpu")
+    for kind in kinds:  # each a policy and a step of its own, as in a process of its own
+        one_kind(checkpoint, kind, out / kind, dist)
+
+
+def one_kind(checkpoint: Path, kind: str, out: Path, dist: Dist) -> None:
     config = PolicyConfig(kind=kind, lora_rank=4, lora_alpha=8.0)  # type: ignore[arg-type]
     # meta-device construction, FSDP2 sharding, then each rank reads its own rows of the file
     policy = load_policy(checkpoint, config, dist, dtype=torch.float32, device="cpu", keep_reference=True)
@@ -60,6 +66,6 @@ def main(checkpoint: Path, kind: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:])
     close_distributed()
     end_rank()

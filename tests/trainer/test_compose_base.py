@@ -9,15 +9,17 @@ on the held-out combinations, draws as recorded: good but imperfect (the issue a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from flowgrpo.config import load_config
+from flowgrpo.services.cli import main
 from flowgrpo.services.trainer.sft_config import SftConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,9 +34,23 @@ def sha256(path: Path) -> str:
 
 
 def cli(*args: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "flowgrpo.services.cli", *args], capture_output=True,
-                          text=True, timeout=600, cwd=ROOT)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
+    """``flowgrpo ARGS`` from the repository root: the CLI's ``main`` in this process (what the
+    command runs, without starting another interpreter: seconds a command), its output kept for
+    a failure's message; what a command changes globally (the generator's state, fp32's TF32
+    switches) put back afterwards."""
+    said = io.StringIO()
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        with (
+            contextlib.chdir(ROOT),
+            torch.random.fork_rng(devices=[]),
+            contextlib.redirect_stdout(said),
+            contextlib.redirect_stderr(said),
+        ):
+            status = main(["--debug", *args])
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    assert status == 0, said.getvalue()[-2000:]
 
 
 def test_the_committed_files_are_those_its_provenance_names() -> None:

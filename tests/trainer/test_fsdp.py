@@ -11,23 +11,36 @@ from safetensors.torch import load_file
 
 from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
 
+from .fsdp_worker import main as one_process
 from .torchrun import torchrun
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
+KINDS = ["lora", "full"]
 
 
-def run(
-    nproc: int, checkpoint: Path, kind: str, out: Path
-) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    torchrun(nproc, WORKER, str(checkpoint), kind, str(out))
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every kind trained in turn (a policy of its own each) by the worker in this process (one
+    rank: what a torchrun job of 1 process runs) and by a torchrun job of 2: ``one/<kind>``,
+    ``two/<kind>``."""
+    out = tmp_path_factory.mktemp("fsdp")
+    checkpoint = make_tiny_bagel(out / "tiny", seed=0)
+    threads = torch.get_num_threads()
+    try:
+        one_process(checkpoint, out / "one", KINDS)  # at 1 thread, as each rank
+    finally:
+        torch.set_num_threads(threads)
+    torchrun(2, WORKER, str(checkpoint), str(out / "two"), *KINDS)
+    return out
+
+
+def read(out: Path) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     return load_file(str(out / "published.safetensors")), json.loads((out / "metrics.json").read_text())
 
 
-@pytest.mark.parametrize("kind", ["lora", "full"])
-def test_two_fsdp_processes_give_the_update_of_one(tmp_path: Path, kind: str) -> None:
-    checkpoint = make_tiny_bagel(tmp_path / "tiny", seed=0)
-    one, m1 = run(1, checkpoint, kind, tmp_path / "one")
-    two, m2 = run(2, checkpoint, kind, tmp_path / "two")
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_fsdp_processes_give_the_update_of_one(runs: Path, kind: str) -> None:
+    (one, m1), (two, m2) = read(runs / "one" / kind), read(runs / "two" / kind)
     assert one.keys() == two.keys()
     # tolerance: FSDP reduces gradients in another order than one process accumulates them
     for name in one:

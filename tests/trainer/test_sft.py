@@ -1,4 +1,5 @@
-"""``flowgrpo sft``: flow matching on (prompt, image) pairs, run as users run it (the CLI, torchrun).
+"""``flowgrpo sft``: flow matching on (prompt, image) pairs, run through its command line (the
+CLI's ``main``: in this process for one rank, as a command under torchrun for two).
 
 - it learns: the training loss falls below an lr = 0 control's on the same batches and noise;
 - the objective is the one written out here independently (x_t, eps - x0, the text dropout);
@@ -10,10 +11,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +37,7 @@ from flowgrpo.models.bagel.checkpoint import (
 )
 from flowgrpo.models.bagel.model import latent_position_ids, patchify
 from flowgrpo.prompts import PromptTokenizer
+from flowgrpo.services import cli
 from flowgrpo.services.trainer.sft import batch_rows, sample_draws
 from flowgrpo.services.trainer.sft_config import SftConfig
 
@@ -64,19 +69,40 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def sft(root: Path, model: Path, run: str, *options: str, nproc: int = 1) -> list[dict[str, float]]:
+    """``flowgrpo sft`` with these options: one process runs the CLI's ``main`` here (what the
+    command runs, without starting another interpreter: seconds a run), at one thread as a
+    process of its own would with OMP_NUM_THREADS=1; several are the command under torchrun."""
     args = ["sft", "/dev/null", f"run_dir={root / run}", f"model={model}", f"data.images={root / 'pairs'}",
             "batch_size=16", "micro_batch_size=8", "log_every=1", "optim.lr=2e-3", *options]  # fmt: skip
     if nproc == 1:
-        command = [sys.executable, "-m", "flowgrpo.services.cli", *args]
+        said = io.StringIO()  # --debug: a failure's traceback, in the assertion's message
+        with one_thread(), contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+            status = cli.main(["--debug", *args])
+        assert status == 0, said.getvalue()[-3000:]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
                    "-m", "flowgrpo.services.cli", *args]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
     lines = (root / run / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """One intra-op thread (as the runs' own processes had), and what a run changes (fp32 means
+    no TF32, the global generator's state) put back afterwards: the test process goes on as it was."""
+    threads = torch.get_num_threads()
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
 def losses(records: list[dict[str, float]]) -> list[float]:
