@@ -140,6 +140,16 @@ def start_ticks(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])  # the fields after "(comm)" start at field 3
 
 
+def _running(pid: int, ticks: int) -> bool:
+    """Whether the process ``pid`` started at ``ticks`` still runs: a zombie (exited, not yet
+    reaped: its parent does not wait, as a container's init may not) has stopped already."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z" and int(fields[19]) == ticks
+
+
 def record_process(folder: Path, replica: str, pid: int) -> None:
     """Note a started service process, so a later run can stop it if this one crashes."""
     record = {"pid": pid, "ticks": start_ticks(pid)}
@@ -168,9 +178,9 @@ def stop_leftovers(folder: Path, grace_s: float = 10.0) -> list[str]:
             record.unlink(missing_ok=True)
     deadline = time.monotonic() + grace_s
     for replica, pid, ticks, record in alive:
-        while start_ticks(pid) == ticks and time.monotonic() < deadline:
+        while _running(pid, ticks) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if start_ticks(pid) == ticks:
+        if _running(pid, ticks):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
         stopped.append(f"{replica} (pid {pid})")

@@ -1,19 +1,22 @@
 """A damaged checkpoint is named at once and the run takes the previous intact one, saying so.
 
 Real runs of ``flowgrpo train`` (local launcher, four service processes): a run saves steps 1
-and 2, then the step-2 gen-path shard is truncated to half, as a crash or a full disk would leave
-it. The resumed run must say which checkpoint it could not load and which it took, train step 2
-again to the same metrics as the first time, and finish. With every checkpoint damaged there is
-nothing to fall back to: the trainer's start failure is one line naming the file, at once (not
-the coordinator's start timeout)."""
+and 2 (once: the first test resumes it where it was made, the second a copy), then the step-2
+gen-path shard is truncated to half, as a crash or a full disk would leave it. The resumed run
+must say which checkpoint it could not load and which it took, train step 2 again to the same
+metrics as the first time, and finish. With every checkpoint damaged (both shards truncated)
+there is nothing to fall back to: the trainer's start failure is one line naming the newest
+one's file, at once (not the coordinator's start timeout)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,24 @@ OPTIONS = ["schedule.save_every=1", "schedule.eval_every=100", "data.group_size=
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_bagel(tmp_path_factory.mktemp("model"), seed=0)
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A run that trained and saved steps 1 and 2 (``run``, resumed in place by one test: the run
+    state names its checkpoints where they were made) and an untouched copy of it (``pristine``)."""
+
+    run: Path
+    pristine: Path
+
+
+@pytest.fixture(scope="module")
+def saved(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Saved:
+    folder = tmp_path_factory.mktemp("saved")
+    first, _ = train(folder / "run", tiny, 2)
+    assert first.returncode == 0, first.stderr[-2000:]
+    shutil.copytree(folder / "run", folder / "pristine", symlinks=True)
+    return Saved(folder / "run", folder / "pristine")
 
 
 def train(run: Path, tiny: Path, steps: int) -> tuple[subprocess.CompletedProcess[str], float]:
@@ -56,10 +77,8 @@ def lines_of(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line and not line.startswith('{"time"')]
 
 
-def test_a_truncated_latest_checkpoint_falls_back_to_the_previous_one(tiny: Path, tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    first, _ = train(run, tiny, 2)
-    assert first.returncode == 0, first.stderr[-2000:]
+def test_a_truncated_latest_checkpoint_falls_back_to_the_previous_one(tiny: Path, saved: Saved) -> None:
+    run = saved.run
     before = rewards(run)
     shard = truncate_shard(run / "checkpoints" / "step_00000002")
 
@@ -81,13 +100,15 @@ def test_a_truncated_latest_checkpoint_falls_back_to_the_previous_one(tiny: Path
     print(f"fallback: whole resumed run {wall:.1f} s; {fallback}")
 
 
-def test_with_no_intact_checkpoint_the_start_failure_is_one_line_at_once(tiny: Path, tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    first, _ = train(run, tiny, 1)
-    assert first.returncode == 0, first.stderr[-2000:]
-    shard = truncate_shard(run / "checkpoints" / "step_00000001")
+def test_with_no_intact_checkpoint_the_start_failure_is_one_line_at_once(
+    tiny: Path, saved: Saved, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"  # a copy: the trainer loads (and names) the checkpoints of its own run_dir
+    shutil.copytree(saved.pristine, run, symlinks=True)
+    truncate_shard(run / "checkpoints" / "step_00000001")
+    shard = truncate_shard(run / "checkpoints" / "step_00000002")  # the newest: the one named
 
-    resumed, wall = train(run, tiny, 2)
+    resumed, wall = train(run, tiny, 3)
     assert resumed.returncode == 1
     assert "Traceback" not in resumed.stderr
     last = lines_of(resumed.stderr)[-1]

@@ -4,9 +4,11 @@ runs, each read by several tests):
 - ``finished``: 2 steps, the local launcher, the default ``logger.progress_every_s``: a line per
   service as it becomes ready, no within-step notes (its steps are short), an end summary whose
   paths exist and whose commands run, TensorBoard's config text and hparams session;
-- ``stopped``: steps slowed by the load-test scorer (``reward.synthetic_delay_s``) with notes every
-  second, stopped by SIGTERM after step 1: the notes name the samples drawn and scored, and the
-  summary's resume command resumes it.
+- ``stopped``: steps slowed by the load-test scorer (``reward.synthetic_delay_s``: 0.4 s an
+  image, 3.2 s of scoring for a step's 8) with notes every second, stopped by SIGTERM after
+  step 1: the notes name the samples drawn and scored, and the summary's resume command resumes it.
+
+Both draw 2 prompts x 4 samples a step (the demo's 16 a prompt would only make each step cost 4x).
 """
 
 from __future__ import annotations
@@ -31,8 +33,12 @@ from .test_train import CLI, ROOT, finish, wait_for_step
 
 RECIPE = ROOT / "examples" / "tiny_jpeg.yaml"
 SERVICES = ("rollout-0", "reward-0", "trainer")
+# what these tests read is what the run says, not what it learns: 4 samples a prompt (not 16) make
+# its steps a quarter as costly; the scorer's delay keeps a slowed step's scoring at 3.2 s (was
+# 32 images x 0.1 s)
+SMALL = ["data.group_size=4"]
 SLOW = ["reward.scorers=[{name: jpeg_compressibility, weight: 1.0}, {name: synthetic, weight: 0.0}]",
-        "reward.synthetic_delay_s=0.1", "logger.progress_every_s=1"]  # fmt: skip
+        "reward.synthetic_delay_s=0.4", "logger.progress_every_s=1"]  # fmt: skip
 
 
 @dataclass
@@ -67,7 +73,9 @@ def train_args(folder: Path, tiny: Path, *overrides: str) -> list[str]:
 @pytest.fixture(scope="module")
 def finished(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
     folder = tmp_path_factory.mktemp("finished")
-    args = train_args(folder, tiny, "schedule.steps=2", "schedule.save_every=2", "schedule.eval_every=2")
+    args = train_args(
+        folder, tiny, "schedule.steps=2", "schedule.save_every=2", "schedule.eval_every=2", *SMALL
+    )
     done = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
     return Run(folder, args, done.stderr)
@@ -77,7 +85,7 @@ def finished(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
 def stopped(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
     folder = tmp_path_factory.mktemp("stopped")
     args = train_args(
-        folder, tiny, "schedule.steps=3", "schedule.save_every=1", "schedule.eval_every=0", *SLOW
+        folder, tiny, "schedule.steps=3", "schedule.save_every=1", "schedule.eval_every=0", *SMALL, *SLOW
     )
     proc = subprocess.Popen([*CLI, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             cwd=ROOT, start_new_session=True)  # fmt: skip
@@ -154,11 +162,11 @@ def test_tensorboard_shows_the_config_and_the_run_with_its_final_validation(fini
 
 def test_a_slow_step_says_how_far_it_is_at_most_every_progress_every_s(stopped: Run) -> None:
     notes = re.findall(
-        r"^  step (\d)/3 \((\d+) s\): drawn (\d+)/32, scored (\d+)/32(.*)$", stopped.stderr, re.M
+        r"^  step (\d)/3 \((\d+) s\): drawn (\d+)/8, scored (\d+)/8(.*)$", stopped.stderr, re.M
     )
-    assert len(notes) >= 2, stopped.stderr[-3000:]  # scoring 32 images at 0.1 s each takes > 3 s
+    assert len(notes) >= 2, stopped.stderr[-3000:]  # scoring 8 images at 0.4 s each takes > 3 s
     assert {n[0] for n in notes} <= {"1", "2"}
-    assert all(int(drawn) in (0, 32) and 0 <= int(scored) <= int(drawn) for _, _, drawn, scored, _ in notes)
+    assert all(int(drawn) in (0, 8) and 0 <= int(scored) <= int(drawn) for _, _, drawn, scored, _ in notes)
     assert any(int(scored) > 0 for *_, scored, _ in notes)  # seen while it was scoring
     step_1 = [int(seconds) for step, seconds, *_ in notes if step == "1"]
     assert step_1 == sorted(step_1) and len(set(step_1)) == len(step_1)  # one line a second at most

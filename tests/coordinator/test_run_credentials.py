@@ -150,8 +150,12 @@ def test_status_shows_a_live_local_run_with_its_own_token_kept_0600_in_the_run_f
         monkeypatch.delenv(name, raising=False)
     tiny = make_tiny_bagel(tmp_path / "model", seed=0)
     run_dir = tmp_path / "run"
+    # 2 prompts x 4 samples a step: the run must outlast the joined reward's start (from step 1)
+    # and its first scores; on the loaded 2-core machine it was in status 4 s after its start, at
+    # step 2 of 10
     cmd = [*CLI, "train", str(RECIPE), f"run_dir={run_dir}", f"model.checkpoint={tiny}", "schedule.steps=10",
-           "schedule.save_every=3", "schedule.eval_every=0", "launch.launcher=local"]  # fmt: skip
+           "schedule.save_every=3", "schedule.eval_every=0", "data.group_size=4",
+           "launch.launcher=local"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env=no_credentials_env(), start_new_session=True)  # fmt: skip
     joined: subprocess.Popen[bytes] | None = None
@@ -163,6 +167,15 @@ def test_status_shows_a_live_local_run_with_its_own_token_kept_0600_in_the_run_f
         token, secret = credentials["token"], credentials["bus_secret"]
         assert len(token) >= 32 and len(secret) >= 32 and token != secret
         address = json.loads((run_dir / "services" / "coordinator.ready.json").read_text())["grpc_address"]
+        # a replica that joins the run from this host, given only the run folder (started first: its
+        # start overlaps the checks of the live view below)
+        serve = [*CLI, "serve", "reward", "--recipe", str(RECIPE), f"coordinator={address}",
+                 "replica_id=reward-joined", f"run_dir={run_dir}", "log_format=text"]  # fmt: skip
+        log = (tmp_path / "joined.log").open("wb")
+        joined = subprocess.Popen(
+            serve, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=no_credentials_env()
+        )
+        joined_at = time.monotonic()
         # without the token the coordinator answers nothing; status finds it in the run folder
         assert "the live view needs the run's token" in live_status(address)
         shown = status_of(run_dir)
@@ -172,14 +185,9 @@ def test_status_shows_a_live_local_run_with_its_own_token_kept_0600_in_the_run_f
                 replica,
                 shown,
             )
-        # a replica that joins the run from this host, given only the run folder
-        serve = [*CLI, "serve", "reward", "--recipe", str(RECIPE), f"coordinator={address}",
-                 "replica_id=reward-joined", f"run_dir={run_dir}", "log_format=text"]  # fmt: skip
-        log = (tmp_path / "joined.log").open("wb")
-        joined = subprocess.Popen(
-            serve, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=no_credentials_env()
-        )
         wait_until(lambda: "reward-joined" in status_of(run_dir), "the joined reward in status", proc, 120)
+        print(f"the joined reward was in status {time.monotonic() - joined_at:.1f} s after it was started, "
+              f"at step {len(read_metrics(run_dir))} of 10")  # fmt: skip
         stdout, stderr = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:

@@ -41,7 +41,9 @@ RECIPE = Path(__file__).resolve().parents[2] / "examples" / "tiny_jpeg.yaml"
 TOKEN = "operator-token-" + "q" * 28
 BUS_SECRET = "operator-bus-secret-" + "s" * 24
 NULL_GREETING = b"\xff" + b"\0" * 8 + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" * 32  # ZMTP 3.0
-STEPS = ["schedule.steps=5", "schedule.save_every=0", "schedule.eval_every=0"]
+# 2 prompts x 4 samples a step (not x 16): the attack comes after step 1 and took 0.05 s on the loaded
+# 2-core machine; the 4 steps left (~0.5 s each unloaded) are its window. Each step is compared bitwise
+STEPS = ["schedule.steps=5", "schedule.save_every=0", "schedule.eval_every=0", "data.group_size=4"]
 EXACT = (
     "critic/rewards/mean",
     "actor/pg_loss",
@@ -194,7 +196,10 @@ def test_a_run_under_attack_trains_as_an_undisturbed_one(
         monkeypatch.delenv("FLOWGRPO_TOKEN")  # from here on: a stranger
         monkeypatch.delenv("FLOWGRPO_BUS_SECRET")
         planted = tmp_path / "planted"
+        attack_started = time.monotonic()
         results = attack(coordinator, leaked, planted)
+        print(f"the attack took {time.monotonic() - attack_started:.2f} s; it ended after step "
+              f"{len(read_metrics(attacked))} of 5")  # fmt: skip
         _, stderr = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
