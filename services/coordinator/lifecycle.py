@@ -180,7 +180,7 @@ def stop_leftovers(folder: Path, grace_s: float = 10.0) -> list[str]:
     for replica, pid, ticks, record in alive:
         while _running(pid, ticks) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if _running(pid, ticks):
+        if start_ticks(pid) == ticks:  # running, or a zombie whose group may still hold workers
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
         stopped.append(f"{replica} (pid {pid})")
