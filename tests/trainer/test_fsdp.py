@@ -9,10 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
-
 from .fsdp_worker import main as one_process
-from .torchrun import torchrun
+from .torchrun import one_and_two_ranks
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 KINDS = ["lora", "full"]
@@ -20,18 +18,7 @@ KINDS = ["lora", "full"]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every kind trained in turn (a policy of its own each) by the worker in this process (one
-    rank: what a torchrun job of 1 process runs) and by a torchrun job of 2: ``one/<kind>``,
-    ``two/<kind>``."""
-    out = tmp_path_factory.mktemp("fsdp")
-    checkpoint = make_tiny_bagel(out / "tiny", seed=0)
-    threads = torch.get_num_threads()
-    try:
-        one_process(checkpoint, out / "one", KINDS)  # at 1 thread, as each rank
-    finally:
-        torch.set_num_threads(threads)
-    torchrun(2, WORKER, str(checkpoint), str(out / "two"), *KINDS)
-    return out
+    return one_and_two_ranks(tmp_path_factory.mktemp("fsdp"), WORKER, one_process, KINDS)
 
 
 def read(out: Path) -> tuple[dict[str, torch.Tensor], dict[str, float]]:

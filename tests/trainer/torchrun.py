@@ -6,7 +6,12 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
+
+from flowgrpo.models.bagel.checkpoint import make_tiny_bagel
 
 
 def torchrun(nproc: int, script: Path, *args: str, timeout_s: float = 240) -> None:
@@ -24,3 +29,20 @@ def torchrun(nproc: int, script: Path, *args: str, timeout_s: float = 240) -> No
         proc.communicate()
         raise
     assert proc.returncode == 0, stderr[-3000:]
+
+
+def one_and_two_ranks(
+    out: Path, script: Path, one_process: Callable[[Path, Path, list[str]], None], kinds: list[str]
+) -> Path:
+    """Every kind trained in turn (a policy of its own each) by the worker ``script`` in this
+    process (``one_process``: one rank, what a torchrun job of 1 process runs, at 1 thread as each
+    rank) and by a torchrun job of 2, on a tiny BAGEL made in ``out``: ``out/one/<kind>``,
+    ``out/two/<kind>``."""
+    checkpoint = make_tiny_bagel(out / "tiny", seed=0)
+    threads = torch.get_num_threads()
+    try:
+        one_process(checkpoint, out / "one", kinds)
+    finally:
+        torch.set_num_threads(threads)
+    torchrun(2, script, str(checkpoint), str(out / "two"), *kinds)
+    return out
