@@ -9,18 +9,16 @@ on the held-out combinations, draws as recorded: good but imperfect (the issue a
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from flowgrpo.config import load_config
-from flowgrpo.services.cli import main
 from flowgrpo.services.trainer.sft_config import SftConfig
+
+from .inprocess_cli import flowgrpo
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "examples" / "models" / "compose-base"
@@ -34,23 +32,8 @@ def sha256(path: Path) -> str:
 
 
 def cli(*args: str) -> None:
-    """``flowgrpo ARGS`` from the repository root: the CLI's ``main`` in this process (what the
-    command runs, without starting another interpreter: seconds a command), its output kept for
-    a failure's message; what a command changes globally (the generator's state, fp32's TF32
-    switches) put back afterwards."""
-    said = io.StringIO()
-    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    try:
-        with (
-            contextlib.chdir(ROOT),
-            torch.random.fork_rng(devices=[]),
-            contextlib.redirect_stdout(said),
-            contextlib.redirect_stderr(said),
-        ):
-            status = main(["--debug", *args])
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
-    assert status == 0, said.getvalue()[-2000:]
+    """``flowgrpo ARGS`` from the repository root, in this process."""
+    flowgrpo(*args, cwd=ROOT)
 
 
 def test_the_committed_files_are_those_its_provenance_names() -> None:

@@ -11,13 +11,10 @@ CLI's ``main``: in this process for one rank, as a command under torchrun for tw
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -37,9 +34,10 @@ from flowgrpo.models.bagel.checkpoint import (
 )
 from flowgrpo.models.bagel.model import latent_position_ids, patchify
 from flowgrpo.prompts import PromptTokenizer
-from flowgrpo.services import cli
 from flowgrpo.services.trainer.sft import batch_rows, sample_draws
 from flowgrpo.services.trainer.sft_config import SftConfig
+
+from .inprocess_cli import flowgrpo
 
 ROOT = Path(__file__).resolve().parents[2]
 COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (40, 60, 220), "yellow": (230, 220, 40)}
@@ -75,10 +73,7 @@ def sft(root: Path, model: Path, run: str, *options: str, nproc: int = 1) -> lis
     args = ["sft", "/dev/null", f"run_dir={root / run}", f"model={model}", f"data.images={root / 'pairs'}",
             "batch_size=16", "micro_batch_size=8", "log_every=1", "optim.lr=2e-3", *options]  # fmt: skip
     if nproc == 1:
-        said = io.StringIO()  # --debug: a failure's traceback, in the assertion's message
-        with one_thread(), contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
-            status = cli.main(["--debug", *args])
-        assert status == 0, said.getvalue()[-3000:]
+        flowgrpo(*args, threads=1)
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
@@ -88,21 +83,6 @@ def sft(root: Path, model: Path, run: str, *options: str, nproc: int = 1) -> lis
         assert done.returncode == 0, done.stderr[-3000:]
     lines = (root / run / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """One intra-op thread (as the runs' own processes had), and what a run changes (fp32 means
-    no TF32, the global generator's state) put back afterwards: the test process goes on as it was."""
-    threads = torch.get_num_threads()
-    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.set_num_threads(1)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            yield
-    finally:
-        torch.set_num_threads(threads)
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
 def losses(records: list[dict[str, float]]) -> list[float]:
