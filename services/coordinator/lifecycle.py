@@ -130,24 +130,26 @@ def _describe(holder: dict[str, Any]) -> str:
 # --- processes a crashed run left behind ---------------------------------------------------------
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` from field 3 on (after "(comm)"), or None when there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def start_ticks(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), or
     None when it does not exist: with the pid, it names one process, never a later reuse."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])  # the fields after "(comm)" start at field 3
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[19])
 
 
 def _running(pid: int, ticks: int) -> bool:
     """Whether the process ``pid`` started at ``ticks`` still runs: a zombie (exited, not yet
     reaped: its parent does not wait, as a container's init may not) has stopped already."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return fields[0] != "Z" and int(fields[19]) == ticks
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z" and int(fields[19]) == ticks
 
 
 def record_process(folder: Path, replica: str, pid: int) -> None:
